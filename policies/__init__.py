@@ -1,0 +1,1 @@
+"""Decisions: proposers (one file each), acceptance rules, speculation length."""
