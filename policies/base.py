@@ -8,8 +8,8 @@ can roll its own state back (an integer per row, never a recomputation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
@@ -32,7 +32,8 @@ class ProposalRow:
     """One row to draft for.
 
     ``token_ids`` are all committed tokens (prompt + output so far); the last one has
-    been sampled but not yet run through the target.
+    been sampled but not yet run through the target. ``options`` carries the request's
+    method-specific settings (e.g. ``max_matching_ngram_size`` for prompt lookup).
     """
 
     slot: int
@@ -40,6 +41,7 @@ class ProposalRow:
     num_tokens: int
     sampling: SamplingView = SamplingView()
     generator: torch.Generator | None = None
+    options: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

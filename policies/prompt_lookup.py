@@ -125,7 +125,8 @@ class PromptLookupProposer:
             if row.num_tokens == 0:
                 drafts.append([])
                 continue
-            drafts.append(index.propose(row.token_ids, row.num_tokens, self.max_matching_ngram_size))
+            max_ngram = row.options.get("max_matching_ngram_size", self.max_matching_ngram_size)
+            drafts.append(index.propose(row.token_ids, row.num_tokens, max_ngram))
         return Draft.from_lists(drafts)
 
     def commit(self, slots: Sequence[int], num_accepted: Sequence[int]) -> None:

@@ -1,0 +1,74 @@
+"""Engine configuration: plain frozen dataclasses (pydantic lives at the user edge)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from specray.engine.params import SpeculationParams
+
+log = logging.getLogger(__name__)
+
+# Without an explicit max_model_len, contexts are capped here: the KV cache is
+# preallocated for max_num_seqs x context tokens.
+DEFAULT_CONTEXT_CAP = 4096
+
+
+@dataclass(frozen=True)
+class ModelPaths:
+    target: str
+    draft: str | None
+    tokenizer: str | None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Which models, where, and how many sequences at once.
+
+    target/draft/tokenizer: Hugging Face checkpoint directories (or hub ids when online).
+        With no target, the built-in demo pair is used (built on first use, cached).
+    max_num_seqs: rows of the batch (KV cache slots).
+    max_model_len: context per sequence; default min(model max positions, 4096).
+    default_speculation: for requests that do not say.
+    """
+
+    target: str | None = None
+    draft: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    default_speculation: SpeculationParams = field(default_factory=SpeculationParams)
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {self.dtype!r} (e.g. float32, bfloat16, float16)")
+
+    def resolved_paths(self) -> ModelPaths:
+        if self.target is not None:
+            return ModelPaths(self.target, self.draft, self.tokenizer or self.target)
+        from specray.demo import load_or_build_demo_pair
+
+        pair = load_or_build_demo_pair()
+        return ModelPaths(pair.target, self.draft or pair.draft, self.tokenizer or pair.tokenizer)
+
+    def load_model(self, path: str):
+        from specray.engine.runner import load_model
+
+        return load_model(path, self.dtype, self.device)
+
+    def context_length(self, model_config) -> int:
+        cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+        limit = getattr(cfg, "max_position_embeddings", None) or DEFAULT_CONTEXT_CAP
+        if self.max_model_len is None:
+            return min(limit, DEFAULT_CONTEXT_CAP)
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
+        return self.max_model_len

@@ -1,0 +1,57 @@
+"""Speculation metrics, counted as vLLM counts them.
+
+A *draft* is one step in which a proposer offered at least one token for a request;
+*accepted per position* counts, for each draft position i, how often it was accepted;
+the *mean accepted length* is 1 + accepted / drafts (the bonus token included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    target_forward_passes: int = 0
+    num_generated_tokens: int = 0
+
+    def record_draft(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def merge(self, other: "SpecMetrics") -> None:
+        """Add ``other`` into this (totals over requests)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.target_forward_passes += other.target_forward_passes
+        self.num_generated_tokens += other.num_generated_tokens
+        if len(self.accepted_per_pos) < len(other.accepted_per_pos):
+            self.accepted_per_pos.extend([0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos)))
+        for i, n in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[i] += n
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mean_accepted_length"] = self.mean_accepted_length
+        d["acceptance_rate"] = self.acceptance_rate
+        return d

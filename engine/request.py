@@ -1,0 +1,115 @@
+"""A request's state in the engine and the outputs it streams.
+
+Stopping is decided here, token by token, so a step that accepts several tokens stops
+exactly where plain decoding would have: EOS / stop token ids (kept in ``token_ids``),
+``max_tokens``, the context limit, and stop strings (cut from ``text``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from specray.engine.metrics import SpecMetrics
+from specray.engine.params import SamplingParams, SpeculationParams
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for a request (and, once finished, its completion)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated tokens so far
+    new_token_ids: list[int]  # generated in this step
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    metrics: dict
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    speculation: SpeculationParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None = None
+    slot: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    metrics: SpecMetrics = field(default_factory=SpecMetrics)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.sampling.max_tokens - len(self.output_ids)
+
+    def append(self, tokens: Sequence[int], capacity: int, tokenizer) -> list[int]:
+        """Append emitted tokens until a stop condition; return the ones kept."""
+        kept: list[int] = []
+        for tok in tokens:
+            self.output_ids.append(int(tok))
+            kept.append(int(tok))
+            if int(tok) in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= capacity:
+                self.finish_reason = "length"
+            if self.finished:
+                break
+        self.metrics.num_generated_tokens = len(self.output_ids)
+        if tokenizer is not None:
+            kept = self._update_text(kept, tokenizer)
+        return kept
+
+    def _update_text(self, kept: list[int], tokenizer) -> list[int]:
+        before = len(self.text)
+        text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        stops = self.sampling.stop
+        if stops:
+            longest = max(len(s) for s in stops)
+            start = max(0, before - longest + 1)
+            hits = [(text.find(s, start), s) for s in stops]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                cut, stop = min(hits)
+                # Keep the fewest tokens whose text reaches the stop string.
+                first_new = len(self.output_ids) - len(kept)
+                for n in range(first_new + 1, len(self.output_ids) + 1):
+                    if stop in tokenizer.decode(self.output_ids[:n], skip_special_tokens=True)[start:]:
+                        break
+                dropped = len(self.output_ids) - n
+                del self.output_ids[n:]
+                kept = kept[: len(kept) - dropped]
+                self.metrics.num_generated_tokens = len(self.output_ids)
+                self.finish_reason = "stop"
+                text = text[:cut]
+        self.text = text
+        return kept
+
+    def output(self, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_ids,
+            token_ids=list(self.output_ids),
+            new_token_ids=new_tokens,
+            text=self.text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            metrics=self.metrics.to_dict(),
+        )

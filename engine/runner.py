@@ -1,0 +1,149 @@
+"""ModelRunner: any ``AutoModelForCausalLM`` over a slot-indexed KV cache.
+
+One ``forward`` serves prefill, decode and verification: each row appends its own
+number of new tokens after its own cached length. Rollback is ``set_length`` — the
+rejected slots are overwritten by later writes, nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from specray.kernels import attention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    """logits: [B, m, V] float32 at the requested positions; hidden: [B, m, H] (final norm)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class ModelRunner:
+    """Owns a causal LM and its KV cache of ``num_slots`` rows x ``capacity`` tokens.
+
+    >>> runner = ModelRunner(model, num_slots=4, capacity=512)   # doctest: +SKIP
+    >>> out = runner.forward([0, 1], [[5, 6, 7], [8]])           # two prompts
+    >>> runner.set_length(0, 2)                                   # roll row 0 back
+    """
+
+    def __init__(self, model, num_slots: int, capacity: int):
+        if num_slots < 1 or capacity < 2:
+            raise ValueError(f"need num_slots >= 1 and capacity >= 2, got {num_slots}, {capacity}")
+        model.set_attn_implementation(attention.register())
+        model.eval()
+        self.model = model
+        self.config = model.config
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.num_slots = num_slots
+        self.capacity = capacity
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        head_dim = getattr(text_config, "head_dim", None) or (
+            text_config.hidden_size // text_config.num_attention_heads
+        )
+        kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        shape = (num_slots, kv_heads, capacity + 1, head_dim)  # +1: scratch position
+        layers = text_config.num_hidden_layers
+        self.cache = attention.LayerCache(
+            keys=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
+            values=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
+        )
+        self.lengths = [0] * num_slots  # cached tokens per slot (host-side ints)
+        self.softcap = getattr(text_config, "final_logit_softcapping", None)
+        self.vocab_size = self.lm_head.weight.shape[0]
+
+    # -- lengths (rollback is an integer) --------------------------------------------
+    def set_length(self, slot: int, length: int) -> None:
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"slot {slot}: length {length} outside [0, {self.capacity}]")
+        self.lengths[slot] = length
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def room(self, slot: int) -> int:
+        """How many more tokens slot can take."""
+        return self.capacity - self.lengths[slot]
+
+    # -- forward -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(
+        self,
+        slots: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        logits_at: torch.Tensor | None = None,
+    ) -> ForwardOutput:
+        """Append ``tokens[i]`` to ``slots[i]``'s cache and run the model.
+
+        logits_at: [B, m] int64 indices into each row's new tokens (clamped to the row);
+                   None = the last new token of each row (m = 1).
+        Lengths advance by len(tokens[i]); callers roll back with ``set_length``.
+        """
+        batch = len(slots)
+        q_lens = [len(t) for t in tokens]
+        q = max(q_lens)
+        if min(q_lens) < 1:
+            raise ValueError("every row needs at least one new token")
+        lengths = [self.lengths[s] for s in slots]
+        for s, n, L in zip(slots, q_lens, lengths):
+            if L + n > self.capacity:
+                raise ValueError(f"slot {s}: {L} cached + {n} new tokens exceeds capacity {self.capacity}")
+
+        ids = torch.zeros(batch, q, dtype=torch.long)
+        for i, t in enumerate(tokens):
+            ids[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+        lens_t = torch.tensor(lengths, dtype=torch.long)
+        q_t = torch.tensor(q_lens, dtype=torch.long)
+        offs = torch.arange(q, dtype=torch.long)
+        valid = offs[None, :] < q_t[:, None]  # [B, q]
+        positions = lens_t[:, None] + offs[None, :]
+        write_pos = torch.where(valid, positions, torch.full_like(positions, self.cache.scratch))
+        # Padding tokens take the row's last valid position id (RoPE stays in range).
+        pos_ids = torch.minimum(positions, (lens_t + q_t - 1)[:, None])
+        kv_len = int((lens_t + q_t).max())
+        rows = None if list(slots) == list(range(batch)) else torch.tensor(list(slots), dtype=torch.long)
+        batch_ctx = attention.AttentionBatch(
+            cache=self.cache,
+            rows=None if rows is None else rows.to(self.device),
+            write_pos=write_pos.to(self.device),
+            kv_len=kv_len,
+            mask=attention.causal_batch_mask(lens_t, q, kv_len, self.dtype).to(self.device),
+        )
+        hidden = self.decoder(
+            input_ids=ids.to(self.device),
+            position_ids=pos_ids.to(self.device),
+            use_cache=False,
+            specray_batch=batch_ctx,
+        ).last_hidden_state  # [B, q, H]
+        for s, n in zip(slots, q_lens):
+            self.lengths[s] += n
+
+        if logits_at is None:
+            logits_at = (q_t - 1)[:, None]
+        idx = torch.minimum(logits_at, (q_t - 1)[:, None]).to(self.device)  # [B, m]
+        picked = hidden.gather(1, idx[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, m, H]
+        logits = self.lm_head(picked).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return ForwardOutput(logits=logits, hidden=picked)
+
+
+def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+    """Load a Hugging Face causal LM checkpoint directory (or hub id, if online)."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch_dtype, attn_implementation=attention.register()
+    )
+    return model.to(device)

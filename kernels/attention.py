@@ -1,0 +1,122 @@
+"""Attention over a slot-indexed KV cache with per-row lengths.
+
+specray registers :func:`cached_attention` with transformers' ``AttentionInterface``
+under the name ``"specray"``. The model computes q/k/v (with RoPE at the positions we
+pass) for the *new* tokens only; this function writes the new keys/values into the
+cache at each row's own offset, then attends over ``[cached prefix | new tokens]`` with
+one additive mask built once per forward (see :class:`AttentionBatch`). Prefill, decode,
+linear-draft verification and (later) tree verification differ only in that mask.
+
+CPU: ``torch.nn.functional.scaled_dot_product_attention`` with the materialized mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "specray"
+
+
+@dataclass
+class LayerCache:
+    """K/V buffers of every layer: [num_slots, H_kv, capacity + 1, D] each.
+
+    The last position of each row is scratch: writes of padding tokens go there, so a
+    padded row can never overwrite a valid key of its own.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def scratch(self) -> int:
+        return self.keys[0].shape[2] - 1
+
+
+@dataclass
+class AttentionBatch:
+    """Everything one forward's attention layers share (built once, read per layer).
+
+    rows:      [B] int64 slot ids, or None when the batch is slots 0..B-1 (a view)
+    write_pos: [B, q] int64 cache positions of the new tokens (padding -> scratch)
+    kv_len:    keys attended to per row (max over rows of length + new tokens)
+    mask:      [B, 1, q, kv_len] additive float mask (0 attend, finfo.min masked)
+    """
+
+    cache: LayerCache
+    rows: torch.Tensor | None
+    write_pos: torch.Tensor
+    kv_len: int
+    mask: torch.Tensor
+
+    def update_and_read(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        """Write this forward's key/value [B, H_kv, q, D]; return cached [B, H_kv, kv_len, D]."""
+        k_buf, v_buf = self.cache.keys[layer], self.cache.values[layer]
+        batch = key.shape[0]
+        rows = self.rows if self.rows is not None else torch.arange(batch, device=key.device)
+        # Advanced indices (rows, positions) around a slice put their dims first:
+        # buf[rows[:, None], :, pos] has shape [B, q, H_kv, D].
+        k_buf[rows[:, None], :, self.write_pos] = key.transpose(1, 2)
+        v_buf[rows[:, None], :, self.write_pos] = value.transpose(1, 2)
+        if self.rows is None:
+            return k_buf[:batch, :, : self.kv_len], v_buf[:batch, :, : self.kv_len]
+        return k_buf[self.rows, :, : self.kv_len], v_buf[self.rows, :, : self.kv_len]
+
+
+def causal_batch_mask(
+    lengths: torch.Tensor, query_len: int, kv_len: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive mask for new tokens appended after each row's cached prefix.
+
+    lengths: [B] cached tokens per row before this forward
+    returns: [B, 1, query_len, kv_len]; query j of row r sees keys < lengths[r] + j + 1.
+    Padding queries see the same pattern (finite garbage, never read back).
+    """
+    limit = lengths[:, None] + torch.arange(1, query_len + 1, device=lengths.device)  # [B, q]
+    keys = torch.arange(kv_len, device=lengths.device)
+    allowed = keys[None, None, :] < limit[:, :, None]  # [B, q, kv_len]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=lengths.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def cached_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: query [B, H, q, D], key/value [B, H_kv, q, D].
+
+    Returns (out [B, q, H, D], None). ``attention_mask`` from transformers is ignored:
+    the mask comes with the ``specray_batch`` kwarg.
+    """
+    batch: AttentionBatch | None = kwargs.get("specray_batch")
+    if batch is None:
+        raise RuntimeError(
+            "the 'specray' attention implementation needs a specray_batch; "
+            "run the model through specray.engine.runner.ModelRunner"
+        )
+    keys, values = batch.update_and_read(module.layer_idx, key, value)
+    out = F.scaled_dot_product_attention(
+        query,
+        keys,
+        values,
+        attn_mask=batch.mask,
+        scale=scaling,
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    """specray builds its own masks (AttentionBatch.mask); transformers' is not needed."""
+    return None
+
+
+def register() -> str:
+    """Register the attention (and a no-op mask) function with transformers; idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, cached_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    return ATTENTION_NAME

@@ -1,0 +1,124 @@
+"""Draft-model proposer: a small causal LM guesses k tokens autoregressively.
+
+It owns its own runner and KV cache (same slots as the target). Its cache holds a
+prefix of each row's committed tokens; ``propose`` first feeds whatever is pending,
+then samples k tokens, feeding k-1 of them back. After verification ``commit`` rolls
+the cache back to the longest prefix that is still committed:
+
+    committed before:  t_0 .. t_{L-1}                 (L = base)
+    draft cache after: t_0 .. t_{L-1} d_1 .. d_{k-1}
+    committed after:   t_0 .. t_{L-1} d_1 .. d_n b    -> keep L + min(n, k-1)
+
+Greedy rows propose the argmax (no probabilities needed: token match); sampled rows
+sample from the draft's own processed distribution q and return it for the rejection
+sampler.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+from specray.kernels.sampling import probs_from_logits, sample
+from specray.policies.base import Draft, ProposalRow, register_proposer
+
+# Rows with more pending tokens than this catch up in a forward of their own, so one
+# freshly admitted long prompt doesn't pad every other row of the first draft forward.
+CATCH_UP_THRESHOLD = 4
+
+
+class Runner(Protocol):
+    """What the proposer needs of ``specray.engine.runner.ModelRunner``."""
+
+    lengths: list[int]
+    vocab_size: int
+
+    def forward(self, slots, tokens, logits_at=None): ...
+
+    def set_length(self, slot: int, length: int) -> None: ...
+
+    def reset(self, slot: int) -> None: ...
+
+
+@register_proposer("draft")
+class DraftModelProposer:
+    def __init__(self, draft_runner: Runner, vocab_size: int | None = None, **_ignored):
+        self.runner = draft_runner
+        # Rejection sampling needs q over the target's vocabulary; a draft with a padded
+        # or shorter head is cut or zero-padded to it.
+        self.vocab_size = vocab_size or draft_runner.vocab_size
+        self._base: dict[int, int] = {}
+        self._k: dict[int, int] = {}
+
+    def propose(self, rows: Sequence[ProposalRow]) -> Draft:
+        if not rows:
+            return Draft.empty(0)
+        runner = self.runner
+        slots = [r.slot for r in rows]
+        pending = []
+        for r in rows:
+            if runner.lengths[r.slot] >= len(r.token_ids):  # stale slot (reused): start over
+                runner.reset(r.slot)
+            pending.append(list(r.token_ids[runner.lengths[r.slot] :]))
+        behind = [i for i, p in enumerate(pending) if len(p) > CATCH_UP_THRESHOLD]
+        if behind:
+            runner.forward([slots[i] for i in behind], [pending[i][:-1] for i in behind])
+            for i in behind:
+                pending[i] = pending[i][-1:]
+
+        k_max = max(r.num_tokens for r in rows)
+        tokens = torch.zeros(len(rows), k_max, dtype=torch.long)
+        sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
+        probs = torch.zeros(len(rows), k_max, self.vocab_size) if sampled else None
+        if sampled:
+            params = [rows[i].sampling for i in sampled]
+            temperature = torch.tensor([p.temperature for p in params])
+            top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+            top_p = torch.tensor([p.top_p for p in params])
+            generators = [rows[i].generator for i in sampled]
+
+        active = list(range(len(rows)))
+        feed = pending
+        for j in range(k_max):
+            logits = runner.forward([slots[i] for i in active], feed).logits[:, 0]  # [b, V]
+            logits = self._fit_vocab(logits)
+            picked = logits.argmax(dim=-1)
+            pos = {i: n for n, i in enumerate(active)}
+            sub = [i for i in sampled if i in pos]
+            if sub:
+                at = torch.tensor([pos[i] for i in sub])
+                sel = torch.tensor([sampled.index(i) for i in sub])
+                q = probs_from_logits(logits[at], temperature[sel], top_k[sel], top_p[sel])
+                picked[at] = sample(q, [generators[s] for s in sel.tolist()])
+                probs[torch.tensor(sub), j] = q
+            tokens[torch.tensor(active), j] = picked.cpu()
+            # Keep going for rows that want more tokens; the last token is not fed.
+            active = [i for i in active if rows[i].num_tokens > j + 1]
+            feed = [[int(tokens[i, j])] for i in active]
+            if not active:
+                break
+
+        for r in rows:
+            self._base[r.slot] = len(r.token_ids)
+            self._k[r.slot] = r.num_tokens
+        lengths = torch.tensor([r.num_tokens for r in rows], dtype=torch.long)
+        return Draft(tokens=tokens, lengths=lengths, probs=probs)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [b, V_draft] -> [b, V]
+        v = logits.shape[-1]
+        if v == self.vocab_size:
+            return logits
+        if v > self.vocab_size:
+            return logits[:, : self.vocab_size]
+        pad = torch.full((logits.shape[0], self.vocab_size - v), float("-inf"), device=logits.device)
+        return torch.cat([logits, pad], dim=-1)
+
+    def commit(self, slots: Sequence[int], num_accepted: Sequence[int]) -> None:
+        for slot, n in zip(slots, num_accepted):
+            self.runner.set_length(slot, self._base[slot] + min(int(n), self._k[slot] - 1))
+
+    def release(self, slot: int) -> None:
+        self.runner.reset(slot)
+        self._base.pop(slot, None)
+        self._k.pop(slot, None)
