@@ -1,0 +1,114 @@
+"""The ``specray`` command.
+
+    specray demo-models                       # build or find the demo pair, print JSON
+    specray generate --prompt "def fib(n):" --method draft --num-speculative-tokens 4
+    specray bench                             # speed table + plot on the demo pair
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+log = logging.getLogger("specray")
+
+
+def _demo_models(args) -> int:
+    from specray.demo import load_or_build_demo_pair
+
+    pair = load_or_build_demo_pair(cache_dir=args.cache_dir, seed=args.seed, force=args.force)
+    print(pair.to_json())
+    return 0
+
+
+def _generate(args) -> int:
+    from specray.engine.config import EngineConfig
+    from specray.engine.engine import LLMEngine
+    from specray.engine.params import SamplingParams, SpeculationParams
+
+    if args.draft and not args.target:
+        raise SystemExit("--draft needs --target (without both, the demo pair is used)")
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or [],
+    )
+    speculation = SpeculationParams(
+        method=args.method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_matching_ngram_size=args.max_matching_ngram_size,
+    )
+    engine = LLMEngine(EngineConfig(target=args.target, draft=args.draft, max_num_seqs=1, device=args.device))
+    out = engine.generate([args.prompt], sampling, speculation)[0]
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                          "metrics": out.metrics}))
+    else:
+        print(args.prompt + out.text)
+        m = out.metrics
+        print(
+            f"\n[{len(out.token_ids)} tokens, finish={out.finish_reason}, method={args.method}, "
+            f"mean accepted length {m['mean_accepted_length']:.2f}, "
+            f"target forwards {m['target_forward_passes']}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _bench(args) -> int:
+    from specray.bench.speed import main as bench_main
+
+    return bench_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specray", description="Speculative decoding on Ray.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo-models", help="build (or find cached) the demo target/draft pair; print JSON paths")
+    p.add_argument("--cache-dir", default=None, help="default: $SPECRAY_CACHE or ~/.cache/specray")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.set_defaults(func=_demo_models)
+
+    p = sub.add_parser("generate", help="generate one completion")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--method", default="draft", help="none | draft | ngram (default: draft)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--max-matching-ngram-size", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--target", default=None, help="target checkpoint dir (default: demo pair)")
+    p.add_argument("--draft", default=None, help="draft checkpoint dir")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print text, token_ids and metrics as JSON")
+    p.set_defaults(func=_generate)
+
+    p = sub.add_parser("bench", help="speed benchmark on the demo pair (see specray.bench.speed --help)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad parameters: a clear message, not a traceback
+        print(f"specray: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Shared fixtures: tiny random models (fast, no training) and the demo pair (slow)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Small models on 2 shared cores: one thread is faster and far less noisy.
+torch.set_num_threads(1)
+
+
+def tiny_llama(vocab: int = 64, layers: int = 2, seed: int = 0, init: float = 0.3, kv_heads: int = 2):
+    """A random LlamaForCausalLM; a large init keeps argmax margins far above float noise."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        initializer_range=init,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_pair():
+    """(target, draft): a 2-layer target and a 1-layer draft sharing a 64-token vocab."""
+    return tiny_llama(layers=2, seed=0), tiny_llama(layers=1, seed=1)
+
+
+@pytest.fixture()
+def make_engine(tiny_pair):
+    """Build an LLMEngine around copies of the tiny pair."""
+    from specray.engine.config import EngineConfig
+    from specray.engine.engine import LLMEngine
+
+    def make(max_num_seqs: int = 4, draft=True, **kw):
+        target, d = tiny_pair
+        return LLMEngine(
+            EngineConfig(target="<in-memory>", max_num_seqs=max_num_seqs, **kw),
+            target_model=copy.deepcopy(target),
+            draft_model=copy.deepcopy(d) if draft else None,
+        )
+
+    return make
+
+
+def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
+    """The reference: HF generate, greedy, batch 1."""
+    out = model.generate(
+        torch.tensor([list(prompt_ids)]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(scope="session")
+def demo_pair():
+    from specray.demo import load_or_build_demo_pair
+
+    return load_or_build_demo_pair()
+
+
+@pytest.fixture(scope="session")
+def demo_models(demo_pair):
+    """(target, draft, tokenizer) loaded once per session."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(demo_pair.target).eval()
+    draft = AutoModelForCausalLM.from_pretrained(demo_pair.draft).eval()
+    tok = AutoTokenizer.from_pretrained(demo_pair.tokenizer)
+    return target, draft, tok
+
+
+@pytest.fixture()
+def demo_engine(demo_models):
+    from specray.engine.config import EngineConfig
+    from specray.engine.engine import LLMEngine
+
+    def make(max_num_seqs: int = 4, **kw):
+        target, draft, tok = demo_models
+        return LLMEngine(
+            EngineConfig(target="<in-memory>", max_num_seqs=max_num_seqs, **kw),
+            target_model=copy.deepcopy(target),
+            draft_model=copy.deepcopy(draft),
+            tokenizer=tok,
+        )
+
+    return make
