@@ -28,8 +28,11 @@ def _generate(args) -> int:
     from specray.engine.engine import LLMEngine
     from specray.engine.params import SamplingParams, SpeculationParams
 
+    from specray.engine.engine import check_method_name
+
     if args.draft and not args.target:
         raise SystemExit("--draft needs --target (without both, the demo pair is used)")
+    check_method_name(args.method)  # fail before loading any model
     sampling = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

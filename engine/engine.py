@@ -104,10 +104,7 @@ class LLMEngine:
         return request_id
 
     def check_method(self, method: str) -> None:
-        if method == PLAIN:
-            return
-        if method not in registered_methods():
-            raise ValueError(f"unknown speculation method {method!r}; known: {[PLAIN] + registered_methods()}")
+        check_method_name(method)
         if method == "draft" and self.draft_model is None:
             raise ValueError("method 'draft' needs a draft model (EngineConfig.draft)")
 
@@ -296,6 +293,12 @@ class LLMEngine:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+def check_method_name(method: str) -> None:
+    """Raise ValueError unless ``method`` is 'none' or a registered proposer."""
+    if method != PLAIN and method not in registered_methods():
+        raise ValueError(f"unknown speculation method {method!r}; known: {[PLAIN] + registered_methods()}")
 
 
 def _per_prompt(value, n: int) -> list:

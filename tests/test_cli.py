@@ -1,0 +1,42 @@
+"""The specray command: generate on the demo pair, and clear errors for bad input."""
+
+import json
+
+import pytest
+
+from specray.cluster.cli import main
+
+
+@pytest.mark.slow
+def test_generate_json(demo_pair, capsys):
+    code = main(["generate", "--prompt", "def fibonacci(n):", "--method", "draft", "--num-speculative-tokens", "3",
+                 "--max-tokens", "12", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 12 or out["finish_reason"] == "stop"
+    assert isinstance(out["text"], str) and out["metrics"]["target_forward_passes"] >= 2
+
+
+@pytest.mark.slow
+def test_demo_models_prints_paths(demo_pair, capsys):
+    assert main(["demo-models"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {"target", "draft", "tokenizer"} <= set(out)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-tokens", "-3"], "max_tokens"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--num-speculative-tokens", "0"], "num_speculative_tokens"),
+    ],
+)
+def test_bad_parameters_exit_2(args, message, capsys):
+    assert main(["generate", "--prompt", "x", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_method_exits_2(capsys):
+    assert main(["generate", "--prompt", "x", "--method", "bogus"]) == 2
+    assert "unknown speculation method" in capsys.readouterr().err
