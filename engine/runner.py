@@ -17,6 +17,11 @@ from specray.kernels import attention
 
 log = logging.getLogger(__name__)
 
+# Decoders whose forward is embed -> rotary -> layers -> norm and nothing else (no
+# embedding scale, no per-layer mask types), so the runner may loop over the layers
+# itself. Anything else goes through the model's own forward.
+DIRECT_LAYER_LOOP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
 
 @dataclass(frozen=True)
 class ForwardOutput:
@@ -61,6 +66,9 @@ class ModelRunner:
         self.lengths = [0] * num_slots  # cached tokens per slot (host-side ints)
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
         self.vocab_size = self.lm_head.weight.shape[0]
+        self._direct = text_config.model_type in DIRECT_LAYER_LOOP and all(
+            hasattr(self.decoder, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")
+        )
 
     # -- lengths (rollback is an integer) --------------------------------------------
     def set_length(self, slot: int, length: int) -> None:
@@ -98,44 +106,68 @@ class ModelRunner:
         for s, n, L in zip(slots, q_lens, lengths):
             if L + n > self.capacity:
                 raise ValueError(f"slot {s}: {L} cached + {n} new tokens exceeds capacity {self.capacity}")
-
-        ids = torch.zeros(batch, q, dtype=torch.long)
-        for i, t in enumerate(tokens):
-            ids[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
-        lens_t = torch.tensor(lengths, dtype=torch.long)
-        q_t = torch.tensor(q_lens, dtype=torch.long)
-        offs = torch.arange(q, dtype=torch.long)
-        valid = offs[None, :] < q_t[:, None]  # [B, q]
-        positions = lens_t[:, None] + offs[None, :]
-        write_pos = torch.where(valid, positions, torch.full_like(positions, self.cache.scratch))
-        # Padding tokens take the row's last valid position id (RoPE stays in range).
-        pos_ids = torch.minimum(positions, (lens_t + q_t - 1)[:, None])
-        kv_len = int((lens_t + q_t).max())
-        rows = None if list(slots) == list(range(batch)) else torch.tensor(list(slots), dtype=torch.long)
-        batch_ctx = attention.AttentionBatch(
-            cache=self.cache,
-            rows=None if rows is None else rows.to(self.device),
-            write_pos=write_pos.to(self.device),
-            kv_len=kv_len,
-            mask=attention.causal_batch_mask(lens_t, q, kv_len, self.dtype).to(self.device),
-        )
-        hidden = self.decoder(
-            input_ids=ids.to(self.device),
-            position_ids=pos_ids.to(self.device),
-            use_cache=False,
-            specray_batch=batch_ctx,
-        ).last_hidden_state  # [B, q, H]
+        ctx, ids, pos_ids = self._batch(slots, tokens, q_lens, q, lengths)
+        hidden = self._run_decoder(ids, pos_ids, ctx)  # [B, q, H]
         for s, n in zip(slots, q_lens):
             self.lengths[s] += n
 
-        if logits_at is None:
-            logits_at = (q_t - 1)[:, None]
-        idx = torch.minimum(logits_at, (q_t - 1)[:, None]).to(self.device)  # [B, m]
+        last = torch.tensor(q_lens, dtype=torch.long)[:, None] - 1  # [B, 1]
+        idx = last if logits_at is None else torch.minimum(logits_at, last)  # [B, m]
+        idx = idx.to(self.device)
         picked = hidden.gather(1, idx[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, m, H]
         logits = self.lm_head(picked).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return ForwardOutput(logits=logits, hidden=picked)
+
+    def _batch(self, slots, tokens, q_lens, q, lengths):
+        """Attention context, input ids [B, q] and position ids [B, q] for one forward."""
+        batch = len(slots)
+        uniform = min(q_lens) == q
+        lens_t = torch.tensor(lengths, dtype=torch.long)
+        positions = lens_t[:, None] + torch.arange(q, dtype=torch.long)  # [B, q]
+        if uniform:  # the common decode/verify case: no padding
+            ids = torch.tensor(tokens, dtype=torch.long)
+            write_pos = pos_ids = positions
+        else:
+            ids = torch.zeros(batch, q, dtype=torch.long)
+            for i, t in enumerate(tokens):
+                ids[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+            q_t = torch.tensor(q_lens, dtype=torch.long)
+            valid = torch.arange(q)[None, :] < q_t[:, None]  # [B, q]
+            # Padding writes go to the scratch slot and take the row's last position id.
+            write_pos = torch.where(valid, positions, torch.full_like(positions, self.cache.scratch))
+            pos_ids = torch.minimum(positions, (lens_t + q_t - 1)[:, None])
+        kv_len = max(L + n for L, n in zip(lengths, q_lens))
+        if q == 1 and min(lengths) == max(lengths):
+            mask = None  # every row sees all kv_len keys
+        else:
+            mask = attention.causal_batch_mask(lens_t, q, kv_len, self.dtype).to(self.device)
+        ctx = attention.AttentionBatch(
+            cache=self.cache,
+            rows=torch.tensor(list(slots), dtype=torch.long, device=self.device),
+            contiguous=list(slots) == list(range(batch)),
+            write_pos=write_pos.to(self.device),
+            kv_len=kv_len,
+            mask=mask,
+        )
+        return ctx, ids.to(self.device), pos_ids.to(self.device)
+
+    def _run_decoder(self, ids, pos_ids, ctx) -> torch.Tensor:
+        """Final-norm hidden states [B, q, H].
+
+        For architectures whose decoder forward is exactly embed -> rotary -> layers ->
+        norm, the layers are called directly: transformers' wrapper (mask creation,
+        output capturing) costs as much as a layer of these small models per step.
+        """
+        if not self._direct:
+            return self.decoder(input_ids=ids, position_ids=pos_ids, use_cache=False, specray_batch=ctx).last_hidden_state
+        dec = self.decoder
+        hidden = dec.embed_tokens(ids)
+        rope = dec.rotary_emb(hidden, position_ids=pos_ids)
+        for layer in dec.layers:
+            hidden = layer(hidden, attention_mask=None, position_embeddings=rope, position_ids=pos_ids, specray_batch=ctx)
+        return dec.norm(hidden)
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):

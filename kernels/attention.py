@@ -40,28 +40,30 @@ class LayerCache:
 class AttentionBatch:
     """Everything one forward's attention layers share (built once, read per layer).
 
-    rows:      [B] int64 slot ids, or None when the batch is slots 0..B-1 (a view)
-    write_pos: [B, q] int64 cache positions of the new tokens (padding -> scratch)
-    kv_len:    keys attended to per row (max over rows of length + new tokens)
-    mask:      [B, 1, q, kv_len] additive float mask (0 attend, finfo.min masked)
+    rows:       [B] int64 slot ids
+    contiguous: rows are 0..B-1, so reads are views instead of gathers
+    write_pos:  [B, q] int64 cache positions of the new tokens (padding -> scratch)
+    kv_len:     keys attended to per row (max over rows of length + new tokens)
+    mask:       [B, 1, q, kv_len] additive float mask (0 attend, finfo.min masked), or
+                None when every row attends to all kv_len keys
     """
 
     cache: LayerCache
-    rows: torch.Tensor | None
+    rows: torch.Tensor
+    contiguous: bool
     write_pos: torch.Tensor
     kv_len: int
-    mask: torch.Tensor
+    mask: torch.Tensor | None
 
     def update_and_read(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Write this forward's key/value [B, H_kv, q, D]; return cached [B, H_kv, kv_len, D]."""
         k_buf, v_buf = self.cache.keys[layer], self.cache.values[layer]
-        batch = key.shape[0]
-        rows = self.rows if self.rows is not None else torch.arange(batch, device=key.device)
         # Advanced indices (rows, positions) around a slice put their dims first:
         # buf[rows[:, None], :, pos] has shape [B, q, H_kv, D].
-        k_buf[rows[:, None], :, self.write_pos] = key.transpose(1, 2)
-        v_buf[rows[:, None], :, self.write_pos] = value.transpose(1, 2)
-        if self.rows is None:
+        k_buf[self.rows[:, None], :, self.write_pos] = key.transpose(1, 2)
+        v_buf[self.rows[:, None], :, self.write_pos] = value.transpose(1, 2)
+        if self.contiguous:
+            batch = key.shape[0]
             return k_buf[:batch, :, : self.kv_len], v_buf[:batch, :, : self.kv_len]
         return k_buf[self.rows, :, : self.kv_len], v_buf[self.rows, :, : self.kv_len]
 
