@@ -8,35 +8,29 @@
 
 Each ``step`` admits waiting requests (a batched prefill that samples their first
 token), then runs one speculative step over the running batch:
-propose -> verify -> accept -> commit (see ``_speculate``). Requests join and leave
+propose -> verify -> accept -> commit (``_speculate``; the pieces are in
+``specray.engine.step`` and shared with the Ray coordinator). Requests join and leave
 between steps; a row's tokens never depend on the other rows.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-from collections import deque
 from typing import Iterable, Sequence
 
-import torch
-
+from specray.engine import step as S
 from specray.engine.config import EngineConfig
-from specray.engine.metrics import SpecMetrics
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
-from specray.engine.verify import accept, sampling_tensors
-from specray.kernels.sampling import probs_from_logits, sample
-from specray.policies.base import Draft, ProposalRow, SamplingView, proposer_factory, registered_methods
+from specray.engine.scheduler import ModelLimits, Scheduler, check_method_name  # noqa: F401
+from specray.policies.base import proposer_factory
 
 # Importing the proposer modules registers them by name.
 from specray.policies import draft_model as _draft_model  # noqa: F401
 from specray.policies import prompt_lookup as _prompt_lookup  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-PLAIN = "none"
 
 
 class LLMEngine:
@@ -57,13 +51,14 @@ class LLMEngine:
         self.capacity = config.context_length(target_model.config)
         self.target = ModelRunner(target_model, config.max_num_seqs, self.capacity)
         self.draft_model = draft_model
-        self.eos_ids = _eos_ids(target_model, tokenizer)
+        self.limits = ModelLimits(
+            capacity=self.capacity,
+            vocab_size=self.target.vocab_size,
+            eos_ids=eos_ids(target_model, tokenizer),
+            has_draft=draft_model is not None,
+        )
+        self.scheduler = Scheduler(config.max_num_seqs, self.limits, tokenizer, config.default_speculation)
         self._proposers: dict[str, object] = {}
-        self._free_slots = list(range(config.max_num_seqs))
-        self.waiting: deque[Request] = deque()
-        self.running: dict[int, Request] = {}  # slot -> request
-        self._ids = itertools.count()
-        self.totals = SpecMetrics()
 
     # -- requests ----------------------------------------------------------------------
     def add_request(
@@ -74,188 +69,69 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); returns its request id."""
-        sampling = sampling or SamplingParams()
-        speculation = speculation or self.config.default_speculation
-        self.check_method(speculation.method)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            prompt_ids = [int(t) for t in prompt]
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.capacity:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the model's context is {self.capacity} "
-                "tokens and generation needs at least one more"
-            )
-        vocab = self.target.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        generator = None
-        if sampling.seed is not None:
-            generator = torch.Generator(device=self.target.device).manual_seed(sampling.seed)
-        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.eos_ids)
-        self.waiting.append(
-            Request(request_id, prompt_ids, sampling, speculation, stop_ids, generator=generator)
-        )
-        return request_id
-
-    def check_method(self, method: str) -> None:
-        check_method_name(method)
-        if method == "draft" and self.draft_model is None:
-            raise ValueError("method 'draft' needs a draft model (EngineConfig.draft)")
+        return self.scheduler.add(self.scheduler.make_request(prompt, sampling, speculation, request_id))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its last output (finish_reason 'abort') if it existed."""
-        for req in list(self.waiting):
-            if req.request_id == request_id:
-                self.waiting.remove(req)
-                req.finish_reason = "abort"
-                return req.output([])
-        for req in list(self.running.values()):
-            if req.request_id == request_id:
-                req.finish_reason = "abort"
-                self._release(req)
-                return req.output([])
-        return None
+        req = self.scheduler.find(request_id)
+        if req is None:
+            return None
+        if req.slot < 0:
+            return self.scheduler.abort_waiting(req)
+        req.finish_reason = "abort"
+        self._release(req)
+        return req.output([])
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_unfinished()
 
     @property
-    def num_running(self) -> int:
-        return len(self.running)
+    def totals(self):
+        """Metrics summed over finished requests."""
+        return self.scheduler.totals
 
     # -- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, then one speculative step; outputs of rows that moved."""
-        outputs = self._admit()
-        fresh = {o.request_id for o in outputs}
-        batch = [r for r in self.running.values() if r.request_id not in fresh]
+        joining = self.scheduler.admit()
+        outputs = self._prefill(joining) if joining else []
+        fresh = {r.request_id for r in joining}
+        batch = [r for r in self.scheduler.running.values() if r.request_id not in fresh]
         if batch:
             outputs += self._speculate(batch)
         return outputs
 
     def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
-        draft, has_probs = self._propose(batch)
-        verify_tokens = [
-            [r.output_ids[-1]] + draft.tokens[i, : int(draft.lengths[i])].tolist() for i, r in enumerate(batch)
-        ]
-        k = draft.max_len
+        plan = S.plan_proposals(batch, self.capacity)
+        parts = {m: self._proposer(m).propose(rows) for m, (_, rows) in plan.rows.items()}
+        draft, has_probs = S.merge_drafts(batch, plan, parts, self.target.vocab_size)
         logits = self.target.forward(
-            [r.slot for r in batch], verify_tokens, logits_at=torch.arange(k + 1)[None].expand(len(batch), -1)
+            [r.slot for r in batch], S.verify_tokens(batch, draft), S.logits_window(len(batch), draft)
         ).logits  # [B, K+1, V]
-        result = accept(batch, draft, has_probs, logits)
-        return self._commit(batch, draft, result)
+        result = S.accept(batch, draft, has_probs, logits)
+        return self._apply(S.commit_step(batch, draft, result, self.capacity, self.tokenizer))
 
-    def _propose(self, batch: list[Request]) -> tuple[Draft, list[bool]]:
-        """One Draft for the whole batch, gathered from each method's proposer."""
-        groups: dict[str, list[int]] = {}
-        ks = []
-        for i, r in enumerate(batch):
-            # Never draft past max_tokens or the context: k <= remaining - 1, and the
-            # target must fit the last token + k drafts.
-            k = min(r.speculation.num_speculative_tokens, r.remaining - 1, self.capacity - r.num_tokens)
-            ks.append(max(k, 0))
-            if r.speculation.method != PLAIN and k > 0:
-                groups.setdefault(r.speculation.method, []).append(i)
-        tokens_lists: list[list[int]] = [[] for _ in batch]
-        probs_rows: dict[int, torch.Tensor] = {}
-        for method, idx in groups.items():
-            rows = [self._proposal_row(batch[i], ks[i]) for i in idx]
-            part = self._proposer(method).propose(rows)
-            for n, i in enumerate(idx):
-                length = min(int(part.lengths[n]), ks[i])
-                tokens_lists[i] = part.tokens[n, :length].tolist()
-                if part.probs is not None and not batch[i].sampling.greedy:
-                    probs_rows[i] = part.probs[n, :length]
-        draft = Draft.from_lists(tokens_lists)
-        has_probs = [i in probs_rows for i in range(len(batch))]
-        if probs_rows:
-            probs = torch.zeros(len(batch), draft.max_len, self.target.vocab_size)
-            for i, p in probs_rows.items():
-                probs[i, : p.shape[0]] = p
-            draft = Draft(draft.tokens, draft.lengths, probs)
-        return draft, has_probs
-
-    def _proposal_row(self, r: Request, k: int) -> ProposalRow:
-        s = r.sampling
-        return ProposalRow(
-            slot=r.slot,
-            token_ids=r.token_ids,
-            num_tokens=k,
-            sampling=SamplingView(s.temperature, s.top_p, s.effective_top_k),
-            generator=r.generator,
-            options={"max_matching_ngram_size": r.speculation.max_matching_ngram_size},
-        )
-
-    def _commit(self, batch: list[Request], draft: Draft, result) -> list[RequestOutput]:
-        by_method: dict[str, tuple[list[int], list[int]]] = {}
-        outputs = []
-        for i, r in enumerate(batch):
-            n = int(result.num_accepted[i])
-            drafted = int(draft.lengths[i])
-            # The target cache now holds the last committed token + the n accepted drafts.
-            self.target.set_length(r.slot, r.num_tokens + n)
-            if drafted:
-                slots, counts = by_method.setdefault(r.speculation.method, ([], []))
-                slots.append(r.slot)
-                counts.append(n)
-            r.metrics.record_draft(drafted, n)
-            r.metrics.target_forward_passes += 1
-            kept = r.append(result.emitted(i), self.capacity, self.tokenizer)
-            outputs.append(r.output(kept))
-        for method, (slots, counts) in by_method.items():
-            self._proposer(method).commit(slots, counts)
-        for r in batch:
-            if r.finished:
-                self._release(r)
-        return outputs
-
-    # -- admission (prefill) -----------------------------------------------------------
-    def _admit(self) -> list[RequestOutput]:
-        joining = []
-        while self.waiting and self._free_slots:
-            req = self.waiting.popleft()
-            req.slot = self._free_slots.pop(0)
-            self.target.reset(req.slot)
-            self.running[req.slot] = req
-            joining.append(req)
-        if not joining:
-            return []
+    def _prefill(self, joining: list[Request]) -> list[RequestOutput]:
+        for r in joining:
+            self.target.reset(r.slot)
         logits = self.target.forward([r.slot for r in joining], [r.prompt_ids for r in joining]).logits[:, 0]
-        first = self._sample_one(joining, logits)
-        outputs = []
-        for r, tok in zip(joining, first):
-            r.metrics.target_forward_passes += 1
-            kept = r.append([tok], self.capacity, self.tokenizer)
-            outputs.append(r.output(kept))
-            if r.finished:
-                self._release(r)
-        return outputs
+        tokens = S.first_tokens(joining, logits)
+        return self._apply(S.commit_prefill(joining, tokens, self.capacity, self.tokenizer))
 
-    def _sample_one(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:  # logits [B, V]
-        tokens = logits.argmax(dim=-1)
-        sampled = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
-        if sampled:
-            temperature, top_k, top_p = sampling_tensors([reqs[i] for i in sampled])
-            at = torch.tensor(sampled)
-            probs = probs_from_logits(logits[at], temperature, top_k, top_p)
-            tokens[at] = sample(probs, [reqs[i].generator for i in sampled])
-        return tokens.tolist()
+    def _apply(self, commit: S.Commit) -> list[RequestOutput]:
+        for slot, length in commit.target_lengths:
+            self.target.set_length(slot, length)
+        for method, (slots, counts) in commit.proposer_commits.items():
+            self._proposer(method).commit(slots, counts)
+        for r in commit.finished:
+            self._release(r)
+        return commit.outputs
 
     def _release(self, r: Request) -> None:
-        if self.running.pop(r.slot, None) is None:
-            return
-        self.target.reset(r.slot)
-        for proposer in self._proposers.values():
-            proposer.release(r.slot)
-        self._free_slots.append(r.slot)
-        self._free_slots.sort()
-        self.totals.merge(r.metrics)
+        if self.scheduler.release(r):
+            self.target.reset(r.slot)
+            for proposer in self._proposers.values():
+                proposer.release(r.slot)
 
     def _proposer(self, method: str):
         if method not in self._proposers:
@@ -295,12 +171,6 @@ class LLMEngine:
         return [done[i] for i in ids]
 
 
-def check_method_name(method: str) -> None:
-    """Raise ValueError unless ``method`` is 'none' or a registered proposer."""
-    if method != PLAIN and method not in registered_methods():
-        raise ValueError(f"unknown speculation method {method!r}; known: {[PLAIN] + registered_methods()}")
-
-
 def _per_prompt(value, n: int) -> list:
     if value is None or not isinstance(value, (list, tuple)):
         return [value] * n
@@ -309,7 +179,7 @@ def _per_prompt(value, n: int) -> list:
     return list(value)
 
 
-def _eos_ids(model, tokenizer) -> frozenset[int]:
+def eos_ids(model, tokenizer) -> frozenset[int]:
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if ids is None and tokenizer is not None:
         ids = tokenizer.eos_token_id
