@@ -1,0 +1,147 @@
+"""Model and proposer workers. Each is a plain class; ``ray.remote`` is applied by the
+coordinator with the placement options of its role (so they are testable without Ray).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+
+from specray.engine.config import EngineConfig
+from specray.engine.engine import LLMEngine, eos_ids
+from specray.engine.runner import ModelRunner
+from specray.policies.base import Draft, ProposalRow, proposer_factory
+
+log = logging.getLogger(__name__)
+
+
+def worker_device() -> str:
+    """The GPU Ray gave this actor, or the CPU (fake GPUs in tests, laptops)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _threads() -> None:
+    # Small models on shared cores: one intra-op thread per worker avoids oversubscription.
+    torch.set_num_threads(int(os.environ.get("SPECRAY_WORKER_THREADS", "1")))
+
+
+class TargetWorker:
+    """The target model's runner and KV cache."""
+
+    def __init__(self, config: EngineConfig):
+        _threads()
+        model = config.load_model(config.target) if config.target else None
+        self.runner = ModelRunner(model, config.max_num_seqs, config.context_length(model.config))
+        self.eos = eos_ids(model, None)
+
+    def limits(self) -> dict:
+        return {"capacity": self.runner.capacity, "vocab_size": self.runner.vocab_size, "eos_ids": sorted(self.eos)}
+
+    def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], logits_at=None) -> torch.Tensor:
+        return self.runner.forward(slots, tokens, logits_at).logits.cpu()
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        for s in slots:
+            self.runner.reset(s)
+        return self.forward(slots, prompts)[:, 0]
+
+    def set_lengths(self, pairs: Sequence[tuple[int, int]]) -> None:
+        for slot, length in pairs:
+            self.runner.set_length(slot, length)
+
+    def reset(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self.runner.reset(s)
+
+    def gpu_ids(self) -> list:
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()]
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class ProposerWorker:
+    """Any registered proposer behind an actor (the draft model, the n-gram pool).
+
+    Seeded sampling: the coordinator's generator must not be copied here (its copy
+    would replay the acceptance test's uniforms), so each slot gets a draft generator
+    of its own, seeded from the request's seed.
+    """
+
+    def __init__(self, method: str, config: EngineConfig | None = None, vocab_size: int | None = None):
+        _threads()
+        resources: dict = {"vocab_size": vocab_size}
+        if config is not None and config.draft:
+            model = config.load_model(config.draft)
+            capacity = config.context_length(model.config)
+            resources["draft_runner"] = ModelRunner(model, config.max_num_seqs, capacity)
+        self.proposer = proposer_factory(method)(**resources)
+        self._generators: dict[int, torch.Generator] = {}
+
+    def propose(self, rows: Sequence[ProposalRow]) -> Draft:
+        rows = [replace(r, generator=self._generator(r)) for r in rows]
+        return self.proposer.propose(rows)
+
+    def _generator(self, row: ProposalRow) -> torch.Generator | None:
+        seed = row.options.get("seed")
+        if seed is None:
+            return None
+        if row.slot not in self._generators:
+            # A different stream from the coordinator's (seed) for the same request.
+            self._generators[row.slot] = torch.Generator().manual_seed((int(seed) * 1_000_003 + 12345) % 2**63)
+        return self._generators[row.slot]
+
+    def commit(self, slots: Sequence[int], num_accepted: Sequence[int]) -> None:
+        self.proposer.commit(slots, num_accepted)
+
+    def release(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self.proposer.release(s)
+            self._generators.pop(s, None)
+
+    def gpu_ids(self) -> list:
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()]
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+class EngineWorker:
+    """Colocated mode: target and draft in one actor on one device (no hop per step)."""
+
+    def __init__(self, config: EngineConfig):
+        _threads()
+        self.engine = LLMEngine(config)
+
+    def limits(self) -> dict:
+        e = self.engine
+        return {"capacity": e.capacity, "vocab_size": e.target.vocab_size, "eos_ids": sorted(e.limits.eos_ids)}
+
+    def add(self, request) -> None:
+        self.engine.scheduler.add(request)
+
+    def abort(self, request_id: str):
+        return self.engine.abort(request_id)
+
+    def step(self):
+        return self.engine.step()
+
+    def gpu_ids(self) -> list:
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()]

@@ -1,0 +1,81 @@
+"""The user-facing configuration of a specray deployment (pydantic; YAML/JSON/CLI edge).
+
+    SpecrayConfig(target="/ckpt/llama-8b", draft="/ckpt/llama-1b",
+                  placement={"mode": "separate", "strategy": "SPREAD"})
+
+``engine_config()`` turns it into the engine's frozen dataclass.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specray.engine.config import EngineConfig
+from specray.engine.params import SpeculationParams
+
+
+class ModelPlacement(BaseModel):
+    """Resources of one model's worker (one placement-group bundle)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_gpus: float | None = Field(
+        None, ge=0, description="GPUs for this model; None = 1 if the cluster has GPUs, else 0. "
+        "Values > 1 reserve GPUs for tensor parallelism."
+    )
+    num_cpus: float = Field(1, gt=0, description="CPUs for the worker.")
+
+
+class PlacementConfig(BaseModel):
+    """Where each model runs (cf. TensorRT-LLM's draft/target_model_device_list).
+
+    separate: target and draft in actors of their own, each bundle on its own GPU(s);
+    colocated: one actor holds both (no hop per step).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["separate", "colocated"] = Field("separate", description="separate actors or one actor")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for the bundles (SPREAD: different nodes)."
+    )
+    target: ModelPlacement = Field(default_factory=ModelPlacement)
+    draft: ModelPlacement = Field(default_factory=ModelPlacement)
+    ngram_cpus: float = Field(0.5, gt=0, description="CPUs of the n-gram pool actor.")
+    timeout_s: float = Field(30.0, gt=0, description="How long to wait for the placement group.")
+
+
+class SpecrayConfig(BaseModel):
+    """Models, batch limits, default speculation and placement of one coordinator."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str | None = Field(None, description="Target checkpoint dir; None = the demo pair.")
+    draft: str | None = Field(None, description="Draft checkpoint dir (method 'draft').")
+    tokenizer: str | None = Field(None, description="Tokenizer dir; default: the target's.")
+    dtype: str = Field("float32", description="float32 | bfloat16 | float16")
+    max_num_seqs: int = Field(8, ge=1, description="Sequences batched at once (KV-cache rows).")
+    max_model_len: int | None = Field(None, ge=2, description="Context per sequence.")
+    default_speculation: SpeculationParams = Field(default_factory=SpeculationParams)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+
+    def engine_config(self, device: str = "cpu") -> EngineConfig:
+        return EngineConfig(
+            target=self.target,
+            draft=self.draft,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            device=device,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            default_speculation=self.default_speculation,
+        )
+
+    def resolved(self) -> "SpecrayConfig":
+        """Fill in the demo pair's paths when no target is given (built once, cached)."""
+        if self.target is not None:
+            return self
+        paths = self.engine_config().resolved_paths()
+        return self.model_copy(update={"target": paths.target, "draft": paths.draft, "tokenizer": paths.tokenizer})
