@@ -18,11 +18,13 @@ import logging
 from dataclasses import replace
 
 import ray
+from pydantic import ValidationError
 
 from specray.actors.backends import ColocatedBackend, SeparateBackend, WorkerLostError
 from specray.actors.workers import worker_device
 from specray.cluster.config import SpecrayConfig
 from specray.cluster.placement import reserve
+from specray.engine.config import load_tokenizer
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.engine.request import RequestOutput
 from specray.engine.scheduler import ModelLimits, Scheduler
@@ -38,6 +40,7 @@ class CoordinatorCore:
     def __init__(self, config: SpecrayConfig | dict | None = None):
         self.config = SpecrayConfig.model_validate(config or {}).resolved()
         self._start_lock = asyncio.Lock()
+        self.placement = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._errors: dict[str, str] = {}
         self._loop_task: asyncio.Task | None = None
@@ -51,7 +54,7 @@ class CoordinatorCore:
     async def _start_workers(self) -> None:
         cfg, placeholder = self.config, ModelLimits(2, 1, frozenset(), False)
         engine_cfg = replace(cfg.engine_config(), device=worker_device())
-        self.tokenizer = _load_tokenizer(cfg.tokenizer or cfg.target)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.target)
         self.placement = await reserve(cfg.placement, with_draft=cfg.draft is not None)
         self.scheduler = Scheduler(cfg.max_num_seqs, placeholder, self.tokenizer, cfg.default_speculation)
         if cfg.placement.mode == "colocated":
@@ -73,8 +76,8 @@ class CoordinatorCore:
         await self._start()
         req = self.scheduler.make_request(
             prompt,
-            SamplingParams.model_validate(sampling or {}),
-            SpeculationParams.model_validate(speculation) if speculation is not None else None,
+            _validated(SamplingParams, sampling or {}),
+            _validated(SpeculationParams, speculation) if speculation is not None else None,
             request_id,
         )
         if req.request_id in self._queues:
@@ -132,6 +135,19 @@ class CoordinatorCore:
             queue.put_nowait(out)
         return out is not None
 
+    async def shutdown(self) -> None:
+        """Fail what is in flight, kill the workers and give the placement group back."""
+        if self._started:
+            for rid in self.backend.fail_all():
+                self._fail(rid, "the coordinator is shutting down")
+        if hasattr(self, "backend"):
+            for worker in self._supervised().values():
+                ray.kill(worker.handle, no_restart=True)
+        if self.placement is not None:
+            self.placement.remove()
+            self.placement = None
+        self._started = False
+
     def stats(self) -> dict:
         if not self._started:
             return {"started": False}
@@ -180,16 +196,14 @@ class CoordinatorCore:
             queue.put_nowait(_FAILED)
 
 
-def _load_tokenizer(path: str | None):
-    if path is None:
-        return None
-    from transformers import AutoTokenizer
-
+def _validated(model, value):
+    """pydantic validation as a plain ValueError (Ray cannot re-raise ValidationError)."""
+    if isinstance(value, model):
+        return value
     try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError):
-        log.info("no tokenizer at %s: prompts must be token ids", path)
-        return None
+        return model.model_validate(value)
+    except ValidationError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _vocab_size(target: str) -> int:

@@ -72,3 +72,16 @@ class EngineConfig:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's {limit} positions")
         return self.max_model_len
+
+
+def load_tokenizer(path: str | None):
+    """The checkpoint's tokenizer, or None if it has none (prompts are then token ids)."""
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        log.info("no tokenizer at %s: prompts must be token ids", path)
+        return None

@@ -19,7 +19,7 @@ import logging
 from typing import Iterable, Sequence
 
 from specray.engine import step as S
-from specray.engine.config import EngineConfig
+from specray.engine.config import EngineConfig, load_tokenizer
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
@@ -44,9 +44,7 @@ class LLMEngine:
             if draft_model is None and paths.draft is not None:
                 draft_model = config.load_model(paths.draft)
             if tokenizer is None:
-                from transformers import AutoTokenizer
-
-                tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer)
+                tokenizer = load_tokenizer(paths.tokenizer)
         self.tokenizer = tokenizer
         self.capacity = config.context_length(target_model.config)
         self.target = ModelRunner(target_model, config.max_num_seqs, self.capacity)

@@ -102,3 +102,24 @@ def demo_engine(demo_models):
         )
 
     return make
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One in-process Ray for the whole run, with two fake GPUs for placement."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, tiny_pair):
+    """The tiny pair saved as Hugging Face checkpoint dirs (for actors, jobs, serve)."""
+    root = tmp_path_factory.mktemp("tiny")
+    target, draft = tiny_pair
+    target.save_pretrained(root / "target")
+    draft.save_pretrained(root / "draft")
+    return {"target": str(root / "target"), "draft": str(root / "draft")}

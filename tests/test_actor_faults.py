@@ -1,0 +1,77 @@
+"""Coordinators of their own: colocated mode, infeasible placement, worker loss."""
+
+import time
+
+import pytest
+import ray
+
+from specray.actors.backends import WorkerLostError
+from specray.actors.coordinator import Coordinator
+from specray.cluster.placement import PlacementError
+from tests.test_actors import GREEDY, PROMPTS, references, shutdown  # noqa: F401
+
+
+def test_colocated_mode_matches(ray_session, tiny_checkpoints, references):
+    c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 2, "placement": {"mode": "colocated"}})
+    try:
+        outs = ray.get(c.generate.remote(PROMPTS, GREEDY, {"method": "draft", "num_speculative_tokens": 3}))
+        assert [o["token_ids"] for o in outs] == references
+    finally:
+        shutdown(c)
+
+
+def test_infeasible_placement_fails_fast(ray_session, tiny_checkpoints):
+    start = time.monotonic()
+    c = Coordinator.remote({**tiny_checkpoints, "placement": {"target": {"num_gpus": 3}}})
+    with pytest.raises(PlacementError, match="needs 4 GPU"):
+        ray.get(c.ready.remote())
+    # Fits the totals but not the topology: two bundles on different nodes of a 1-node cluster.
+    c2 = Coordinator.remote({**tiny_checkpoints, "placement": {"strategy": "STRICT_SPREAD", "timeout_s": 2}})
+    with pytest.raises(PlacementError, match="not ready"):
+        ray.get(c2.ready.remote())
+    assert time.monotonic() - start < 20
+    shutdown(c)
+    shutdown(c2)
+
+
+def test_draft_loss_costs_only_speed(ray_session, tiny_checkpoints, references):
+    c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 4})
+    ray.get(c.ready.remote())
+    long = {**GREEDY, "max_tokens": 24}
+    gen = c.stream.remote(PROMPTS[2], long, {"method": "draft", "num_speculative_tokens": 2})
+    others = c.generate.remote(PROMPTS[:2], long, {"method": "draft", "num_speculative_tokens": 2})
+    first = ray.get(next(gen))  # generation is under way
+    draft = ray.get(c.workers.remote())["draft"]
+    ray.kill(draft, no_restart=True)
+    tokens = first["new_token_ids"] + sum((ray.get(r)["new_token_ids"] for r in gen), [])
+    assert tokens == references[2]
+    assert [o["token_ids"] for o in ray.get(others)] == references[:2]
+    stats = ray.get(c.stats.remote())
+    assert stats["restarts"]["draft"] >= 1
+    # The replacement serves: speculation resumes for new requests.
+    deadline = time.monotonic() + 60
+    while True:
+        out = ray.get(c.generate.remote([PROMPTS[3]], GREEDY, {"method": "draft"}))[0]
+        assert out["token_ids"] == references[3]
+        if out["metrics"]["num_drafts"] > 0 or time.monotonic() > deadline:
+            break
+    assert out["metrics"]["num_drafts"] > 0
+    shutdown(c)
+
+
+def test_target_loss_fails_in_flight_then_recovers(ray_session, tiny_checkpoints, references):
+    c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 2})
+    ray.get(c.ready.remote())
+    gen = c.stream.remote(PROMPTS[0], {**GREEDY, "max_tokens": 200}, {"method": "none"})
+    ray.get(next(gen))
+    target = ray.get(c.workers.remote())["target"]
+    ray.kill(target, no_restart=True)
+    with pytest.raises(WorkerLostError, match="target worker died"):
+        for ref in gen:
+            ray.get(ref)
+    out = ray.get(c.generate.remote([PROMPTS[1]], GREEDY, {"method": "draft"}))[0]
+    assert out["token_ids"] == references[1]
+    assert ray.get(c.stats.remote())["restarts"]["target"] == 1
+    shutdown(c)
+
+
