@@ -1,0 +1,153 @@
+"""Per-step cost of the Ray actor layouts against the in-process engine.
+
+    python -m specray.bench.actors [--batch 1,8] [--max-tokens 64] [--k 3] [--out DIR]
+
+Runs the same greedy workload (draft speculation, held-out demo prompts) through the
+in-process ``LLMEngine``, a colocated coordinator (one actor holds both models) and a
+separate-actors coordinator (target, draft and n-gram pool in actors of their own), and
+reports milliseconds per engine step and tokens/s. Steps are counted from the target's
+forward passes, so the numbers are per verification round. All outputs are checked to be
+identical to the in-process engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import pathlib
+import sys
+import time
+
+log = logging.getLogger("specray.bench.actors")
+
+
+def _workload(engine_tokenizer_dir: str, n: int) -> list[str]:
+    from specray.demo import held_out_prompts
+
+    return held_out_prompts(n, engine_tokenizer_dir, min_tokens=32, max_tokens=128)
+
+
+def _time_local(cfg, prompts, sampling, spec) -> tuple[float, list, int]:
+    from specray.engine.engine import LLMEngine
+
+    engine = LLMEngine(cfg.engine_config())
+    engine.generate(prompts[:1], sampling, spec)  # warm-up
+    start = time.perf_counter()
+    outs = engine.generate(prompts, sampling, spec)
+    return time.perf_counter() - start, [o.token_ids for o in outs], _steps(outs)
+
+
+def _steps(outs) -> int:
+    # Each verification round is one target forward for every running row; rows run
+    # together, so the number of rounds is the largest per-request count.
+    return max((o["metrics"] if isinstance(o, dict) else o.metrics)["target_forward_passes"] for o in outs)
+
+
+def _time_coordinator(cfg, prompts, sampling, spec) -> tuple[float, list, int]:
+    import ray
+
+    from specray.actors.coordinator import Coordinator
+
+    c = Coordinator.remote(cfg.model_dump())
+    try:
+        ray.get(c.ready.remote())
+        ray.get(c.generate.remote(prompts[:1], sampling.model_dump(), spec.model_dump()))  # warm-up
+        start = time.perf_counter()
+        outs = ray.get(c.generate.remote(prompts, sampling.model_dump(), spec.model_dump()))
+        return time.perf_counter() - start, [o["token_ids"] for o in outs], _steps(outs)
+    finally:
+        ray.get(c.shutdown.remote())
+        ray.kill(c)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specray.bench.actors", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=3, help="draft tokens per step")
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    os.environ.setdefault("SPECRAY_WORKER_THREADS", "1")
+
+    import ray
+    import torch
+
+    from specray.cluster.config import SpecrayConfig
+    from specray.engine.params import SamplingParams, SpeculationParams
+
+    torch.set_num_threads(1)
+    print("command: python -m specray.bench.actors " + " ".join(argv if argv is not None else sys.argv[1:]))
+    base = SpecrayConfig().resolved()
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    spec = SpeculationParams(method="draft", num_speculative_tokens=args.k)
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    rows = []
+    try:
+        for batch in [int(b) for b in args.batch.split(",")]:
+            prompts = _workload(base.tokenizer, batch)
+            cfg = base.model_copy(update={"max_num_seqs": batch})
+            results = {
+                "in-process": _time_local(cfg, prompts, sampling, spec),
+                "colocated actor": _time_coordinator(
+                    cfg.model_copy(update={"placement": {"mode": "colocated"}}), prompts, sampling, spec
+                ),
+                "separate actors": _time_coordinator(cfg, prompts, sampling, spec),
+            }
+            reference = results["in-process"][1]
+            for layout, (secs, tokens, steps) in results.items():
+                rows.append({
+                    "batch": batch,
+                    "layout": layout,
+                    "ms_per_step": 1e3 * secs / steps,
+                    "tokens_per_s": sum(len(t) for t in tokens) / secs,
+                    "steps": steps,
+                    "identical_to_in_process": tokens == reference,
+                })
+    finally:
+        ray.shutdown()
+    colocated = {r["batch"]: r["ms_per_step"] for r in rows if r["layout"] == "colocated actor"}
+    for r in rows:
+        r["vs_colocated"] = r["ms_per_step"] / colocated[r["batch"]]
+    _report(rows, pathlib.Path(args.out))
+    return 0 if all(r["identical_to_in_process"] for r in rows) else 1
+
+
+def _report(rows: list[dict], out: pathlib.Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    header = f"{'batch':>5}  {'layout':<16} {'ms/step':>8} {'tok/s':>8} {'steps':>6} {'x colocated':>11}  identical"
+    print(header)
+    for r in rows:
+        print(f"{r['batch']:>5}  {r['layout']:<16} {r['ms_per_step']:>8.2f} {r['tokens_per_s']:>8.1f} "
+              f"{r['steps']:>6} {r['vs_colocated']:>11.2f}  {r['identical_to_in_process']}")
+    with open(out / "actors.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "actors.json").write_text(json.dumps(rows, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(layouts)
+    for i, layout in enumerate(layouts):
+        vals = [next(r["ms_per_step"] for r in rows if r["batch"] == b and r["layout"] == layout) for b in batches]
+        ax.bar([j + i * width for j in range(len(batches))], vals, width, label=layout)
+    ax.set_xticks([j + width * (len(layouts) - 1) / 2 for j in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_ylabel("ms per speculative step")
+    ax.set_title("specray: actor layouts, demo pair, draft k=3")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "actors.png", dpi=120)
+    print(f"wrote {out / 'actors.csv'}, {out / 'actors.json'}, {out / 'actors.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

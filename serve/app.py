@@ -1,0 +1,48 @@
+"""Builders of the Serve application, from Python or a ``serve run`` YAML.
+
+    from specray.serve.app import build_app
+    serve.run(build_app({"model_name": "demo", "autoscaling": {"max_replicas": 2}}))
+
+YAML (``serve run examples/serve.yaml``)::
+
+    applications:
+      - name: specray
+        import_path: specray.serve.app:build_app
+        args: {model_name: specray-demo, engine: {max_num_seqs: 8}}
+"""
+
+from __future__ import annotations
+
+from ray import serve
+
+from specray.serve.config import ServeConfig
+from specray.serve.engine import EngineDeployment
+from specray.serve.ingress import OpenAIIngress
+
+# Replicas are light; their coordinator reserves the models' GPUs in its own
+# placement group.
+REPLICA_CPUS = 0.25
+
+
+def build_app(config: ServeConfig | dict | None = None):
+    """The ingress bound to the engine deployment (a Serve ``Application``)."""
+    cfg = ServeConfig.model_validate(config if config is not None else {})
+    # Resolve the demo pair once here, not once per replica.
+    cfg = cfg.model_copy(update={"engine": cfg.engine.resolved()})
+    scaling = (
+        {"autoscaling_config": cfg.autoscaling.model_dump(exclude_none=True)}
+        if cfg.autoscaling is not None
+        else {"num_replicas": cfg.num_replicas}
+    )
+    engine = serve.deployment(EngineDeployment).options(
+        name="SpecrayEngine",
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        max_queued_requests=cfg.max_queued_requests,
+        ray_actor_options={"num_cpus": REPLICA_CPUS},
+        health_check_period_s=10,
+        **scaling,
+    )
+    ingress = serve.deployment(OpenAIIngress).options(
+        name="OpenAIIngress", ray_actor_options={"num_cpus": REPLICA_CPUS}
+    )
+    return ingress.bind(engine.bind(cfg.model_dump()), cfg.model_dump())

@@ -1,0 +1,72 @@
+"""Prometheus metrics through ``ray.util.metrics`` (exported by every Ray node).
+
+Names follow vLLM's (``…spec_decode_num_drafts`` etc.); Ray prefixes them with
+``ray_`` on export. ``GET /metrics`` gathers the ``specray_`` series from every node's
+exporter, so the endpoint shows what a Prometheus scraping Ray would see.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+PREFIX = "specray_"
+LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+class EngineMetrics:
+    """Metrics one engine replica records (tagged by model)."""
+
+    def __init__(self, model: str):
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        tags = ("model",)
+        self.tags = {"model": model}
+        self.num_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Speculative drafts proposed.", tags)
+        self.num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed.", tags)
+        self.num_accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", tags)
+        self.accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position.", ("model", "position")
+        )
+        self.requests = Counter(PREFIX + "request_success", "Finished requests by finish reason.", ("model", "finished_reason"))
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", tags)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens.", tags)
+        self.queue = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for a batch slot.", tags)
+        self.running = Gauge(PREFIX + "num_requests_running", "Requests in the running batch.", tags)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS, tags)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between streamed tokens.", LATENCY_BUCKETS, tags)
+
+    def finished(self, output: dict) -> None:
+        m, t = output["metrics"], self.tags
+        if m["num_drafts"]:
+            self.num_drafts.inc(m["num_drafts"], t)
+            self.num_draft_tokens.inc(m["num_draft_tokens"], t)
+        if m["num_accepted_tokens"]:
+            self.num_accepted_tokens.inc(m["num_accepted_tokens"], t)
+        for pos, n in enumerate(m["accepted_per_pos"]):
+            if n:
+                self.accepted_per_pos.inc(n, {**t, "position": str(pos)})
+        self.requests.inc(1, {**t, "finished_reason": output["finish_reason"] or "unknown"})
+        if output["token_ids"]:
+            self.generation_tokens.inc(len(output["token_ids"]), t)
+        self.prompt_tokens.inc(len(output["prompt_token_ids"]), t)
+
+    def load(self, waiting: int, running: int) -> None:
+        self.queue.set(waiting, self.tags)
+        self.running.set(running, self.tags)
+
+
+def scrape() -> str:
+    """Prometheus text of every node's ``specray_`` series."""
+    import ray
+
+    lines: list[str] = []
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node.get("Alive") or not port:
+            continue
+        try:
+            body = urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{port}/metrics", timeout=5).read()
+        except OSError:
+            continue
+        lines += [line for line in body.decode().splitlines() if PREFIX in line]
+    return "\n".join(lines) + "\n"
