@@ -2,6 +2,7 @@
 
     specray demo-models                       # build or find the demo pair, print JSON
     specray generate --prompt "def fib(n):" --method draft --num-speculative-tokens 4
+    specray serve [--config FILE]             # OpenAI-compatible HTTP on Ray Serve
     specray bench                             # speed table + plot on the demo pair
 """
 
@@ -63,6 +64,60 @@ def _generate(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import time
+
+    import ray
+    from ray import serve
+
+    from specray.serve.app import build_app
+    from specray.serve.config import ServeConfig
+
+    data = _load_config(args.config) if args.config else {}
+    engine = dict(data.get("engine", {}))
+    if args.target:
+        engine.update({"target": args.target, "draft": args.draft, "tokenizer": args.tokenizer})
+    data["engine"] = engine
+    for key in ("host", "port", "model_name"):
+        if getattr(args, key) is not None:
+            data[key] = getattr(args, key)
+    cfg = ServeConfig.model_validate(data)
+    ray.init(address=args.address, include_dashboard=False)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run(build_app(cfg), name="specray", route_prefix=cfg.route_prefix, blocking=False)
+    url = f"http://{cfg.host}:{cfg.port}"
+    print(f"specray serving {cfg.model_name!r} at {url}/v1")
+    print(
+        f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{cfg.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, "
+        f"\"temperature\": 0, \"speculation\": {{\"method\": \"draft\"}}}}'",
+        flush=True,
+    )
+    if args.once:  # answer one request through HTTP, then stop (the README's main job)
+        import httpx
+
+        body = {"model": cfg.model_name, "prompt": args.once, "max_tokens": 48, "temperature": 0,
+                "speculation": {"method": "draft", "num_speculative_tokens": 4}}
+        headers = {"Authorization": f"Bearer {cfg.resolved_api_key()}"} if cfg.resolved_api_key() else {}
+        reply = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300).json()
+        print(json.dumps(reply, indent=2))
+        serve.shutdown()
+        return 0 if "choices" in reply else 1
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+    return 0
+
+
+def _load_config(path: str) -> dict:
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
 def _bench(args) -> int:
     from specray.bench.speed import main as bench_main
 
@@ -96,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print text, token_ids and metrics as JSON")
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API (default: the demo pair)")
+    p.add_argument("--config", default=None, help="YAML/JSON ServeConfig file (see examples/)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--draft", default=None)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--model-name", dest="model_name", default=None)
+    p.add_argument("--host", default=None, help="default 127.0.0.1")
+    p.add_argument("--port", type=int, default=None, help="default 8000")
+    p.add_argument("--address", default=None, help="Ray address (default: start a local Ray)")
+    p.add_argument("--once", metavar="PROMPT", default=None, help="answer one completion for PROMPT, then exit")
+    p.set_defaults(func=_serve)
 
     p = sub.add_parser("bench", help="speed benchmark on the demo pair (see specray.bench.speed --help)")
     p.add_argument("rest", nargs=argparse.REMAINDER)
