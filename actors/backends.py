@@ -71,6 +71,7 @@ class _Supervised:
 class SeparateBackend:
     def __init__(self, config: EngineConfig, placement, scheduler: Scheduler, vocab_size: int, ngram_cpus: float):
         self.scheduler = scheduler
+        self.length_policy = config.speculation_length
         self.vocab_size = vocab_size
         self.tokenizer = scheduler.tokenizer
         target_cls = ray.remote(TargetWorker)
@@ -122,7 +123,7 @@ class SeparateBackend:
         return outputs
 
     async def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
-        plan = S.plan_proposals(batch, self.capacity)
+        plan = S.plan_proposals(batch, self.capacity, self.length_policy)
         refs = {}
         for method, (_, rows) in plan.rows.items():
             worker = self.proposers.get(method)

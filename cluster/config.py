@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specray.engine.config import EngineConfig
 from specray.engine.params import SpeculationParams
+from specray.policies.spec_length import SpeculationLengthPolicy
 
 
 class ModelPlacement(BaseModel):
@@ -59,6 +60,12 @@ class SpecrayConfig(BaseModel):
     max_num_seqs: int = Field(8, ge=1, description="Sequences batched at once (KV-cache rows).")
     max_model_len: int | None = Field(None, ge=2, description="Context per sequence.")
     default_speculation: SpeculationParams = Field(default_factory=SpeculationParams)
+    speculation_off_above_batch: int | None = Field(
+        None, ge=1, description="Running batch larger than this: plain decoding for everyone (never slower)."
+    )
+    speculation_k_caps: list[tuple[int, int]] = Field(
+        default_factory=list, description="(min_batch, max_k) pairs capping k as the batch grows."
+    )
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
 
     def engine_config(self, device: str = "cpu") -> EngineConfig:
@@ -71,6 +78,9 @@ class SpecrayConfig(BaseModel):
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             default_speculation=self.default_speculation,
+            speculation_length=SpeculationLengthPolicy(
+                self.speculation_off_above_batch, tuple(tuple(p) for p in self.speculation_k_caps)
+            ),
         )
 
     def resolved(self) -> "SpecrayConfig":

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specray.engine.params import SpeculationParams
+from specray.policies.spec_length import SpeculationLengthPolicy
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ class EngineConfig:
     max_num_seqs: rows of the batch (KV cache slots).
     max_model_len: context per sequence; default min(model max positions, 4096).
     default_speculation: for requests that do not say.
+    speculation_length: caps k by running batch size, and turns speculation off above
+        a batch size, whatever requests ask for.
     """
 
     target: str | None = None
@@ -42,6 +45,7 @@ class EngineConfig:
     max_num_seqs: int = 8
     max_model_len: int | None = None
     default_speculation: SpeculationParams = field(default_factory=SpeculationParams)
+    speculation_length: SpeculationLengthPolicy = field(default_factory=SpeculationLengthPolicy)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

@@ -100,7 +100,7 @@ class LLMEngine:
         return outputs
 
     def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
-        plan = S.plan_proposals(batch, self.capacity)
+        plan = S.plan_proposals(batch, self.capacity, self.config.speculation_length)
         parts = {m: self._proposer(m).propose(rows) for m, (_, rows) in plan.rows.items()}
         draft, has_probs = S.merge_drafts(batch, plan, parts, self.target.vocab_size)
         logits = self.target.forward(

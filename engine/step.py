@@ -25,6 +25,7 @@ from specray.engine.verify import accept, sampling_tensors  # noqa: F401  (re-ex
 from specray.kernels.acceptance import Acceptance
 from specray.kernels.sampling import probs_from_logits, sample
 from specray.policies.base import Draft, ProposalRow, SamplingView
+from specray.policies.spec_length import SpeculationLengthPolicy
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,17 @@ class ProposalPlan:
     rows: dict[str, tuple[list[int], list[ProposalRow]]]
 
 
-def plan_proposals(batch: Sequence[Request], capacity: int) -> ProposalPlan:
+def plan_proposals(
+    batch: Sequence[Request], capacity: int, policy: SpeculationLengthPolicy | None = None
+) -> ProposalPlan:
     ks, rows = [], {}
+    cap = policy.cap(len(batch)) if policy is not None else None
     for i, r in enumerate(batch):
         # Never draft past max_tokens or the context: k <= remaining - 1, and the target
         # must fit the last token + k drafts.
         k = max(0, min(r.speculation.num_speculative_tokens, r.remaining - 1, capacity - r.num_tokens))
+        if cap is not None:
+            k = min(k, cap)
         ks.append(k)
         if r.speculation.method != PLAIN and k > 0:
             idx, lst = rows.setdefault(r.speculation.method, ([], []))

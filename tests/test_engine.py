@@ -181,3 +181,23 @@ def test_bad_requests_raise_and_engine_keeps_working(make_engine, references):
     assert not engine.has_unfinished()
     out = engine.generate([ragged_prompts(1)[0]], GREEDY.model_copy(update={"max_tokens": 8}))[0]
     assert out.token_ids == references[0][:8]
+
+
+def test_speculation_turns_off_above_a_batch_size(tiny_pair, references):
+    import copy
+
+    from specray.engine.config import EngineConfig
+    from specray.engine.engine import LLMEngine
+    from specray.policies.spec_length import SpeculationLengthPolicy
+
+    target, draft = tiny_pair
+    engine = LLMEngine(
+        EngineConfig(target="x", max_num_seqs=4, speculation_length=SpeculationLengthPolicy(disable_above_batch=2)),
+        target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft),
+    )
+    spec = SpeculationParams(method="draft", num_speculative_tokens=3)
+    busy = engine.generate(ragged_prompts(4), GREEDY, spec)  # 4 running > 2: plain decoding
+    assert [o.token_ids for o in busy] == references[:4]
+    assert all(o.metrics["num_drafts"] == 0 for o in busy)
+    quiet = engine.generate(ragged_prompts(1), GREEDY, spec)[0]
+    assert quiet.token_ids == references[0] and quiet.metrics["num_drafts"] > 0
