@@ -90,11 +90,16 @@ class ModelRunner:
         slots: Sequence[int],
         tokens: Sequence[Sequence[int]],
         logits_at: torch.Tensor | None = None,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> ForwardOutput:
         """Append ``tokens[i]`` to ``slots[i]``'s cache and run the model.
 
         logits_at: [B, m] int64 indices into each row's new tokens (clamped to the row);
                    None = the last new token of each row (m = 1).
+        tree:      (mask [B, q, q] bool, depth [B, q] int64) when the new tokens form a
+                   token tree per row (row padded with self-only nodes): node j attends to
+                   its ancestors and sits at position length + depth[j]. After
+                   acceptance, ``compact`` moves the kept path into consecutive slots.
         Lengths advance by len(tokens[i]); callers roll back with ``set_length``.
         """
         batch = len(slots)
@@ -106,7 +111,7 @@ class ModelRunner:
         for s, n, L in zip(slots, q_lens, lengths):
             if L + n > self.capacity:
                 raise ValueError(f"slot {s}: {L} cached + {n} new tokens exceeds capacity {self.capacity}")
-        ctx, ids, pos_ids = self._batch(slots, tokens, q_lens, q, lengths)
+        ctx, ids, pos_ids = self._batch(slots, tokens, q_lens, q, lengths, tree)
         hidden = self._run_decoder(ids, pos_ids, ctx)  # [B, q, H]
         for s, n in zip(slots, q_lens):
             self.lengths[s] += n
@@ -120,7 +125,7 @@ class ModelRunner:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return ForwardOutput(logits=logits, hidden=picked)
 
-    def _batch(self, slots, tokens, q_lens, q, lengths):
+    def _batch(self, slots, tokens, q_lens, q, lengths, tree=None):
         """Attention context, input ids [B, q] and position ids [B, q] for one forward."""
         batch = len(slots)
         uniform = min(q_lens) == q
@@ -139,10 +144,14 @@ class ModelRunner:
             write_pos = torch.where(valid, positions, torch.full_like(positions, self.cache.scratch))
             pos_ids = torch.minimum(positions, (lens_t + q_t - 1)[:, None])
         kv_len = max(L + n for L, n in zip(lengths, q_lens))
+        tree_mask = None
+        if tree is not None:
+            tree_mask, depth = tree
+            pos_ids = lens_t[:, None] + depth
         if q == 1 and min(lengths) == max(lengths):
             mask = None  # every row sees all kv_len keys
         else:
-            mask = attention.causal_batch_mask(lens_t, q, kv_len, self.dtype).to(self.device)
+            mask = attention.causal_batch_mask(lens_t, q, kv_len, self.dtype, tree_mask).to(self.device)
         ctx = attention.AttentionBatch(
             cache=self.cache,
             rows=torch.tensor(list(slots), dtype=torch.long, device=self.device),
@@ -168,6 +177,25 @@ class ModelRunner:
         for layer in dec.layers:
             hidden = layer(hidden, attention_mask=None, position_embeddings=rope, position_ids=pos_ids, specray_batch=ctx)
         return dec.norm(hidden)
+
+
+    @torch.inference_mode()
+    def compact(self, slots: Sequence[int], kept: Sequence[Sequence[int]]) -> None:
+        """Keep an accepted tree path: move its nodes' KV into consecutive slots.
+
+        Call after ``set_length(slot, base)``, base being the cache length before the
+        tree forward (where its root was written). kept[i] are the path's node indices,
+        root first (offsets from base); they land at base, base+1, ... and the length
+        advances by len(kept[i]).
+        """
+        for slot, nodes in zip(slots, kept):
+            base = self.lengths[slot]
+            src = torch.tensor([base + n for n in nodes], device=self.device)
+            dst = torch.arange(base, base + len(nodes), device=self.device)
+            if not torch.equal(src, dst):
+                for buf in (*self.cache.keys, *self.cache.values):
+                    buf[slot, :, dst] = buf[slot, :, src]  # advanced-index read copies first
+            self.lengths[slot] = base + len(nodes)
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):

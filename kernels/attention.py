@@ -69,17 +69,26 @@ class AttentionBatch:
 
 
 def causal_batch_mask(
-    lengths: torch.Tensor, query_len: int, kv_len: int, dtype: torch.dtype
+    lengths: torch.Tensor, query_len: int, kv_len: int, dtype: torch.dtype, tree_mask: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Additive mask for new tokens appended after each row's cached prefix.
 
-    lengths: [B] cached tokens per row before this forward
-    returns: [B, 1, query_len, kv_len]; query j of row r sees keys < lengths[r] + j + 1.
-    Padding queries see the same pattern (finite garbage, never read back).
+    lengths:   [B] cached tokens per row before this forward
+    tree_mask: [B, q, q] bool or None. None: the new tokens are a chain (query j sees
+               new tokens 0..j). Else query j sees new token i iff tree_mask[b, j, i]
+               (its ancestors in a token tree, and itself).
+    returns:   [B, 1, q, kv_len]; every query also sees the row's whole cached prefix.
+    Padding queries see a causal pattern (finite garbage, never read back).
     """
-    limit = lengths[:, None] + torch.arange(1, query_len + 1, device=lengths.device)  # [B, q]
     keys = torch.arange(kv_len, device=lengths.device)
-    allowed = keys[None, None, :] < limit[:, :, None]  # [B, q, kv_len]
+    if tree_mask is None:
+        limit = lengths[:, None] + torch.arange(1, query_len + 1, device=lengths.device)  # [B, q]
+        allowed = keys[None, None, :] < limit[:, :, None]  # [B, q, kv_len]
+    else:
+        rel = keys[None, :] - lengths[:, None]  # [B, kv_len], offset into the new tokens
+        in_new = (rel >= 0) & (rel < query_len)
+        idx = rel.clamp(0, query_len - 1)[:, None, :].expand(-1, query_len, -1)  # [B, q, kv_len]
+        allowed = (rel < 0)[:, None, :] | (in_new[:, None, :] & tree_mask.gather(2, idx))
     mask = torch.zeros(allowed.shape, dtype=dtype, device=lengths.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]

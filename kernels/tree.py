@@ -1,0 +1,141 @@
+"""Token trees for tree speculation (Medusa ``medusa_choices``), built with xformers.
+
+A tree is a list of candidates, each a path of top-k indices: ``(0,)`` is head 0's
+most likely token, ``(0, 1)`` head 1's second choice after it, and so on. The root (the
+last committed token, verified for free) is implicit. TensorRT-LLM documents two ways to
+write ``medusa_choices``: every candidate listed explicitly, or only the unique paths,
+which stand for all their prefixes. ``[[0,0,0,0],[0,1,0],[1,0],[1,1]]`` (paths) is the
+nine candidates ``[0] [0,0] [0,0,0] [0,0,0,0] [0,1] [0,1,0] [1] [1,0] [1,1]``, so the target
+checks 10 tokens per step.
+
+Node order and all index tensors come from ``xformers.ops.tree_attention.TreeAttnMetadata``
+(attention bias, depth per node, root-to-leaf retrieval paths, parents), not from hand
+code: node 0 is the root, node i >= 1 is ``choices[i - 1]`` sorted by (length, path).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal, Sequence
+
+import torch
+
+logging.getLogger("xformers").setLevel(logging.ERROR)  # "can't load C++/CUDA extensions" on CPU
+
+Form = Literal["auto", "explicit", "paths"]
+
+
+class TreeError(ValueError):
+    """A malformed ``medusa_choices`` tree."""
+
+
+def normalize_choices(choices: Sequence[Sequence[int]], form: Form = "auto", max_depth: int | None = None) -> tuple:
+    """Validate ``choices`` and return every candidate as sorted tuples.
+
+    form: ``explicit`` (every candidate listed, each one's parent too), ``paths`` (unique
+    paths, expanded to all their prefixes) or ``auto`` (explicit when every parent is
+    listed, else paths).
+    """
+    if not choices:
+        raise TreeError("medusa_choices is empty: need at least one candidate path")
+    paths = []
+    for c in choices:
+        if isinstance(c, (str, bytes)) or not hasattr(c, "__len__") or len(c) == 0:
+            raise TreeError(f"each candidate must be a non-empty list of indices, got {c!r}")
+        if any(not isinstance(i, int) or isinstance(i, bool) for i in c):
+            raise TreeError(f"candidate {list(c)} must hold integers")
+        if any(i < 0 for i in c):
+            raise TreeError(f"candidate {list(c)} has a negative index")
+        paths.append(tuple(c))
+    if len(set(paths)) != len(paths):
+        dup = next(p for p in paths if paths.count(p) > 1)
+        raise TreeError(f"candidate {list(dup)} is listed twice")
+    given = set(paths)
+    missing = [p for p in paths if len(p) > 1 and p[:-1] not in given]
+    if form == "explicit" and missing:
+        raise TreeError(f"candidate {list(missing[0])} has no parent {list(missing[0][:-1])} (explicit form)")
+    if form == "paths" or (form == "auto" and missing):
+        given = {p[:n] for p in paths for n in range(1, len(p) + 1)}
+    depth = max(len(p) for p in given)
+    if max_depth is not None and depth > max_depth:
+        raise TreeError(f"tree depth {depth} exceeds the {max_depth} draft heads available")
+    return tuple(sorted(given, key=lambda p: (len(p), p)))
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    """One tree's structure (CPU tensors; the root is node 0).
+
+    choices:      candidates, node i >= 1 is choices[i - 1]
+    mask:         [T, T] bool, node j attends to node i (its ancestors and itself)
+    depth:        [T] int64, 0 for the root (added to the row's length for position ids)
+    parents:      [T] int64, parent node of each node (root: -1)
+    paths:        [P, D+1] int64, root-to-leaf node indices, padded with -1
+    topk:         [D] int64, candidates each head must provide (max index + 1 per level)
+    """
+
+    choices: tuple
+    mask: torch.Tensor
+    depth: torch.Tensor
+    parents: torch.Tensor
+    paths: torch.Tensor
+    topk: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return int(self.depth.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    def candidate_tokens(self, head_topk: torch.Tensor) -> torch.Tensor:
+        """Tokens of the non-root nodes from each head's ranked candidates.
+
+        head_topk: [B, D, K] int64, head d's top-K tokens (K >= max(topk))
+        returns:   [B, T-1] int64, the token of node i (i >= 1) at column i - 1
+        """
+        level = torch.tensor([len(c) - 1 for c in self.choices])
+        rank = torch.tensor([c[-1] for c in self.choices])
+        return head_topk[:, level, rank]
+
+
+@lru_cache(maxsize=64)
+def _build(choices: tuple) -> TokenTree:
+    from xformers.ops.tree_attention import TreeAttnMetadata
+
+    meta = TreeAttnMetadata.from_tree_choices(list(choices), torch.float32, "cpu")
+    mask = meta.attention_bias == 0  # [T, T], 0 = attend
+    # xformers lists the parents of the non-root nodes, as root-inclusive node indices.
+    parents = torch.cat([torch.tensor([-1]), meta.parent_node_indices.long()])
+    paths = meta.retrieval_indices.long()
+    depth_levels = max(len(c) for c in choices)
+    topk = tuple(max(c[level] for c in choices if len(c) > level) + 1 for level in range(depth_levels))
+    return TokenTree(
+        choices=choices,
+        mask=mask,
+        depth=meta.tree_seq_position_ids.long(),
+        parents=parents,
+        paths=paths,
+        topk=topk,
+    )
+
+
+def build_tree(choices: Sequence[Sequence[int]], form: Form = "auto", max_depth: int | None = None) -> TokenTree:
+    """A validated ``TokenTree`` for ``medusa_choices`` (cached per distinct tree)."""
+    return _build(normalize_choices(choices, form, max_depth))
+
+
+def chain(length: int) -> list[list[int]]:
+    """A linear tree: the top-1 candidate of each of ``length`` heads."""
+    return [[0] * n for n in range(1, length + 1)]
+
+
+# Named trees: a chain, TensorRT-LLM's documented example, a wider two-level tree.
+NAMED_TREES = {
+    "chain": chain(4),
+    "trtllm_example": [[0, 0, 0, 0], [0, 1, 0], [1, 0], [1, 1]],
+    "wide": [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]],
+}
