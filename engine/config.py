@@ -29,6 +29,7 @@ class EngineConfig:
     """Which models, where, and how many sequences at once.
 
     target/draft/tokenizer: Hugging Face checkpoint directories (or hub ids when online).
+    medusa: a Medusa heads directory (public layout) for method 'medusa'.
         With no target, the built-in demo pair is used (built on first use, cached).
     max_num_seqs: rows of the batch (KV cache slots).
     max_model_len: context per sequence; default min(model max positions, 4096).
@@ -40,6 +41,7 @@ class EngineConfig:
     target: str | None = None
     draft: str | None = None
     tokenizer: str | None = None
+    medusa: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
     max_num_seqs: int = 8

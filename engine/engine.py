@@ -28,6 +28,7 @@ from specray.policies.base import proposer_factory
 
 # Importing the proposer modules registers them by name.
 from specray.policies import draft_model as _draft_model  # noqa: F401
+from specray.policies import medusa as _medusa  # noqa: F401
 from specray.policies import prompt_lookup as _prompt_lookup  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,9 @@ log = logging.getLogger(__name__)
 class LLMEngine:
     """Target model + proposers + request queue. Not thread-safe; actors wrap it."""
 
-    def __init__(self, config: EngineConfig | None = None, *, target_model=None, draft_model=None, tokenizer=None):
+    def __init__(
+        self, config: EngineConfig | None = None, *, target_model=None, draft_model=None, tokenizer=None, medusa_heads=None
+    ):
         self.config = config = config or EngineConfig()
         if target_model is None:  # from checkpoints (in-memory models are for tests/embedding)
             paths = config.resolved_paths()
@@ -49,11 +52,17 @@ class LLMEngine:
         self.capacity = config.context_length(target_model.config)
         self.target = ModelRunner(target_model, config.max_num_seqs, self.capacity)
         self.draft_model = draft_model
+        if medusa_heads is None and config.medusa is not None:
+            from specray.policies.medusa import MedusaHeads
+
+            medusa_heads = MedusaHeads.load(config.medusa, hidden_size=target_model.config.hidden_size)
+        self.medusa_heads = medusa_heads
         self.limits = ModelLimits(
             capacity=self.capacity,
             vocab_size=self.target.vocab_size,
             eos_ids=eos_ids(target_model, tokenizer),
             has_draft=draft_model is not None,
+            medusa_heads=medusa_heads.num_heads if medusa_heads is not None else 0,
         )
         self.scheduler = Scheduler(config.max_num_seqs, self.limits, tokenizer, config.default_speculation)
         self._proposers: dict[str, object] = {}
@@ -103,22 +112,27 @@ class LLMEngine:
         plan = S.plan_proposals(batch, self.capacity, self.config.speculation_length)
         parts = {m: self._proposer(m).propose(rows) for m, (_, rows) in plan.rows.items()}
         draft, has_probs = S.merge_drafts(batch, plan, parts, self.target.vocab_size)
-        logits = self.target.forward(
-            [r.slot for r in batch], S.verify_tokens(batch, draft), S.logits_window(len(batch), draft)
-        ).logits  # [B, K+1, V]
-        result = S.accept(batch, draft, has_probs, logits)
-        return self._apply(S.commit_step(batch, draft, result, self.capacity, self.tokenizer))
+        out = self.target.forward(
+            [r.slot for r in batch],
+            S.verify_tokens(batch, draft),
+            S.logits_window(len(batch), draft),
+            tree=S.tree_inputs(draft),
+        )  # logits [B, K+1, V], hidden [B, K+1, H]
+        result = S.accept(batch, draft, has_probs, out.logits)
+        return self._apply(S.commit_step(batch, draft, result, self.capacity, self.tokenizer, out.hidden))
 
     def _prefill(self, joining: list[Request]) -> list[RequestOutput]:
         for r in joining:
             self.target.reset(r.slot)
-        logits = self.target.forward([r.slot for r in joining], [r.prompt_ids for r in joining]).logits[:, 0]
-        tokens = S.first_tokens(joining, logits)
-        return self._apply(S.commit_prefill(joining, tokens, self.capacity, self.tokenizer))
+        out = self.target.forward([r.slot for r in joining], [r.prompt_ids for r in joining])
+        tokens = S.first_tokens(joining, out.logits[:, 0])
+        return self._apply(S.commit_prefill(joining, tokens, self.capacity, self.tokenizer, out.hidden[:, 0]))
 
     def _apply(self, commit: S.Commit) -> list[RequestOutput]:
         for slot, length in commit.target_lengths:
             self.target.set_length(slot, length)
+        if commit.target_paths:
+            self.target.compact(*zip(*commit.target_paths))
         for method, (slots, counts) in commit.proposer_commits.items():
             self._proposer(method).commit(slots, counts)
         for r in commit.finished:
@@ -133,8 +147,8 @@ class LLMEngine:
 
     def _proposer(self, method: str):
         if method not in self._proposers:
-            resources = {"vocab_size": self.target.vocab_size}
-            if self.draft_model is not None:
+            resources = {"vocab_size": self.target.vocab_size, "medusa_heads": self.medusa_heads}
+            if method == "draft" and self.draft_model is not None:
                 resources["draft_runner"] = ModelRunner(self.draft_model, self.config.max_num_seqs, self.capacity)
             self._proposers[method] = proposer_factory(method)(**resources)
         return self._proposers[method]

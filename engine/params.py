@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
@@ -62,6 +64,35 @@ class SpeculationParams(BaseModel):
     max_matching_ngram_size: int = Field(
         2, ge=1, le=16, description="Prompt lookup: longest tail n-gram matched first."
     )
+    medusa_choices: list[list[int]] | None = Field(
+        None, description="Medusa tree: every candidate, or only the unique paths (TensorRT-LLM's two forms)."
+    )
+    tree: str | None = Field(None, description="Medusa: a named tree (chain, trtllm_example, wide).")
+    acceptance: Literal["exact", "typical"] = Field(
+        "exact",
+        description="exact: token match / rejection sampling (lossless). typical: Medusa's typical "
+        "acceptance for tree methods at temperature > 0 (LOSSY, faster).",
+    )
+    posterior_threshold: float = Field(0.09, gt=0, le=1, description="Typical acceptance: hard threshold.")
+    posterior_alpha: float = Field(0.3, gt=0, le=1, description="Typical acceptance: entropy factor.")
+
+    @field_validator("medusa_choices")
+    @classmethod
+    def _valid_tree(cls, v):
+        if v is not None:
+            from specray.kernels.tree import normalize_choices
+
+            normalize_choices(v)  # TreeError (a ValueError) names what is wrong
+        return v
+
+    @field_validator("tree")
+    @classmethod
+    def _known_tree(cls, v):
+        from specray.kernels.tree import NAMED_TREES
+
+        if v is not None and v not in NAMED_TREES:
+            raise ValueError(f"unknown tree {v!r}; named trees: {sorted(NAMED_TREES)}")
+        return v
 
 
 def speculation_off() -> SpeculationParams:

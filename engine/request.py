@@ -15,6 +15,9 @@ import torch
 from specray.engine.metrics import SpecMetrics
 from specray.engine.params import SamplingParams, SpeculationParams
 
+# Proposers that draft from the target's last hidden state (Medusa heads; EAGLE later).
+HIDDEN_STATE_METHODS = frozenset({"medusa"})
+
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -43,6 +46,11 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    last_hidden: torch.Tensor | None = None  # [H], for proposers that read the target's state
+
+    @property
+    def needs_hidden(self) -> bool:
+        return self.speculation.method in HIDDEN_STATE_METHODS
 
     @property
     def token_ids(self) -> list[int]:

@@ -35,6 +35,7 @@ class ModelLimits:
     vocab_size: int
     eos_ids: frozenset[int]
     has_draft: bool
+    medusa_heads: int = 0  # 0 = no Medusa heads loaded
 
 
 class Scheduler:
@@ -53,6 +54,8 @@ class Scheduler:
         check_method_name(method)
         if method == "draft" and not self.limits.has_draft:
             raise ValueError("method 'draft' needs a draft model (EngineConfig.draft)")
+        if method == "medusa" and not self.limits.medusa_heads:
+            raise ValueError("method 'medusa' needs Medusa heads (EngineConfig.medusa; `specray train medusa`)")
 
     def make_request(
         self,
@@ -65,6 +68,10 @@ class Scheduler:
         sampling = sampling or SamplingParams()
         speculation = speculation or self.default_speculation
         self.check_method(speculation.method)
+        if speculation.method == "medusa":
+            from specray.policies.medusa import resolve_tree
+
+            resolve_tree(speculation.model_dump(), self.limits.medusa_heads)  # depth vs heads
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")

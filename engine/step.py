@@ -21,8 +21,7 @@ import torch
 
 from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import PLAIN
-from specray.engine.verify import accept, sampling_tensors  # noqa: F401  (re-exported)
-from specray.kernels.acceptance import Acceptance
+from specray.engine.verify import StepResult, accept, sampling_tensors, tree_inputs  # noqa: F401 (re-exported)
 from specray.kernels.sampling import probs_from_logits, sample
 from specray.policies.base import Draft, ProposalRow, SamplingView
 from specray.policies.spec_length import SpeculationLengthPolicy
@@ -63,7 +62,12 @@ def proposal_row(r: Request, k: int) -> ProposalRow:
         num_tokens=k,
         sampling=SamplingView(s.temperature, s.top_p, s.effective_top_k),
         generator=r.generator,
-        options={"max_matching_ngram_size": r.speculation.max_matching_ngram_size},
+        options={
+            "max_matching_ngram_size": r.speculation.max_matching_ngram_size,
+            "medusa_choices": r.speculation.medusa_choices,
+            "tree": r.speculation.tree,
+        },
+        hidden=r.last_hidden,
     )
 
 
@@ -73,23 +77,29 @@ def merge_drafts(
     """One Draft [B, K] for the batch from each method's part (None = proposer failed)."""
     token_lists: list[list[int]] = [[] for _ in batch]
     probs_rows: dict[int, torch.Tensor] = {}
+    trees: list = [None] * len(batch)
     for method, (idx, _) in plan.rows.items():
         part = parts.get(method)
         if part is None:
             continue  # that proposer is down: its rows decode plainly this step
         for n, i in enumerate(idx):
+            if part.trees is not None and part.trees[n] is not None:  # a tree keeps all its nodes
+                trees[i] = part.trees[n]
+                token_lists[i] = part.tokens[n, : int(part.lengths[n])].tolist()
+                continue
             length = min(int(part.lengths[n]), plan.ks[i])
             token_lists[i] = part.tokens[n, :length].tolist()
             if part.probs is not None and not batch[i].sampling.greedy:
                 probs_rows[i] = part.probs[n, :length]
     draft = Draft.from_lists(token_lists)
     has_probs = [i in probs_rows for i in range(len(batch))]
+    probs = None
     if probs_rows:
         probs = torch.zeros(len(batch), draft.max_len, vocab_size)
         for i, p in probs_rows.items():
             probs[i, : p.shape[0]] = p[:, :vocab_size]
-        draft = Draft(draft.tokens, draft.lengths, probs)
-    return draft, has_probs
+    tree_rows = trees if any(t is not None for t in trees) else None
+    return Draft(draft.tokens, draft.lengths, probs, trees=tree_rows), has_probs
 
 
 def verify_tokens(batch: Sequence[Request], draft: Draft) -> list[list[int]]:
@@ -103,28 +113,41 @@ def logits_window(batch_size: int, draft: Draft) -> torch.Tensor:  # [B, K+1]
 
 @dataclass
 class Commit:
-    """What the workers must do after a step, and what the step produced."""
+    """What the workers must do after a step, and what the step produced.
 
-    target_lengths: list[tuple[int, int]] = field(default_factory=list)  # (slot, length)
+    target_lengths: (slot, length) to roll the target back to; target_paths: (slot,
+    kept tree nodes) to compact after that (tree rows).
+    """
+
+    target_lengths: list[tuple[int, int]] = field(default_factory=list)
+    target_paths: list[tuple[int, list[int]]] = field(default_factory=list)
     proposer_commits: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     outputs: list[RequestOutput] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
 
 
-def commit_step(batch: Sequence[Request], draft: Draft, result: Acceptance, capacity: int, tokenizer) -> Commit:
+def commit_step(
+    batch: Sequence[Request], draft: Draft, result: StepResult, capacity: int, tokenizer, hidden=None
+) -> Commit:
+    """hidden: [B, K+1, H] target hidden states of the verify positions (methods that need them)."""
     commit = Commit()
     for i, r in enumerate(batch):
-        n = int(result.num_accepted[i])
+        n = result.num_accepted[i]
         drafted = int(draft.lengths[i])
-        # The target cache now holds the last committed token + the n accepted drafts.
-        commit.target_lengths.append((r.slot, r.num_tokens + n))
+        if i in result.paths:  # tree: keep the root + accepted path, compacted after the root
+            commit.target_lengths.append((r.slot, r.num_tokens - 1))
+            commit.target_paths.append((r.slot, result.paths[i]))
+        else:  # the cache now holds the last committed token + the n accepted drafts
+            commit.target_lengths.append((r.slot, r.num_tokens + n))
+        if hidden is not None and r.needs_hidden:
+            r.last_hidden = hidden[i, result.hidden_at[i]]
         if drafted:
             slots, counts = commit.proposer_commits.setdefault(r.speculation.method, ([], []))
             slots.append(r.slot)
             counts.append(n)
         r.metrics.record_draft(drafted, n)
         r.metrics.target_forward_passes += 1
-        kept = r.append(result.emitted(i), capacity, tokenizer)
+        kept = r.append(result.emitted[i], capacity, tokenizer)
         commit.outputs.append(r.output(kept))
         if r.finished:
             commit.finished.append(r)
@@ -143,9 +166,12 @@ def first_tokens(reqs: Sequence[Request], logits: torch.Tensor) -> list[int]:
     return tokens.tolist()
 
 
-def commit_prefill(reqs: Sequence[Request], tokens: Sequence[int], capacity: int, tokenizer) -> Commit:
+def commit_prefill(reqs: Sequence[Request], tokens: Sequence[int], capacity: int, tokenizer, hidden=None) -> Commit:
+    """hidden: [B, H] target hidden states at the last prompt token."""
     commit = Commit()
-    for r, tok in zip(reqs, tokens):
+    for i, (r, tok) in enumerate(zip(reqs, tokens)):
+        if hidden is not None and r.needs_hidden:
+            r.last_hidden = hidden[i]
         r.metrics.target_forward_passes += 1
         kept = r.append([tok], capacity, tokenizer)
         commit.outputs.append(r.output(kept))

@@ -7,13 +7,43 @@ its draft probabilities).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-from specray.kernels.acceptance import Acceptance, greedy_accept, rejection_accept
+from specray.kernels.acceptance import greedy_accept, rejection_accept
 from specray.kernels.sampling import probs_from_logits
+from specray.kernels.tree_acceptance import tree_greedy_accept, tree_rejection_accept, tree_typical_accept
 from specray.policies.base import Draft
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Per row: accepted count, emitted tokens, the verify position whose hidden state
+    produced the final token, and (tree rows) the kept node path, root first."""
+
+    num_accepted: list[int]
+    emitted: list[list[int]]
+    hidden_at: list[int]
+    paths: dict[int, list[int]]
+
+
+def tree_inputs(draft: Draft) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(mask [B, q, q] bool, depth [B, q]) when any row is a tree; chains elsewhere."""
+    if not draft.trees or all(t is None for t in draft.trees):
+        return None
+    b, q = draft.tokens.shape[0], draft.max_len + 1
+    mask = torch.eye(q, dtype=torch.bool).repeat(b, 1, 1)  # padding nodes see themselves
+    depth = torch.arange(q).repeat(b, 1)
+    for i, tree in enumerate(draft.trees):
+        if tree is None:
+            n = int(draft.lengths[i]) + 1
+            mask[i, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        else:
+            mask[i, : tree.size, : tree.size] = tree.mask
+            depth[i, : tree.size] = tree.depth
+    return mask, depth
 
 
 def sampling_tensors(reqs: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -25,13 +55,16 @@ def sampling_tensors(reqs: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.
     )
 
 
-def accept(reqs: Sequence, draft: Draft, has_probs: Sequence[bool], logits: torch.Tensor) -> Acceptance:
+def accept(reqs: Sequence, draft: Draft, has_probs: Sequence[bool], logits: torch.Tensor) -> StepResult:
     """logits: [B, K+1, V] target logits at the last committed token and each draft token."""
     b, k1, vocab = logits.shape
     num_accepted = torch.zeros(b, dtype=torch.long)
     tokens = torch.zeros(b, k1, dtype=torch.long)
     groups = {"greedy": [], "probs": [], "onehot": []}
+    trees = draft.trees or [None] * b
     for i, r in enumerate(reqs):
+        if trees[i] is not None:
+            continue
         key = "greedy" if r.sampling.greedy else ("probs" if has_probs[i] else "onehot")
         groups[key].append(i)
     for key, idx in groups.items():
@@ -52,4 +85,30 @@ def accept(reqs: Sequence, draft: Draft, has_probs: Sequence[bool], logits: torc
             part = rejection_accept(d_tokens, d_lens, d_probs, probs, [r.generator for r in sub])
         num_accepted[at] = part.num_accepted.cpu()
         tokens[at] = part.tokens.cpu()
-    return Acceptance(num_accepted=num_accepted, tokens=tokens)
+    accepted = num_accepted.tolist()
+    emitted = [tokens[i, : accepted[i] + 1].tolist() for i in range(b)]
+    hidden_at = list(accepted)  # linear rows: position n produced the final token
+    paths = {}
+    for i, tree in enumerate(trees):
+        if tree is not None:
+            res = _accept_tree(reqs[i], tree, draft, i, logits[i, : tree.size])
+            accepted[i], emitted[i], hidden_at[i], paths[i] = res.num_accepted, res.emitted, res.path[-1], res.path
+    return StepResult(accepted, emitted, hidden_at, paths)
+
+
+def _accept_tree(req, tree, draft: Draft, row: int, logits: torch.Tensor):  # logits [T, V]
+    node_tokens = [int(req.output_ids[-1])] + draft.tokens[row, : tree.size - 1].tolist()
+    s, spec = req.sampling, req.speculation
+    if s.greedy:
+        return tree_greedy_accept(tree, node_tokens, logits)
+    n = tree.size
+    probs = probs_from_logits(
+        logits,
+        torch.full((n,), s.temperature),
+        torch.full((n,), s.effective_top_k, dtype=torch.long),
+        torch.full((n,), s.top_p),
+    )
+    if spec.acceptance == "typical":
+        return tree_typical_accept(tree, node_tokens, probs, False, spec.posterior_threshold,
+                                   spec.posterior_alpha, req.generator)
+    return tree_rejection_accept(tree, node_tokens, probs, req.generator)

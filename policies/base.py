@@ -41,7 +41,8 @@ class ProposalRow:
     num_tokens: int
     sampling: SamplingView = SamplingView()
     generator: torch.Generator | None = None
-    options: Mapping[str, int] = field(default_factory=dict)
+    options: Mapping[str, object] = field(default_factory=dict)
+    hidden: torch.Tensor | None = None  # [H] target hidden state that produced the last token
 
 
 @dataclass(frozen=True)
@@ -53,11 +54,14 @@ class Draft:
     probs:   [B, K, V] float32 or None. The distribution each draft token was sampled
              from; None means deterministic proposals (n-gram), which the rejection
              sampler treats as one-hot — still exact.
+    trees:   per row a ``TokenTree`` or None (a chain). For a tree row, tokens[i] are
+             its non-root nodes in node order and lengths[i] = tree size - 1.
     """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     probs: torch.Tensor | None = None
+    trees: list | None = None
 
     @property
     def max_len(self) -> int:

@@ -1,0 +1,112 @@
+"""Acceptance on token trees: which root-to-node path the target keeps.
+
+Terms as in ``kernels/acceptance.py``: the accepted tokens are the kept path's nodes,
+then one recovered or bonus token. Per row (trees are small; a row loop over depth):
+
+* greedy (lossless): from the root, follow the child whose token equals the target's
+  argmax; stop at a node with no such child and emit that argmax.
+* exact sampling (lossless, any temperature/top-p/top-k): at each node, try the
+  children in rank order as one-hot proposals against the running residual r (start
+  r = p): accept child c with probability r(c)/sum(r); on rejection zero r(c) and try the
+  next sibling; if all are rejected, emit a token sampled from r; at a leaf, emit the
+  bonus token from p. Each sibling test is the one-hot case of speculative sampling,
+  so the emitted tokens are distributed exactly as the target's (cf. SpecInfer's
+  multi-step speculative sampling, EAGLE's tree sampling). This needs candidates that
+  are a fixed function of the prefix (Medusa's top-k are).
+* typical acceptance (Medusa; LOSSY, opt-in): a child is acceptable when
+  p(c) > min(posterior_threshold, posterior_alpha * exp(-H(p))); follow the most likely
+  acceptable child; emit the argmax (temperature 0) or a sample from p at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from specray.kernels.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class TreeAcceptance:
+    """path: kept node indices, root first; emitted: accepted node tokens + the final token."""
+
+    path: list[int]
+    emitted: list[int]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path) - 1
+
+
+def _children(tree: TokenTree) -> list[list[int]]:
+    kids: list[list[int]] = [[] for _ in range(tree.size)]
+    for node in range(1, tree.size):
+        kids[int(tree.parents[node])].append(node)
+    for k in kids:  # rank order: the candidate index at the child's level
+        k.sort(key=lambda n: tree.choices[n - 1][-1])
+    return kids
+
+
+def tree_greedy_accept(tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor) -> TreeAcceptance:
+    """tokens: [T] node tokens (node 0 = root); logits: [T, V] target logits per node."""
+    best = logits.argmax(dim=-1).tolist()
+    kids = _children(tree)
+    node, path = 0, [0]
+    while True:
+        nxt = next((c for c in kids[node] if tokens[c] == best[node]), None)
+        if nxt is None:
+            return TreeAcceptance(path, [tokens[n] for n in path[1:]] + [best[node]])
+        node = nxt
+        path.append(node)
+
+
+def tree_rejection_accept(
+    tree: TokenTree, tokens: Sequence[int], probs: torch.Tensor, generator: torch.Generator | None
+) -> TreeAcceptance:
+    """probs: [T, V] target distributions per node (after temperature/top-k/top-p)."""
+    kids = _children(tree)
+    node, path = 0, [0]
+    while True:
+        residual = probs[node].double().clone()
+        accepted = None
+        for c in kids[node]:
+            tok = tokens[c]
+            mass = residual.sum()
+            u = torch.rand((), generator=generator, dtype=torch.float64)
+            if mass > 0 and u * mass < residual[tok]:
+                accepted = c
+                break
+            residual[tok] = 0.0
+        if accepted is None:
+            if residual.sum() <= 0:  # float corner: fall back to the target itself
+                residual = probs[node].double()
+            final = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+            return TreeAcceptance(path, [tokens[n] for n in path[1:]] + [final])
+        node = accepted
+        path.append(node)
+
+
+def tree_typical_accept(
+    tree: TokenTree,
+    tokens: Sequence[int],
+    probs: torch.Tensor,
+    greedy: bool,
+    posterior_threshold: float,
+    posterior_alpha: float,
+    generator: torch.Generator | None,
+) -> TreeAcceptance:
+    """Medusa's typical acceptance (lossy). probs: [T, V]."""
+    kids = _children(tree)
+    node, path = 0, [0]
+    while True:
+        p = probs[node]
+        entropy = -(p * torch.log(p.clamp_min(1e-10))).sum()
+        bar = min(posterior_threshold, posterior_alpha * float(torch.exp(-entropy)))
+        ok = [c for c in kids[node] if float(p[tokens[c]]) > bar]
+        if not ok:
+            final = int(p.argmax()) if greedy else int(torch.multinomial(p, 1, generator=generator))
+            return TreeAcceptance(path, [tokens[n] for n in path[1:]] + [final])
+        node = max(ok, key=lambda c: float(p[tokens[c]]))
+        path.append(node)

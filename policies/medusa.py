@@ -1,0 +1,147 @@
+"""Medusa: K extra heads on the target's last hidden state guess tokens t+2 .. t+K+1.
+
+Heads use the public Medusa checkpoint layout (FasterDecoding/Medusa), so existing heads
+load: ``config.json`` with ``medusa_num_heads`` and ``medusa_num_layers`` (and
+``hidden_size``/``vocab_size`` if present), weights in ``medusa_lm_head.safetensors`` or
+``medusa_lm_head.pt`` with keys ``{head}.{layer}.linear.weight|bias`` for the residual
+blocks and ``{head}.{num_layers}.weight`` for each head's vocabulary projection.
+
+The proposer places each head's top-k on a ``medusa_choices`` tree; the target verifies
+the whole tree in one forward, and its hidden state at the last accepted node feeds the
+next round's heads.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from specray.kernels.tree import NAMED_TREES, TokenTree, build_tree
+from specray.policies.base import Draft, ProposalRow, register_proposer
+
+WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+DEFAULT_TREE = "trtllm_example"
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), initialized as the identity (W = 0)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return x + self.act(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads, each ``num_layers`` ResBlocks and a vocabulary projection."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1):
+        super().__init__()
+        if num_heads < 1 or num_layers < 0:
+            raise ValueError(f"need medusa_num_heads >= 1 and medusa_num_layers >= 0, got {num_heads}, {num_layers}")
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.num_heads, self.num_layers = num_heads, num_layers
+        self.heads = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)], nn.Linear(hidden_size, vocab_size, bias=False))
+            for _ in range(num_heads)
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, K, V]
+        return torch.stack([head(hidden) for head in self.heads], dim=1)
+
+    # -- the public checkpoint layout --------------------------------------------------------
+    def save(self, directory: str | pathlib.Path, base_model: str | None = None) -> None:
+        from safetensors.torch import save_file
+
+        out = pathlib.Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        config = {
+            "medusa_num_heads": self.num_heads,
+            "medusa_num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "base_model_name_or_path": base_model,
+        }
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+        state = {k: v.contiguous() for k, v in self.heads.state_dict().items()}
+        save_file(state, str(out / WEIGHT_FILES[0]))
+
+    @classmethod
+    def load(cls, directory: str | pathlib.Path, hidden_size: int | None = None, vocab_size: int | None = None):
+        """Heads from a Medusa checkpoint dir; ``hidden_size``/``vocab_size`` default to the file's."""
+        path = pathlib.Path(directory)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file} not found: not a Medusa heads directory")
+        cfg = json.loads(cfg_file.read_text())
+        if "medusa_num_heads" not in cfg:
+            raise ValueError(f"{cfg_file} has no medusa_num_heads")
+        weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
+        if weights is None:
+            raise FileNotFoundError(f"no {' or '.join(WEIGHT_FILES)} in {path}")
+        if weights.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(weights))
+        else:
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+        state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
+        num_heads, num_layers = int(cfg["medusa_num_heads"]), int(cfg.get("medusa_num_layers", 1))
+        proj = state.get(f"0.{num_layers}.weight")
+        if proj is None:
+            raise ValueError(f"{weights}: no key '0.{num_layers}.weight' (head 0's projection); keys: {sorted(state)[:6]}")
+        vocab, hidden = proj.shape
+        if hidden_size is not None and hidden != hidden_size:
+            raise ValueError(f"Medusa heads expect hidden size {hidden}, the target has {hidden_size}")
+        heads = cls(hidden, vocab_size or vocab, num_heads, num_layers)
+        try:
+            heads.heads.load_state_dict(state)
+        except RuntimeError as exc:
+            raise ValueError(f"{weights} does not match {num_heads} heads x {num_layers} layers: {exc}") from None
+        return heads.eval()
+
+
+def resolve_tree(options, num_heads: int) -> TokenTree:
+    """The row's tree: explicit ``medusa_choices``, a named tree, or the default."""
+    choices = options.get("medusa_choices")
+    if choices is None:
+        choices = NAMED_TREES[options.get("tree") or DEFAULT_TREE]
+    return build_tree(choices, max_depth=num_heads)
+
+
+@register_proposer("medusa")
+class MedusaProposer:
+    """Needs the target's hidden state (``ProposalRow.hidden``) at the last emitted position."""
+
+    needs_hidden = True
+
+    def __init__(self, medusa_heads: MedusaHeads, **_ignored):
+        self.heads = medusa_heads
+
+    @torch.inference_mode()
+    def propose(self, rows: Sequence[ProposalRow]) -> Draft:
+        if any(r.hidden is None for r in rows):
+            raise ValueError("medusa needs the target's hidden state for every row")
+        trees = [resolve_tree(r.options, self.heads.num_heads) for r in rows]
+        hidden = torch.stack([r.hidden for r in rows]).to(next(self.heads.parameters()).dtype)
+        logits = self.heads(hidden)  # [B, K, V]
+        k = max(max(t.topk) for t in trees)
+        topk = logits.topk(k, dim=-1).indices.cpu()  # [B, K, k]
+        node_tokens = [t.candidate_tokens(topk[i : i + 1, : t.max_depth])[0].tolist() for i, t in enumerate(trees)]
+        draft = Draft.from_lists(node_tokens)
+        return Draft(draft.tokens, draft.lengths, None, trees=trees)
+
+    def commit(self, slots: Sequence[int], num_accepted: Sequence[int]) -> None:
+        """Stateless: the next round starts from the target's hidden state."""
+
+    def release(self, slot: int) -> None:
+        pass

@@ -1,0 +1,122 @@
+"""Medusa: public head layout, lossless greedy on trees, exact tree sampling, typical acceptance."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specray.engine.config import EngineConfig
+from specray.engine.engine import LLMEngine
+from specray.engine.params import SamplingParams, SpeculationParams
+from specray.kernels.tree import NAMED_TREES
+from specray.policies.medusa import MedusaHeads
+from tests.conftest import hf_greedy, tiny_llama
+from tests.test_engine import GREEDY, ragged_prompts
+
+
+def random_heads(hidden=32, vocab=64, heads=4, layers=1, seed=0):
+    torch.manual_seed(seed)
+    h = MedusaHeads(hidden, vocab, heads, layers)
+    for p in h.parameters():  # non-zero residual blocks too, so loading is really tested
+        torch.nn.init.normal_(p, std=0.3)
+    return h.eval()
+
+
+def medusa_engine(target, heads, max_num_seqs=4):
+    return LLMEngine(EngineConfig(target="x", max_num_seqs=max_num_seqs), target_model=copy.deepcopy(target),
+                     medusa_heads=heads)
+
+
+def test_public_layout_round_trip(tmp_path):
+    heads = random_heads()
+    heads.save(tmp_path / "st")
+    loaded = MedusaHeads.load(tmp_path / "st", hidden_size=32)
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(loaded(x), heads(x))
+    # The original Medusa release: medusa_lm_head.pt, keys "{head}.{layer}.linear.weight" ...
+    (tmp_path / "pt").mkdir()
+    (tmp_path / "pt" / "config.json").write_text(json.dumps({"medusa_num_heads": 4, "medusa_num_layers": 1}))
+    torch.save(heads.heads.state_dict(), tmp_path / "pt" / "medusa_lm_head.pt")
+    assert "0.0.linear.weight" in heads.heads.state_dict() and "0.1.weight" in heads.heads.state_dict()
+    torch.testing.assert_close(MedusaHeads.load(tmp_path / "pt")(x), heads(x))
+
+
+def test_bad_head_files_raise(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        MedusaHeads.load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 4, "medusa_num_layers": 1}))
+    with pytest.raises(FileNotFoundError, match="medusa_lm_head"):
+        MedusaHeads.load(tmp_path)
+    torch.save({"0.1.weight": torch.zeros(64, 16)}, tmp_path / "medusa_lm_head.pt")
+    with pytest.raises(ValueError, match="hidden size 16"):
+        MedusaHeads.load(tmp_path, hidden_size=32)
+    with pytest.raises(ValueError, match="does not match"):
+        MedusaHeads.load(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_pair):
+    return [hf_greedy(tiny_pair[0], p, GREEDY.max_tokens) for p in ragged_prompts(8)]
+
+
+@pytest.mark.parametrize("tree", list(NAMED_TREES))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_medusa_equals_hf_generate(tiny_pair, references, tree, batch):
+    engine = medusa_engine(tiny_pair[0], random_heads(), max_num_seqs=batch)
+    prompts = ragged_prompts(8 if batch > 1 else 3)
+    outs = engine.generate(prompts, GREEDY, SpeculationParams(method="medusa", tree=tree))
+    assert [o.token_ids for o in outs] == references[: len(prompts)]
+    assert engine.totals.num_drafts > 0
+
+
+def test_medusa_with_self_heads_accepts_and_stays_lossless(tiny_pair, references):
+    """Heads that copy the target's own next-token head: head 0 often guesses right."""
+    target = tiny_pair[0]
+    heads = MedusaHeads(32, 64, 4, 1)
+    for head in heads.heads:
+        head[-1].weight.data.copy_(target.lm_head.weight.data)
+    engine = medusa_engine(target, heads.eval())
+    outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method="medusa", medusa_choices=[[0], [1], [0, 0]]))
+    assert [o.token_ids for o in outs] == references
+    # Mixed with other methods in one batch.
+    engine2 = LLMEngine(EngineConfig(target="x", max_num_seqs=4), target_model=copy.deepcopy(target),
+                        draft_model=copy.deepcopy(tiny_pair[1]), medusa_heads=heads.eval())
+    specs = [SpeculationParams(method=m) for m in ["medusa", "draft", "ngram", "none"] * 2]
+    assert [o.token_ids for o in engine2.generate(ragged_prompts(8), GREEDY, specs)] == references
+
+
+def test_medusa_requests_are_validated(tiny_pair):
+    engine = medusa_engine(tiny_pair[0], random_heads(heads=2))
+    with pytest.raises(ValueError, match="exceeds the 2 draft heads"):
+        engine.add_request([1, 2, 3], GREEDY, SpeculationParams(method="medusa", tree="trtllm_example"))
+    with pytest.raises(ValueError, match="listed twice"):
+        SpeculationParams(method="medusa", medusa_choices=[[0], [0]])
+    with pytest.raises(ValueError, match="unknown tree"):
+        SpeculationParams(method="medusa", tree="bushy")
+    plain = LLMEngine(EngineConfig(target="x"), target_model=copy.deepcopy(tiny_pair[0]))
+    with pytest.raises(ValueError, match="needs Medusa heads"):
+        plain.add_request([1, 2], GREEDY, SpeculationParams(method="medusa"))
+
+
+def test_tree_sampling_keeps_the_target_distribution():
+    from tests.test_sampling_e2e import N, PARAMS, PROMPT, VOCAB, check, exact_joint
+
+    target = tiny_llama(vocab=VOCAB, seed=3, init=0.25)
+    engine = medusa_engine(target, random_heads(vocab=VOCAB, seed=5), max_num_seqs=64)
+    params = [SamplingParams(seed=i, **PARAMS) for i in range(N)]
+    spec = SpeculationParams(method="medusa", medusa_choices=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    outs = engine.generate([PROMPT] * N, params, spec)
+    t = engine.totals
+    assert 0 < t.num_accepted_tokens and t.num_drafts > N // 2
+    pvals = check(np.array([o.token_ids for o in outs]), exact_joint(target))
+    assert min(pvals) > 1e-3, pvals
+
+
+def test_typical_acceptance_runs_and_is_labelled_lossy(tiny_pair):
+    engine = medusa_engine(tiny_pair[0], random_heads())
+    spec = SpeculationParams(method="medusa", acceptance="typical", posterior_threshold=0.09, posterior_alpha=0.3)
+    outs = engine.generate(ragged_prompts(4), SamplingParams(max_tokens=16, temperature=0.7, seed=1), spec)
+    assert all(len(o.token_ids) == 16 for o in outs)
+    assert "LOSSY" in SpeculationParams.model_fields["acceptance"].description
