@@ -118,6 +118,14 @@ def _load_config(path: str) -> dict:
         return yaml.safe_load(f) or {}
 
 
+def _train(args) -> int:
+    if args.what != "medusa":
+        raise ValueError(f"unknown training target {args.what!r}; known: medusa")
+    from specray.cluster.train_medusa import main as train_main
+
+    return train_main(args.rest)
+
+
 def _bench(args) -> int:
     from specray.bench.speed import main as bench_main
 
@@ -163,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="Ray address (default: start a local Ray)")
     p.add_argument("--once", metavar="PROMPT", default=None, help="answer one completion for PROMPT, then exit")
     p.set_defaults(func=_serve)
+
+    p = sub.add_parser("train", help="train proposer weights: `specray train medusa --out DIR [--target DIR]`")
+    p.add_argument("what", help="medusa")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_train)
 
     p = sub.add_parser("bench", help="speed benchmark on the demo pair (see specray.bench.speed --help)")
     p.add_argument("rest", nargs=argparse.REMAINDER)

@@ -120,3 +120,24 @@ def test_typical_acceptance_runs_and_is_labelled_lossy(tiny_pair):
     outs = engine.generate(ragged_prompts(4), SamplingParams(max_tokens=16, temperature=0.7, seed=1), spec)
     assert all(len(o.token_ids) == 16 for o in outs)
     assert "LOSSY" in SpeculationParams.model_fields["acceptance"].description
+
+
+def test_training_lowers_the_loss_and_writes_the_public_layout(tmp_path, monkeypatch):
+    """A few self-distillation steps on the tiny target (its own token stream as corpus)."""
+    from specray.cluster import train_medusa as T
+
+    target = tiny_llama(seed=0)
+    target.save_pretrained(tmp_path / "target")
+    monkeypatch.setattr(T, "corpus_ids", lambda tok, n, seed: torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(0)))
+
+    class ByteTok:  # the corpus is stubbed; only from_pretrained must succeed
+        @staticmethod
+        def from_pretrained(path):
+            return None
+
+    monkeypatch.setattr("transformers.AutoTokenizer", ByteTok)
+    first = T.train_medusa(str(tmp_path / "target"), str(tmp_path / "h1"), heads=2, steps=1, batch_size=4, seq_len=32)
+    last = T.train_medusa(str(tmp_path / "target"), str(tmp_path / "h2"), heads=2, steps=40, batch_size=4, seq_len=32)
+    assert last["final_loss"] < first["final_loss"]
+    heads = MedusaHeads.load(tmp_path / "h2", hidden_size=32)
+    assert heads.num_heads == 2
