@@ -1,0 +1,459 @@
+"""Batch generation as a Ray job: JSONL prompts in, JSONL completions out, resumable.
+
+    ray job submit -- python -m specray.cluster.jobs --input prompts.jsonl --output out.jsonl \\
+        [--config specray.yaml] [--batch-size 64]
+
+Input: one JSON object per line (blank lines are ignored)::
+
+    {"id": "a", "prompt": "def fib(n):", "sampling": {"max_tokens": 64, "temperature": 0},
+     "speculation": {"method": "draft", "num_speculative_tokens": 4}}
+    {"prompt": [1, 2, 3]}
+
+``prompt`` is a string or a list of token ids; ``sampling`` holds ``SamplingParams``
+fields (default: ``SamplingParams()``), ``speculation`` ``SpeculationParams`` fields
+(default: the config's ``default_speculation``). Every line is validated before anything
+is generated; bad lines are reported with their line numbers (exit code 2).
+
+Output: one JSON object per input record, in input order::
+
+    {"index": 0, "id": "a", "text": ..., "token_ids": [...], "finish_reason": "length", "metrics": {...}}
+
+``index`` counts records (non-blank input lines) from 0. The file is flushed after each
+batch; if it already exists, its lines are kept and only the missing records are
+generated (a truncated last line, left by a crash, is dropped and rewritten), so running
+the same command twice neither redoes nor duplicates work. A summary of this run is
+printed to stdout as one JSON line and written to ``<output>.metrics.json``.
+
+Ray: with ``--address`` or ``$RAY_ADDRESS`` (set by ``ray job submit``) the job joins
+that cluster (``--address auto`` finds a running one); otherwise it starts a local one.
+An already-initialized Ray (a test, a notebook) is used as is.
+
+Exit codes: 0 done, 2 bad arguments/config/input/output file, 1 generation failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from specray.cluster.config import SpecrayConfig
+from specray.engine.metrics import SpecMetrics
+from specray.engine.params import SamplingParams, SpeculationParams
+
+log = logging.getLogger("specray.jobs")
+
+MAX_REPORTED_ERRORS = 20
+_METRIC_FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos",
+                  "target_forward_passes", "num_generated_tokens")
+
+
+class UsageError(Exception):
+    """Bad arguments, config, input or output file: exit code 2, nothing generated."""
+
+
+class JobLine(BaseModel):
+    """One input record."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | list[StrictInt] = Field(..., description="Text, or token ids.")
+    id: str | StrictInt | None = Field(None, description="Copied to the output line.")
+    sampling: SamplingParams | None = None
+    speculation: SpeculationParams | None = None
+
+
+# -- config and input ----------------------------------------------------------------------
+def load_config(path: str | None) -> SpecrayConfig:
+    """A SpecrayConfig from a YAML or JSON file; SpecrayConfig() (the demo pair) without one."""
+    if path is None:
+        return SpecrayConfig()
+    try:
+        raw = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read config {path}: {exc}") from None
+    try:
+        if path.endswith(".json"):
+            data = json.loads(raw)
+        else:
+            try:
+                import yaml
+            except ImportError:  # JSON is YAML; without pyyaml accept JSON only
+                data = json.loads(raw)
+            else:
+                data = yaml.safe_load(raw)
+    except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
+        raise UsageError(f"config {path} does not parse: {exc}") from None
+    try:
+        return SpecrayConfig.model_validate(data if data is not None else {})
+    except ValidationError as exc:
+        raise UsageError(f"config {path} is invalid:\n{_format_errors(exc, indent='  ')}") from None
+
+
+def _format_errors(exc: ValidationError, indent: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(root)"
+        lines.append(f"{indent}{loc}: {err['msg']}")
+    return "\n".join(lines)
+
+
+def _model_facts(config: SpecrayConfig) -> tuple[int | None, bool | None]:
+    """(vocab size, has a tokenizer) of a local target checkpoint; None where unknown."""
+    if config.target is None or not os.path.isdir(config.target):
+        return None, None
+    vocab = None
+    try:
+        cfg = json.loads((Path(config.target) / "config.json").read_text())
+        vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    except (OSError, ValueError):
+        pass
+    tok_dir = config.tokenizer or config.target
+    has_tok = None
+    if os.path.isdir(tok_dir):
+        names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        has_tok = any(os.path.exists(os.path.join(tok_dir, n)) for n in names)
+    return vocab, has_tok
+
+
+def read_input(path: str, config: SpecrayConfig) -> list[JobLine]:
+    """Parse and validate every line; UsageError listing all bad lines (1-based numbers)."""
+    from specray.engine.engine import check_method_name  # registers the proposers
+
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read input {path}: {exc}") from None
+    vocab, has_tokenizer = _model_facts(config)
+    has_draft = config.draft is not None or config.target is None  # the demo pair has one
+    records, errors = [], []
+    # split on newlines only: str.splitlines() would also break at U+2028 etc. inside strings
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            errors.append(f"line {lineno}: invalid JSON: {exc}")
+            continue
+        if not isinstance(obj, dict):
+            errors.append(f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
+            continue
+        try:
+            rec = JobLine.model_validate(obj)
+        except ValidationError as exc:
+            errors.extend(f"line {lineno}: {e}" for e in _format_errors(exc).splitlines())
+            continue
+        problem = _check_record(rec, config, vocab, has_tokenizer, has_draft, check_method_name)
+        if problem:
+            errors.append(f"line {lineno}: {problem}")
+            continue
+        records.append(rec)
+    if errors:
+        shown = errors[:MAX_REPORTED_ERRORS]
+        more = len(errors) - len(shown)
+        msg = f"{path}: {len(errors)} bad input line(s), nothing generated:\n  " + "\n  ".join(shown)
+        if more:
+            msg += f"\n  ... and {more} more"
+        raise UsageError(msg)
+    return records
+
+
+def _check_record(rec: JobLine, config, vocab, has_tokenizer, has_draft, check_method_name) -> str | None:
+    if isinstance(rec.prompt, str):
+        if not rec.prompt:
+            return "prompt: the prompt is empty"
+        if has_tokenizer is False:
+            return f"prompt: a text prompt needs a tokenizer and {config.tokenizer or config.target} has none; pass token ids"
+    else:
+        if not rec.prompt:
+            return "prompt: the prompt is empty"
+        if vocab is not None and (min(rec.prompt) < 0 or max(rec.prompt) >= vocab):
+            return f"prompt: token ids must lie in [0, {vocab})"
+    spec = rec.speculation or config.default_speculation
+    try:
+        check_method_name(spec.method)
+    except ValueError as exc:
+        return f"speculation.method: {exc}"
+    if spec.method == "draft" and not has_draft:
+        return "speculation.method: 'draft' needs a draft model (config 'draft')"
+    return None
+
+
+# -- output and resume ----------------------------------------------------------------------
+def recover_output(path: str, records: list[JobLine]) -> int:
+    """Check the lines already in ``path``; drop a torn last line; return how many are done.
+
+    The lines must be records 0..n-1 in order (what this job writes). A last line that
+    does not parse (a crash mid-write) is cut off the file so it is generated again.
+    """
+    p = Path(path)
+    if not p.exists():
+        return 0
+    data = p.read_bytes()
+    done, offset, keep_bytes = 0, 0, 0
+    while offset < len(data):
+        end = data.find(b"\n", offset)
+        last = end < 0
+        chunk = data[offset:] if last else data[offset:end]
+        next_offset = len(data) if last else end + 1
+        is_final = next_offset >= len(data) or not data[next_offset:].strip()
+        lineno = done + 1
+        try:
+            obj = json.loads(chunk)
+            if not isinstance(obj, dict) or not isinstance(obj.get("index"), int):
+                raise ValueError("not an output record")
+        except ValueError:
+            if chunk.strip() == b"" and not is_final:
+                raise UsageError(f"{path}: blank line {lineno} in the middle of the output file")
+            if is_final or last:
+                log.warning("%s: dropping a truncated last line (%d bytes); it will be regenerated",
+                            path, len(data) - offset)
+                break
+            raise UsageError(f"{path}: line {lineno} is not a valid output record (corrupt file?); "
+                             "fix or remove it, or use another --output") from None
+        if last:  # parses but has no newline: a torn write could still look complete
+            log.warning("%s: last line has no newline; regenerating it", path)
+            break
+        if obj["index"] != done:
+            raise UsageError(f"{path}: line {lineno} has index {obj['index']}, expected {done}; "
+                             "the file was not written by this job for this input")
+        if done >= len(records):
+            raise UsageError(f"{path}: has more records than the input ({len(records)}); wrong --input?")
+        if obj.get("id") != records[done].id:
+            raise UsageError(f"{path}: line {lineno} has id {obj.get('id')!r} but input record {done} "
+                             f"has id {records[done].id!r}; the input changed? use another --output")
+        done += 1
+        offset = keep_bytes = next_offset
+    if keep_bytes < len(data):
+        with open(p, "r+b") as f:
+            f.truncate(keep_bytes)
+    return done
+
+
+def output_line(index: int, rec: JobLine, out: dict) -> str:
+    return json.dumps({
+        "index": index,
+        "id": rec.id,
+        "text": out["text"],
+        "token_ids": out["token_ids"],
+        "finish_reason": out["finish_reason"],
+        "metrics": out["metrics"],
+    }) + "\n"
+
+
+def _write_json_atomic(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# -- Ray ------------------------------------------------------------------------------------
+def _connect(address: str | None) -> bool:
+    """Join or start Ray; True if this call initialized it (and should shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        log.info("connecting to the Ray cluster at %s", address)
+        ray.init(address=address)
+    else:  # never "auto" by default: it may find someone else's cluster on this machine
+        log.info("no Ray address given: starting a local Ray")
+        ray.init()
+    return True
+
+
+def _wait_for_workers(coordinator, methods: set[str], timeout_s: float = 120.0) -> None:
+    """``ready()`` waits for the target only; proposers load in the background and their
+    rows decode plainly until then. A batch job waits for the proposers its records use,
+    so it speculates from the first batch (and its metrics mean something). One that
+    cannot start (e.g. no CPU left for the n-gram pool) only costs speed: warn, go on."""
+    import ray
+
+    roles = {"target", "engine"} | methods
+    handles = {role: h for role, h in ray.get(coordinator.workers.remote()).items() if role in roles}
+    refs = {h.__ray_ready__.remote(): role for role, h in handles.items()}
+    _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        log.warning("worker(s) %s not ready after %.0f s (resources?); their rows decode plainly until they are",
+                    sorted(refs[r] for r in pending), timeout_s)
+
+
+def _stop_coordinator(coordinator, pgs_before: set[str]) -> None:
+    """Kill the coordinator, its workers and its placement group.
+
+    The placement group outlives a killed creator actor (it lives as long as the job), so
+    in a Ray that outlives this call (a test, a notebook) it would keep its GPUs. Use the
+    coordinator's ``shutdown()`` where it has one; else remove the placement groups of
+    this job created since the coordinator was.
+    """
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    from specray.actors.coordinator import CoordinatorCore
+
+    clean = False
+    if hasattr(CoordinatorCore, "shutdown"):
+        try:
+            ray.get(coordinator.shutdown.remote(), timeout=60)
+            clean = True
+        except Exception as exc:  # dead already, or stuck: kill it below
+            log.warning("coordinator shutdown failed: %s", exc)
+    ray.kill(coordinator)
+    if clean:
+        return
+    job = ray.get_runtime_context().get_job_id()
+    for pg_id, info in ray.util.placement_group_table().items():
+        if pg_id not in pgs_before and pg_id.endswith(job) and info.get("state") != "REMOVED":
+            try:
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+            except Exception as exc:
+                log.warning("could not remove placement group %s: %s", pg_id, exc)
+
+
+# -- main -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m specray.cluster.jobs",
+        description="Resumable batch generation over a JSONL file with a specray Coordinator.",
+    )
+    p.add_argument("--input", required=True, help="JSONL prompts (prompt, optional id, sampling, speculation)")
+    p.add_argument("--output", required=True, help="JSONL completions, in input order (resumed if it exists)")
+    p.add_argument("--config", default=None, help="SpecrayConfig as YAML or JSON (default: the demo pair)")
+    p.add_argument("--batch-size", type=int, default=64, help="records per coordinator.generate call (default 64)")
+    p.add_argument("--address", default=None,
+                   help="Ray address (default: $RAY_ADDRESS, else a new local Ray; 'auto' = a running cluster)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_start = time.perf_counter()
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse already printed the message
+        return int(exc.code or 0)
+    if not log.handlers and not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)
+    try:
+        if args.batch_size < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+        config = load_config(args.config)
+        records = read_input(args.input, config)
+        done_before = recover_output(args.output, records)
+    except UsageError as exc:
+        print(f"specray.jobs: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = _run(args, config, records, done_before, t_start)
+    except UsageError as exc:
+        print(f"specray.jobs: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        log.exception("generation failed")
+        print(f"specray.jobs: error: generation failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, sort_keys=True), flush=True)
+    return 0
+
+
+def _run(args, config: SpecrayConfig, records: list[JobLine], done_before: int, t_start: float) -> dict:
+    pending = list(range(done_before, len(records)))
+    log.info("%s: %d records, %d already in %s, %d to generate", args.input, len(records), done_before,
+             args.output, len(pending))
+    totals = SpecMetrics()
+    finish: dict[str, int] = {}
+    gen_seconds = startup_seconds = 0.0
+    if pending:
+        import ray
+        from tqdm import tqdm
+
+        from specray.actors.coordinator import Coordinator
+
+        t0 = time.perf_counter()
+        owns_ray = _connect(args.address)
+        coordinator = None
+        try:
+            pgs_before = set(ray.util.placement_group_table())
+            coordinator = Coordinator.remote(config.model_dump())
+            ray.get(coordinator.ready.remote())
+            methods = {(records[i].speculation or config.default_speculation).method for i in pending}
+            _wait_for_workers(coordinator, methods)
+            startup_seconds = time.perf_counter() - t0
+            log.info("coordinator ready in %.1f s", startup_seconds)
+            batches = [pending[i:i + args.batch_size] for i in range(0, len(pending), args.batch_size)]
+            t1 = time.perf_counter()
+            with open(args.output, "a", encoding="utf-8") as out_file, tqdm(
+                total=len(records), initial=done_before, file=sys.stderr, unit="prompt",
+                desc="specray", mininterval=1.0, dynamic_ncols=False,
+            ) as bar:
+                for b, batch in enumerate(batches, start=1):
+                    tb = time.perf_counter()
+                    recs = [records[i] for i in batch]
+                    outs = ray.get(coordinator.generate.remote(
+                        [r.prompt for r in recs],
+                        [r.sampling.model_dump() if r.sampling else None for r in recs],
+                        [r.speculation.model_dump() if r.speculation else None for r in recs],
+                    ))
+                    out_file.write("".join(output_line(i, r, o) for i, r, o in zip(batch, recs, outs)))
+                    out_file.flush()
+                    os.fsync(out_file.fileno())
+                    batch_tokens = 0
+                    for o in outs:
+                        totals.merge(SpecMetrics(**{k: o["metrics"][k] for k in _METRIC_FIELDS}))
+                        finish[str(o["finish_reason"])] = finish.get(str(o["finish_reason"]), 0) + 1
+                        batch_tokens += len(o["token_ids"])
+                    dt = time.perf_counter() - tb
+                    bar.update(len(batch))
+                    log.info("batch %d/%d: records %d-%d, %d tokens in %.2f s (%.1f tok/s)", b, len(batches),
+                             batch[0], batch[-1], batch_tokens, dt, batch_tokens / dt if dt > 0 else 0.0)
+            gen_seconds = time.perf_counter() - t1
+        finally:
+            if coordinator is not None:
+                _stop_coordinator(coordinator, pgs_before)
+            if owns_ray:
+                ray.shutdown()
+    wall = time.perf_counter() - t_start
+    tokens = totals.num_generated_tokens
+    summary = {
+        "input": args.input,
+        "output": args.output,
+        "prompts_total": len(records),
+        "prompts_skipped": done_before,
+        "prompts_done": len(pending),
+        "generated_tokens": tokens,
+        "wall_seconds": round(wall, 3),
+        "startup_seconds": round(startup_seconds, 3),
+        "generation_seconds": round(gen_seconds, 3),
+        # throughput of the generation itself (cluster and model start-up excluded)
+        "tokens_per_second": round(tokens / gen_seconds, 2) if gen_seconds > 0 else 0.0,
+        "mean_accepted_length": totals.mean_accepted_length,
+        "acceptance_rate": totals.acceptance_rate,
+        "num_drafts": totals.num_drafts,
+        "num_draft_tokens": totals.num_draft_tokens,
+        "num_accepted_tokens": totals.num_accepted_tokens,
+        "accepted_per_pos": totals.accepted_per_pos,
+        # per request, summed (one batched forward pass counts once for each of its rows)
+        "target_forward_passes": totals.target_forward_passes,
+        "finish_reasons": finish,
+    }
+    _write_json_atomic(f"{args.output}.metrics.json", summary)
+    log.info("done: %d generated (%d skipped), %d tokens, %.1f tok/s; summary in %s.metrics.json",
+             len(pending), done_before, tokens, summary["tokens_per_second"], args.output)
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""The batch job entrypoint (specray.cluster.jobs): in-process on tiny models, and end to
+end through a real ``ray start --head`` + ``JobSubmissionClient``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import hf_greedy, tiny_llama
+
+from specray.cluster import jobs
+
+MAX_NUM_SEQS = 4
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One in-process Ray for the session (fake GPUs: workers run on the CPU)."""
+    import ray
+
+    started = False
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, num_gpus=2, include_dashboard=False)
+        started = True
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """(target model in memory, config file naming the saved target and draft)."""
+    root = tmp_path_factory.mktemp("jobs_models")
+    target, draft = tiny_llama(layers=2, seed=0), tiny_llama(layers=1, seed=1)
+    target.save_pretrained(root / "target")
+    draft.save_pretrained(root / "draft")
+    config = root / "specray.yaml"
+    config.write_text(
+        f"target: {root / 'target'}\n"
+        f"draft: {root / 'draft'}\n"
+        f"max_num_seqs: {MAX_NUM_SEQS}\n"
+        "default_speculation:\n  method: draft\n  num_speculative_tokens: 3\n"
+        "placement:\n  timeout_s: 60\n"
+    )
+    return target, config
+
+
+def _records():
+    """Greedy records with different lengths, max_tokens and methods (+ ids or none)."""
+    methods = [None, {"method": "none"}, {"method": "draft", "num_speculative_tokens": 2},
+               {"method": "ngram", "num_speculative_tokens": 3, "max_matching_ngram_size": 2}]
+    recs = []
+    for i in range(10):
+        prompt = [(7 * i + 3 * j) % 64 for j in range(3 + i % 5)]
+        if i % 3 == 0:
+            prompt = prompt + prompt[:3]  # repeats, so prompt lookup finds something
+        rec = {"prompt": prompt, "sampling": {"max_tokens": 4 + 3 * (i % 4), "temperature": 0}}
+        if methods[i % 4] is not None:
+            rec["speculation"] = methods[i % 4]
+        if i % 2 == 0:
+            rec["id"] = f"r{i}"
+        recs.append(rec)
+    return recs
+
+
+def _write_jsonl(path: Path, recs) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def _summary_from_stdout(out: str) -> dict:
+    for line in reversed(out.splitlines()):
+        if line.startswith("{") and '"prompts_total"' in line:
+            return json.loads(line)
+    raise AssertionError(f"no summary line in stdout:\n{out}")
+
+
+def _assert_resources_back(ray, timeout_s: float = 20.0) -> None:
+    """The job's coordinator, workers and placement group are gone: all GPUs free again."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("GPU", 0) < ray.cluster_resources().get("GPU", 0):
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.2)
+
+
+def _sampled_records():
+    """No sampling given: SamplingParams() (16 tokens, temperature 1); seeded samples repeat."""
+    seeded = {"prompt": [4, 5], "sampling": {"max_tokens": 7, "seed": 3, "temperature": 1.0}}
+    return [{"prompt": [1, 2, 3], "id": 7}, seeded, seeded, {**seeded, "speculation": {"method": "none"}}]
+
+
+def _check_sampled(lines: list[dict]) -> None:
+    assert [len(o["token_ids"]) for o in lines] == [16, 7, 7, 7]
+    assert lines[0]["id"] == 7 and lines[1]["id"] is None
+    assert lines[1]["token_ids"] == lines[2]["token_ids"]  # same seed, same method: same sample
+    assert lines[0]["metrics"]["num_drafts"] > 0 and lines[3]["metrics"]["num_drafts"] == 0
+
+
+def _check_output(lines: list[dict], recs, target) -> None:
+    assert [o["index"] for o in lines] == list(range(len(recs)))
+    for o, r in zip(lines, recs):
+        n = r["sampling"]["max_tokens"]
+        assert o["id"] == r.get("id")
+        assert o["token_ids"] == hf_greedy(target, r["prompt"], n), o
+        assert len(o["token_ids"]) == n and o["finish_reason"] == "length"
+        method = (r.get("speculation") or {"method": "draft"})["method"]  # default: the config's
+        if method == "none":
+            assert o["metrics"]["num_drafts"] == 0
+        elif method == "draft":
+            assert o["metrics"]["num_drafts"] > 0
+            assert max(len(o["metrics"]["accepted_per_pos"]), 1) <= (r.get("speculation") or {}).get(
+                "num_speculative_tokens", 3)
+
+
+def test_job_in_process_order_greedy_and_resume(ray_session, tiny_dirs, tmp_path, capsys):
+    target, config = tiny_dirs
+    sampled, recs = _sampled_records(), _records()
+    inp = _write_jsonl(tmp_path / "prompts.jsonl", sampled + recs)
+    out = tmp_path / "out.jsonl"
+    argv = ["--input", str(inp), "--output", str(out), "--config", str(config), "--batch-size", "3"]
+
+    t0 = time.perf_counter()
+    assert jobs.main(argv) == 0
+    first_s = time.perf_counter() - t0
+    _assert_resources_back(ray_session)
+    summary = _summary_from_stdout(capsys.readouterr().out)
+    text = out.read_text()
+    all_lines = [json.loads(x) for x in text.splitlines()]
+    assert [o["index"] for o in all_lines] == list(range(len(sampled) + len(recs)))
+    _check_sampled(all_lines[: len(sampled)])
+    lines = [{**o, "index": o["index"] - len(sampled)} for o in all_lines[len(sampled):]]
+    _check_output(lines, recs, target)
+
+    lines = all_lines
+    total_tokens = sum(len(o["token_ids"]) for o in lines)
+    assert summary == json.loads(Path(f"{out}.metrics.json").read_text())
+    assert summary["prompts_total"] == summary["prompts_done"] == len(lines)
+    assert summary["prompts_skipped"] == 0
+    assert summary["generated_tokens"] == total_tokens
+    drafts = sum(o["metrics"]["num_drafts"] for o in lines)
+    accepted = sum(o["metrics"]["num_accepted_tokens"] for o in lines)
+    assert summary["num_drafts"] == drafts > 0
+    assert summary["num_accepted_tokens"] == accepted
+    assert summary["mean_accepted_length"] == pytest.approx(1 + accepted / drafts)
+    assert summary["target_forward_passes"] == sum(o["metrics"]["target_forward_passes"] for o in lines)
+    assert summary["tokens_per_second"] > 0
+
+    # A crash: the last two lines lost, a third torn mid-write.
+    kept = text.splitlines(keepends=True)
+    out.write_text("".join(kept[:-3]) + kept[-3][: len(kept[-3]) // 2])
+    assert jobs.main(argv) == 0
+    summary2 = _summary_from_stdout(capsys.readouterr().out)
+    assert out.read_text() == text
+    _assert_resources_back(ray_session)
+    assert summary2["prompts_skipped"] == len(lines) - 3
+    assert summary2["prompts_done"] == 3
+    assert summary2["generated_tokens"] == sum(len(o["token_ids"]) for o in lines[-3:])
+
+    # Nothing left: no Ray work, no change.
+    t0 = time.perf_counter()
+    assert jobs.main(argv) == 0
+    assert time.perf_counter() - t0 < 5
+    summary3 = _summary_from_stdout(capsys.readouterr().out)
+    assert out.read_text() == text
+    assert summary3["prompts_done"] == 0 and summary3["generated_tokens"] == 0
+    print(f"first run {first_s:.1f}s")
+
+
+def test_job_bad_input_lines(tiny_dirs, tmp_path, capsys):
+    _, config = tiny_dirs
+    inp = tmp_path / "bad.jsonl"
+    inp.write_text(
+        '{"prompt": [1, 2, 3]}\n'                                   # 1 ok
+        '{"prompt": [1, 2\n'                                        # 2 not JSON
+        '\n'                                                        # 3 blank: ignored
+        '{"prompt": [1], "sampling": {"max_tokens": 0}}\n'          # 4 max_tokens < 1
+        '{"prompt": [1], "speculation": {"method": "medusa9"}}\n'   # 5 unknown method
+        '{"prompt": [1, 999]}\n'                                    # 6 token id >= vocab
+        '{"prompt": [1], "temprature": 0}\n'                        # 7 unknown field
+        '[1, 2]\n'                                                  # 8 not an object
+        '{"prompt": "text"}\n'                                      # 9 no tokenizer
+        '{"id": "x"}\n'                                             # 10 no prompt
+    )
+    out = tmp_path / "out.jsonl"
+    assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    for n in (2, 4, 5, 6, 7, 8, 9, 10):
+        assert f"line {n}:" in err, (n, err)
+    for n in (1, 3):
+        assert f"line {n}:" not in err
+    assert "max_tokens" in err and "medusa9" in err and "temprature" in err
+    assert not out.exists()
+
+
+def test_job_bad_config_and_output(tiny_dirs, tmp_path, capsys):
+    _, config = tiny_dirs
+    inp = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": [1, 2]}, {"prompt": [3]}])
+    bad_cfg = tmp_path / "bad.json"
+    bad_cfg.write_text('{"target": "/x", "max_num_seqs": 0}')
+    assert jobs.main(["--input", str(inp), "--output", str(tmp_path / "o"), "--config", str(bad_cfg)]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err
+    # An output line that is corrupt before the end is not silently dropped.
+    out = tmp_path / "o.jsonl"
+    out.write_text('garbage\n{"index": 1, "id": null}\n')
+    assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 2
+    assert "line 1" in capsys.readouterr().err
+    assert jobs.main(["--input", str(inp), "--output", str(out), "--batch-size", "0"]) == 2
+
+
+# -- end to end: ray start --head + ray job submission -------------------------------------
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture()
+def ray_head():
+    """A head node of our own: own temp dir, ports and token; stopped by its process group."""
+    temp_dir = tempfile.mkdtemp(prefix="sr-", dir="/tmp")  # short: Unix socket paths < 108 chars
+    token = secrets.token_hex(32)
+    token_path = os.path.join(temp_dir, "auth_token")
+    with open(token_path, "w") as f:
+        f.write(token)
+    (gcs, dash, client, nm, om, metrics, agent, agent_grpc, rte) = _free_ports(9)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path, RAY_USAGE_STATS_ENABLED="0",
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", SPECRAY_WORKER_THREADS="1")
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    cmd = [ray_bin, "start", "--head", "--block", "--temp-dir", os.path.join(temp_dir, "ray"),
+           "--port", str(gcs), "--dashboard-port", str(dash), "--dashboard-host", "127.0.0.1",
+           "--ray-client-server-port", str(client), "--node-manager-port", str(nm),
+           "--object-manager-port", str(om), "--metrics-export-port", str(metrics),
+           "--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(agent_grpc),
+           "--runtime-env-agent-port", str(rte), "--num-cpus", "4", "--num-gpus", "2",
+           "--disable-usage-stats"]
+    log_path = os.path.join(temp_dir, "head.log")
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield {"url": f"http://127.0.0.1:{dash}", "token": token, "proc": proc, "log": log_path}
+    finally:
+        _stop_session(proc)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live (not zombie) processes of a session, from /proc: the head we started with
+    ``start_new_session=True`` and all its descendants (Ray workers get process groups
+    of their own, but stay in the session)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state ppid pgrp session ...
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def _signal_all(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _stop_session(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+    """SIGTERM every process of the head's session (gcs, raylet, dashboard, workers),
+    give them ``grace_s`` to exit, then SIGKILL what is left (``ray start --block``
+    itself ignores SIGTERM, and a raylet can take long). Never ``ray stop``."""
+    sid = proc.pid
+    _signal_all(_session_members(sid), signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and [p for p in _session_members(sid) if p != sid]:
+        time.sleep(0.2)
+    for _ in range(3):
+        left = _session_members(sid)
+        if not left:
+            break
+        _signal_all(left, signal.SIGKILL)
+        time.sleep(0.5)
+    proc.wait(timeout=30)
+
+
+def _job_client(head, timeout_s: float = 90.0):
+    from ray.job_submission import JobSubmissionClient
+
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        if head["proc"].poll() is not None:
+            break
+        try:
+            return JobSubmissionClient(head["url"], headers={"Authorization": f"Bearer {head['token']}"})
+        except Exception as exc:  # not up yet
+            last = exc
+            time.sleep(1)
+    raise AssertionError(f"dashboard at {head['url']} did not answer: {last}\n{Path(head['log']).read_text()}")
+
+
+def test_job_submission_end_to_end(ray_head, tiny_dirs, tmp_path):
+    from ray.job_submission import JobStatus
+
+    target, config = tiny_dirs
+    recs = _records()[:6]
+    inp = _write_jsonl(tmp_path / "prompts.jsonl", recs)
+    out = tmp_path / "out.jsonl"
+    t0 = time.perf_counter()
+    client = _job_client(ray_head)
+    t_up = time.perf_counter() - t0
+    entrypoint = " ".join(shlex.quote(a) for a in [
+        sys.executable, "-m", "specray.cluster.jobs", "--input", str(inp), "--output", str(out),
+        "--config", str(config), "--batch-size", "4"])
+    job_id = client.submit_job(entrypoint=entrypoint)
+    deadline = time.monotonic() + 180
+    status = client.get_job_status(job_id)
+    while not status.is_terminal() and time.monotonic() < deadline:
+        time.sleep(1)
+        status = client.get_job_status(job_id)
+    logs = client.get_job_logs(job_id)
+    assert status == JobStatus.SUCCEEDED, f"job {job_id} ended {status}:\n{logs}"
+    t_job = time.perf_counter() - t0 - t_up
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    _check_output(lines, recs, target)
+    summary = json.loads(Path(f"{out}.metrics.json").read_text())
+    assert summary["prompts_done"] == len(recs)
+    assert "batch 2/2" in logs and '"prompts_total"' in logs
+    print(f"head up in {t_up:.1f}s, job {t_job:.1f}s")
