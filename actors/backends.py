@@ -80,6 +80,8 @@ class SeparateBackend:
         self.proposers = {
             "ngram": _Supervised("ngram", lambda: proposer_cls.options(num_cpus=ngram_cpus).remote("ngram", None, vocab_size))
         }
+        if config.medusa:
+            self.proposers["medusa"] = self.target  # heads live with the target's hidden states
         if config.draft:
             self.proposers["draft"] = _Supervised(
                 "draft", lambda: proposer_cls.options(**placement.options("draft")).remote("draft", config, vocab_size)
@@ -113,9 +115,12 @@ class SeparateBackend:
         joining = self.scheduler.admit()
         outputs = []
         if joining:
-            logits = await self._target_call("prefill", [r.slot for r in joining], [r.prompt_ids for r in joining])
+            want = any(r.needs_hidden for r in joining)
+            logits, hidden = await self._target_call(
+                "prefill", [r.slot for r in joining], [r.prompt_ids for r in joining], want
+            )
             tokens = S.first_tokens(joining, logits)
-            outputs += self._apply(S.commit_prefill(joining, tokens, self.capacity, self.tokenizer))
+            outputs += self._apply(S.commit_prefill(joining, tokens, self.capacity, self.tokenizer, hidden))
         fresh = {r.request_id for r in joining}
         batch = [r for r in self.scheduler.running.values() if r.request_id not in fresh]
         if batch:
@@ -136,11 +141,16 @@ class SeparateBackend:
             except RayActorError:
                 self.proposers[method].replace()
         draft, has_probs = S.merge_drafts(batch, plan, parts, self.vocab_size)
-        logits = await self._target_call(
-            "forward", [r.slot for r in batch], S.verify_tokens(batch, draft), S.logits_window(len(batch), draft)
+        logits, hidden = await self._target_call(
+            "forward",
+            [r.slot for r in batch],
+            S.verify_tokens(batch, draft),
+            S.logits_window(len(batch), draft),
+            S.tree_inputs(draft),
+            any(r.needs_hidden for r in batch),
         )
         result = S.accept(batch, draft, has_probs, logits)
-        return self._apply(S.commit_step(batch, draft, result, self.capacity, self.tokenizer))
+        return self._apply(S.commit_step(batch, draft, result, self.capacity, self.tokenizer, hidden))
 
     async def _target_call(self, method: str, *args):
         try:
@@ -152,6 +162,8 @@ class SeparateBackend:
     def _apply(self, commit: S.Commit) -> list[RequestOutput]:
         if commit.target_lengths:
             self.target.handle.set_lengths.remote(commit.target_lengths)
+        if commit.target_paths:  # after the lengths: Ray keeps one caller's calls in order
+            self.target.handle.compact.remote(commit.target_paths)
         for method, (slots, counts) in commit.proposer_commits.items():
             if method in self.proposers:
                 self.proposers[method].handle.commit.remote(slots, counts)
@@ -163,7 +175,8 @@ class SeparateBackend:
         if slots:
             self.target.handle.reset.remote(slots)
             for worker in self.proposers.values():
-                worker.handle.release.remote(slots)
+                if worker is not self.target:
+                    worker.handle.release.remote(slots)
 
     def fail_all(self) -> list[str]:
         """Drop every request (after a target loss); returns their ids for error reporting."""
@@ -173,11 +186,12 @@ class SeparateBackend:
             self.scheduler.release(r)
         self.scheduler.waiting.clear()
         for worker in self.proposers.values():
-            worker.handle.release.remote([r.slot for r in failed if r.slot >= 0])
+            if worker is not self.target:
+                worker.handle.release.remote([r.slot for r in failed if r.slot >= 0])
         return [r.request_id for r in failed]
 
     def info(self) -> dict:
-        return {"target": self.target.handle, **{m: w.handle for m, w in self.proposers.items()}}
+        return {"target": self.target.handle, **{m: w.handle for m, w in self.proposers.items() if w is not self.target}}
 
 
 def _remote_row(row):

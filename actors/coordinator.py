@@ -68,6 +68,7 @@ class CoordinatorCore:
             vocab_size=limits["vocab_size"],
             eos_ids=frozenset(limits["eos_ids"]),
             has_draft=cfg.draft is not None,
+            medusa_heads=limits.get("medusa_heads", 0),
         )
         self._started = True
 
@@ -161,7 +162,9 @@ class CoordinatorCore:
 
     def _supervised(self) -> dict:
         b = self.backend
-        return {"target": b.target, **b.proposers} if isinstance(b, SeparateBackend) else {"engine": b.worker}
+        if isinstance(b, SeparateBackend):
+            return {"target": b.target, **{m: w for m, w in b.proposers.items() if w is not b.target}}
+        return {"engine": b.worker}
 
     async def workers(self) -> dict:
         """Handles of the workers by role (for tests and operations)."""

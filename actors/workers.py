@@ -30,24 +30,53 @@ def _threads() -> None:
 
 
 class TargetWorker:
-    """The target model's runner and KV cache."""
+    """The target model's runner and KV cache (and Medusa heads, which read its hidden states)."""
 
     def __init__(self, config: EngineConfig):
         _threads()
-        model = config.load_model(config.target) if config.target else None
+        model = config.load_model(config.target)
         self.runner = ModelRunner(model, config.max_num_seqs, config.context_length(model.config))
         self.eos = eos_ids(model, None)
+        self.medusa = None
+        if config.medusa is not None:
+            from specray.policies.medusa import MedusaHeads, MedusaProposer
+
+            heads = MedusaHeads.load(config.medusa, hidden_size=model.config.hidden_size).to(self.runner.device)
+            self.medusa = MedusaProposer(heads)
 
     def limits(self) -> dict:
-        return {"capacity": self.runner.capacity, "vocab_size": self.runner.vocab_size, "eos_ids": sorted(self.eos)}
+        return {
+            "capacity": self.runner.capacity,
+            "vocab_size": self.runner.vocab_size,
+            "eos_ids": sorted(self.eos),
+            "medusa_heads": self.medusa.heads.num_heads if self.medusa else 0,
+        }
 
-    def forward(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], logits_at=None) -> torch.Tensor:
-        return self.runner.forward(slots, tokens, logits_at).logits.cpu()
+    def forward(self, slots, tokens, logits_at=None, tree=None, want_hidden=False):
+        """(logits [B, m, V], hidden [B, m, H] or None), on the CPU."""
+        out = self.runner.forward(slots, tokens, logits_at, tree=tree)
+        return out.logits.cpu(), (out.hidden.cpu() if want_hidden else None)
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+    def prefill(self, slots, prompts, want_hidden=False):
         for s in slots:
             self.runner.reset(s)
-        return self.forward(slots, prompts)[:, 0]
+        logits, hidden = self.forward(slots, prompts, want_hidden=want_hidden)
+        return logits[:, 0], (hidden[:, 0] if hidden is not None else None)
+
+    def compact(self, paths: Sequence[tuple[int, list[int]]]) -> None:
+        self.runner.compact(*zip(*paths))
+
+    # The proposer protocol, for Medusa rows (the heads live here, next to the target).
+    def propose(self, rows: Sequence[ProposalRow]) -> Draft:
+        if self.medusa is None:
+            raise ValueError("this target worker has no Medusa heads")
+        return self.medusa.propose(rows)
+
+    def commit(self, slots, num_accepted) -> None:
+        pass
+
+    def release(self, slots) -> None:
+        pass
 
     def set_lengths(self, pairs: Sequence[tuple[int, int]]) -> None:
         for slot, length in pairs:
@@ -130,7 +159,8 @@ class EngineWorker:
 
     def limits(self) -> dict:
         e = self.engine
-        return {"capacity": e.capacity, "vocab_size": e.target.vocab_size, "eos_ids": sorted(e.limits.eos_ids)}
+        return {"capacity": e.capacity, "vocab_size": e.target.vocab_size, "eos_ids": sorted(e.limits.eos_ids),
+                "medusa_heads": e.limits.medusa_heads}
 
     def add(self, request) -> None:
         self.engine.scheduler.add(request)

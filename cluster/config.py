@@ -56,6 +56,7 @@ class SpecrayConfig(BaseModel):
     target: str | None = Field(None, description="Target checkpoint dir; None = the demo pair.")
     draft: str | None = Field(None, description="Draft checkpoint dir (method 'draft').")
     tokenizer: str | None = Field(None, description="Tokenizer dir; default: the target's.")
+    medusa: str | None = Field(None, description="Medusa heads dir (public layout) for method 'medusa'.")
     dtype: str = Field("float32", description="float32 | bfloat16 | float16")
     max_num_seqs: int = Field(8, ge=1, description="Sequences batched at once (KV-cache rows).")
     max_model_len: int | None = Field(None, ge=2, description="Context per sequence.")
@@ -73,6 +74,7 @@ class SpecrayConfig(BaseModel):
             target=self.target,
             draft=self.draft,
             tokenizer=self.tokenizer,
+            medusa=self.medusa,
             dtype=self.dtype,
             device=device,
             max_num_seqs=self.max_num_seqs,

@@ -75,3 +75,18 @@ def test_target_loss_fails_in_flight_then_recovers(ray_session, tiny_checkpoints
     shutdown(c)
 
 
+
+
+@pytest.mark.parametrize("mode", ["separate", "colocated"])
+def test_medusa_through_the_coordinator(ray_session, tiny_checkpoints, tmp_path, references, mode):
+    from tests.test_medusa import random_heads
+
+    random_heads().save(tmp_path / "heads")
+    c = Coordinator.remote({**tiny_checkpoints, "medusa": str(tmp_path / "heads"), "max_num_seqs": 3,
+                            "placement": {"mode": mode}})
+    try:
+        outs = ray.get(c.generate.remote(PROMPTS, GREEDY, {"method": "medusa", "tree": "trtllm_example"}))
+        assert [o["token_ids"] for o in outs] == references
+        assert sum(o["metrics"]["num_drafts"] for o in outs) > 0
+    finally:
+        shutdown(c)
