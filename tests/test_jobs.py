@@ -1,5 +1,6 @@
-"""The batch job entrypoint (specray.cluster.jobs): in-process on tiny models, and end to
-end through a real ``ray start --head`` + ``JobSubmissionClient``.
+"""The batch job entrypoint (specray.cluster.jobs): in-process on tiny models (the
+session's ``ray_session`` from conftest), and end to end through a real
+``ray start --head`` + ``JobSubmissionClient``.
 """
 
 from __future__ import annotations
@@ -19,43 +20,25 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import hf_greedy, tiny_llama
+from tests.conftest import hf_greedy
 
 from specray.cluster import jobs
 
 MAX_NUM_SEQS = 4
 
 
-@pytest.fixture(scope="session")
-def ray_session():
-    """One in-process Ray for the session (fake GPUs: workers run on the CPU)."""
-    import ray
-
-    started = False
-    if not ray.is_initialized():
-        ray.init(num_cpus=4, num_gpus=2, include_dashboard=False)
-        started = True
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    """(target model in memory, config file naming the saved target and draft)."""
-    root = tmp_path_factory.mktemp("jobs_models")
-    target, draft = tiny_llama(layers=2, seed=0), tiny_llama(layers=1, seed=1)
-    target.save_pretrained(root / "target")
-    draft.save_pretrained(root / "draft")
-    config = root / "specray.yaml"
+def tiny_dirs(tmp_path_factory, tiny_pair, tiny_checkpoints):
+    """(target model in memory, a YAML config naming the saved tiny target and draft)."""
+    config = tmp_path_factory.mktemp("jobs") / "specray.yaml"
     config.write_text(
-        f"target: {root / 'target'}\n"
-        f"draft: {root / 'draft'}\n"
+        f"target: {tiny_checkpoints['target']}\n"
+        f"draft: {tiny_checkpoints['draft']}\n"
         f"max_num_seqs: {MAX_NUM_SEQS}\n"
         "default_speculation:\n  method: draft\n  num_speculative_tokens: 3\n"
         "placement:\n  timeout_s: 60\n"
     )
-    return target, config
+    return tiny_pair[0], config
 
 
 def _records():
@@ -172,7 +155,7 @@ def test_job_in_process_order_greedy_and_resume(ray_session, tiny_dirs, tmp_path
     # Nothing left: no Ray work, no change.
     t0 = time.perf_counter()
     assert jobs.main(argv) == 0
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 < 10
     summary3 = _summary_from_stdout(capsys.readouterr().out)
     assert out.read_text() == text
     assert summary3["prompts_done"] == 0 and summary3["generated_tokens"] == 0
