@@ -217,7 +217,7 @@ def _vocab_size(target: str) -> int:
     return cfg.vocab_size
 
 
-@ray.remote
+@ray.remote(num_cpus=0)  # an async event loop that waits on workers; it reserves none
 class Coordinator(CoordinatorCore):
     """``CoordinatorCore`` as an async Ray actor (the documented Python API)."""
 

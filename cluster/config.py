@@ -26,7 +26,10 @@ class ModelPlacement(BaseModel):
         None, ge=0, description="GPUs for this model; None = 1 if the cluster has GPUs, else 0. "
         "Values > 1 reserve GPUs for tensor parallelism."
     )
-    num_cpus: float = Field(1, gt=0, description="CPUs for the worker.")
+    num_cpus: float = Field(
+        0.5, gt=0, description="CPUs reserved for the worker (a scheduling share: workers run one torch "
+        "thread each), small enough that target, draft and n-gram pool fit a 2-core laptop."
+    )
 
 
 class PlacementConfig(BaseModel):
@@ -44,7 +47,7 @@ class PlacementConfig(BaseModel):
     )
     target: ModelPlacement = Field(default_factory=ModelPlacement)
     draft: ModelPlacement = Field(default_factory=ModelPlacement)
-    ngram_cpus: float = Field(0.5, gt=0, description="CPUs of the n-gram pool actor.")
+    ngram_cpus: float = Field(0.25, gt=0, description="CPUs reserved for the n-gram pool actor.")
     timeout_s: float = Field(30.0, gt=0, description="How long to wait for the placement group.")
 
 
