@@ -21,7 +21,7 @@ from specray.serve.ingress import OpenAIIngress
 
 # Replicas are light; their coordinator reserves the models' GPUs in its own
 # placement group.
-REPLICA_CPUS = 0.25
+REPLICA_CPUS = 0.1
 
 
 def build_app(config: ServeConfig | dict | None = None):
@@ -42,7 +42,13 @@ def build_app(config: ServeConfig | dict | None = None):
         health_check_period_s=10,
         **scaling,
     )
+    # The ingress only forwards: it must admit every request the engines may hold or
+    # queue (Serve's default would cap the whole server at 5 requests in flight), so that
+    # the engines' bounded queues, not a hidden ingress queue, decide what gets a 503.
+    most = cfg.autoscaling.max_replicas if cfg.autoscaling is not None else cfg.num_replicas
     ingress = serve.deployment(OpenAIIngress).options(
-        name="OpenAIIngress", ray_actor_options={"num_cpus": REPLICA_CPUS}
+        name="OpenAIIngress",
+        max_ongoing_requests=most * (cfg.max_ongoing_requests + cfg.max_queued_requests) + 8,
+        ray_actor_options={"num_cpus": REPLICA_CPUS},
     )
     return ingress.bind(engine.bind(cfg.model_dump()), cfg.model_dump())

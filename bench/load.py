@@ -1,0 +1,453 @@
+"""Load benchmark of the OpenAI-compatible server: plain vs speculative decoding under
+concurrency, over HTTP, streaming.
+
+    python -m specray.bench.load [--concurrency 1,8,32] [--requests-per-level N]
+                                 [--max-tokens 64] [--duration-cap 60] [--out DIR]
+                                 [--methods none,draft,ngram] [--k 3]
+
+Starts Ray Serve on a free loopback port with the demo pair (one engine replica,
+``max_num_seqs=32``, colocated target + draft, one torch thread per worker), then for
+each concurrency level C and each method runs a closed loop: C clients, each sending
+its next streaming ``/v1/completions`` request as soon as its previous one ends, over
+the same held-out prompts (``specray.demo.held_out_prompts``) for every method. Greedy,
+EOS ignored: every request makes exactly ``--max-tokens`` tokens, so methods do equal
+work, and their texts must be identical (speculation is lossless). A level runs
+``max(N, C)`` requests, and stops sending new ones after ``--duration-cap`` seconds.
+Configurations run level by level, methods in turn (load from other processes on shared
+cores then hits every method alike).
+
+Measured per (level, method), from the client:
+
+* throughput: output tokens / wall time (first request sent to last one finished);
+* TTFT: request sent to first streamed token, p50/p90/p99;
+* ITL: time between streamed chunks, p50/p90/p99. A speculative step may carry several
+  tokens in one chunk (as in vLLM's benchmark, ITL is per chunk);
+* TPOT: per request, (end - first token) / (tokens - 1), p50/p90/p99 (per token).
+
+Writes ``load.csv``, ``load.json``, ``load.txt`` (the table) and ``load.png`` to
+``--out`` (default ``bench/results/``), and says for each level whether a speculative
+method was slower than plain decoding. ``main(argv)`` returns 0, or 1 if any request
+failed or any greedy text differed from plain decoding's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import logging
+import os
+import platform
+import shlex
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("specray.bench.load")
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+PROG = "python -m specray.bench.load"
+APP = "specray-load"
+SLOWER_TOLERANCE = 0.97
+"""A speculative method counts as slower than plain below this throughput ratio (the
+run-to-run noise on shared CPU cores is a few percent)."""
+
+
+@dataclass
+class RequestResult:
+    prompt_index: int
+    ok: bool
+    status: int
+    tokens: int = 0
+    text: str = ""
+    ttft: float | None = None
+    latency: float | None = None
+    chunk_gaps: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- one streaming request ---------------------------------------------------------------
+async def stream_one(client, url: str, body: dict, index: int) -> RequestResult:
+    """Send one streaming completion; time its chunks as they arrive."""
+    start = time.perf_counter()
+    last = None
+    pieces: list[str] = []
+    result = RequestResult(prompt_index=index, ok=False, status=0)
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            result.status = r.status_code
+            if r.status_code != 200:
+                result.error = (await r.aread()).decode(errors="replace")[:300]
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    result.ok = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = event["error"].get("message", "")
+                    break
+                if event.get("usage"):
+                    result.tokens = event["usage"]["completion_tokens"]
+                for choice in event.get("choices", []):
+                    if choice.get("text"):
+                        now = time.perf_counter()
+                        if last is None:
+                            result.ttft = now - start
+                        else:
+                            result.chunk_gaps.append(now - last)
+                        last = now
+                        pieces.append(choice["text"])
+    except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+        result.error = repr(e)
+        result.ok = False
+    result.latency = time.perf_counter() - start
+    result.text = "".join(pieces)
+    result.ok = result.ok and result.tokens > 0
+    return result
+
+
+async def run_level(url: str, model: str, prompts: list[str], concurrency: int, n_requests: int,
+                    speculation: dict, max_tokens: int, cap_s: float, timeout_s: float) -> tuple[list, float]:
+    """Closed loop: ``concurrency`` clients share a queue of ``n_requests`` prompts."""
+    import httpx
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(n_requests):
+        queue.put_nowait(i % len(prompts))
+    results: list[RequestResult] = []
+    start = time.perf_counter()
+    stop_sending = start + cap_s
+
+    async def client_loop(client):
+        while time.perf_counter() < stop_sending:
+            try:
+                index = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            body = {
+                "model": model, "prompt": prompts[index], "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "speculation": speculation,
+            }
+            results.append(await stream_one(client, url, body, index))
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    return results, time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], wall: float) -> dict:
+    ok = [r for r in results if r.ok]
+    ms = lambda v: None if v is None else round(1e3 * v, 2)  # noqa: E731
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    gaps = [g for r in ok for g in r.chunk_gaps]
+    tpot = [(r.latency - r.ttft) / (r.tokens - 1) for r in ok if r.tokens > 1 and r.ttft is not None]
+    tokens = sum(r.tokens for r in ok)
+    row = {
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "throughput_tok_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+        "mean_tokens_per_chunk": round(tokens / max(1, sum(len(r.chunk_gaps) + 1 for r in ok)), 3),
+    }
+    for name, values in (("ttft", ttft), ("itl", gaps), ("tpot", tpot)):
+        for q in (50, 90, 99):
+            row[f"{name}_ms_p{q}"] = ms(percentile(values, q))
+    return row
+
+
+# -- the server ------------------------------------------------------------------------------
+def start_server(args) -> tuple[str, str, str]:
+    """Ray (in-process) + Serve on a free loopback port; returns (url, model, tokenizer dir)."""
+    import ray
+    from ray import serve
+
+    from specray.cluster.config import SpecrayConfig
+    from specray.serve.app import build_app
+
+    engine = SpecrayConfig(
+        target=args.target, draft=args.draft, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
+        placement={"mode": args.placement},
+    ).resolved()
+    threads = os.environ.setdefault("SPECRAY_WORKER_THREADS", "1")
+    ray.init(
+        num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+        runtime_env={"env_vars": {"SPECRAY_WORKER_THREADS": threads}},
+    )
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cfg = {
+        "model_name": APP,
+        "engine": engine.model_dump(),
+        # Every level's clients must reach the engine at once: nothing rejected, nothing
+        # queued in front of the engine's own batch.
+        "max_ongoing_requests": max(args.max_num_seqs, max(args.levels)) + 8,
+        "max_queued_requests": max(args.levels) + 8,
+    }
+    serve.run(build_app(cfg), name="load", route_prefix="/")
+    return f"http://127.0.0.1:{port}", APP, engine.tokenizer or engine.target
+
+
+def stop_server() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+# -- the report ------------------------------------------------------------------------------
+COLUMNS = [  # (row key, title, format)
+    ("concurrency", "conc", "{}"), ("method", "method", "{}"), ("requests", "reqs", "{}"),
+    ("failed", "fail", "{}"), ("throughput_tok_s", "tok/s", "{:.1f}"), ("speedup_vs_none", "x none", "{:.2f}"),
+    ("mean_tokens_per_chunk", "tok/chunk", "{:.2f}"),
+    ("ttft_ms_p50", "TTFT p50", "{:.1f}"), ("ttft_ms_p90", "p90", "{:.1f}"), ("ttft_ms_p99", "p99", "{:.1f}"),
+    ("itl_ms_p50", "ITL p50", "{:.1f}"), ("itl_ms_p90", "p90", "{:.1f}"), ("itl_ms_p99", "p99", "{:.1f}"),
+    ("tpot_ms_p50", "TPOT p50", "{:.1f}"), ("tpot_ms_p90", "p90", "{:.1f}"), ("tpot_ms_p99", "p99", "{:.1f}"),
+    ("same_text_as_none", "same text", "{}"),
+]
+
+
+def format_table(rows: list[dict]) -> str:
+    """Fixed-width table (times in ms); '-' where a value is missing."""
+    cells = [[title for _, title, _ in COLUMNS]]
+    for r in rows:
+        cells.append(["-" if r.get(key) is None else fmt.format(r[key]) for key, _, fmt in COLUMNS])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+    return "\n".join(
+        "  ".join(c.ljust(w) if COLUMNS[i][0] == "method" else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in cells
+    )
+
+
+def verdicts(rows: list[dict], methods: list[str]) -> tuple[list[str], dict]:
+    """Per level: is any speculative method slower than plain? And the goal's status."""
+    lines, per_level = [], {}
+    levels = sorted({r["concurrency"] for r in rows})
+    for c in levels:
+        at = {r["method"]: r for r in rows if r["concurrency"] == c}
+        if "none" not in at:
+            continue
+        parts, slower = [], []
+        for m in methods:
+            if m == "none" or m not in at:
+                continue
+            ratio = at[m].get("speedup_vs_none")
+            parts.append(f"{m} {ratio:.2f}x" if ratio is not None else f"{m} -")
+            if ratio is not None and ratio < SLOWER_TOLERANCE:
+                slower.append(m)
+        per_level[c] = {"slower": slower, "ratios": {m: at[m].get("speedup_vs_none") for m in at if m != "none"}}
+        verdict = f"SLOWER than plain: {', '.join(slower)}" if slower else "not slower than plain"
+        lines.append(f"concurrency {c:>3}: {'; '.join(parts)} -> {verdict}")
+    never_slower = all(not v["slower"] for v in per_level.values())
+    low = levels[0] if levels else None
+    faster_low = low is not None and any(
+        (ratio or 0) > 1.0 / SLOWER_TOLERANCE for ratio in per_level.get(low, {}).get("ratios", {}).values()
+    )
+    goal = {
+        "never_slower": never_slower,
+        "faster_at_lowest_concurrency": faster_low,
+        "met": never_slower and faster_low,
+        "tolerance": SLOWER_TOLERANCE,
+    }
+    lines.append(
+        "goal 'speculation never slower than plain at any concurrency, faster at low concurrency': "
+        + ("MET" if goal["met"] else "NOT MET")
+        + f" (never slower: {never_slower}; faster at concurrency {low}: {faster_low};"
+        f" slower means < {SLOWER_TOLERANCE:.2f}x)"
+    )
+    return lines, goal
+
+
+def plot(rows: list[dict], methods: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted({r["concurrency"] for r in rows})
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for i, m in enumerate(methods):
+        color = f"C{i}"  # one colour per method; p50 solid, p99 dotted
+        pts = {r["concurrency"]: r for r in rows if r["method"] == m}
+        xs = [c for c in levels if c in pts]
+        axes[0].plot(xs, [pts[c]["throughput_tok_s"] for c in xs], marker="o", color=color, label=m)
+        for ax, name in ((axes[1], "ttft"), (axes[2], "tpot")):
+            ax.plot(xs, [pts[c][f"{name}_ms_p50"] or 0 for c in xs], marker="o", color=color, label=f"{m} p50")
+            ax.plot(xs, [pts[c][f"{name}_ms_p99"] or 0 for c in xs], marker="x", linestyle=":", color=color,
+                    label=f"{m} p99")
+    for ax, label in zip(axes, ("output tokens/s", "TTFT (ms)", "TPOT (ms per token)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(out: Path, rows: list[dict], meta: dict, table: str, verdict_lines: list[str], methods) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "load.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[k for k, _, _ in COLUMNS] + [
+            k for k in rows[0] if k not in {c for c, _, _ in COLUMNS}])
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out / "load.txt").write_text("\n".join([meta["command"], "", table, "", *verdict_lines]) + "\n")
+    plot(rows, methods, out / "load.png", meta["title"])
+
+
+# -- main ------------------------------------------------------------------------------------
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts (default 1,8,32)")
+    p.add_argument("--requests-per-level", type=int, default=32,
+                   help="requests per (level, method); at least one per client (default 32)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request, EOS ignored (default 64)")
+    p.add_argument("--duration-cap", type=float, default=60.0,
+                   help="seconds after which a (level, method) run sends no new requests (default 60)")
+    p.add_argument("--methods", default="none,draft,ngram", help="speculation methods (default none,draft,ngram)")
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens of the speculative methods (default 3)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="engine batch rows (default 32)")
+    p.add_argument("--placement", choices=["colocated", "separate"], default="colocated",
+                   help="colocated: one actor holds target and draft (default); separate: an actor each")
+    p.add_argument("--prompt-tokens", default="32,128", help="held-out prompt lengths min,max (default 32,128)")
+    p.add_argument("--target", default=None, help="target checkpoint dir (default: the demo pair)")
+    p.add_argument("--draft", default=None)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default bench/results/)")
+    args = p.parse_args(argv)
+    args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not args.levels or min(args.levels) < 1:
+        p.error("--concurrency needs positive integers")
+    if "none" not in args.method_list:
+        args.method_list.insert(0, "none")  # the baseline every ratio refers to
+    args.prompt_range = tuple(int(v) for v in args.prompt_tokens.split(","))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    import torch
+
+    torch.set_num_threads(1)  # the client side: parsing only, leave the cores to the workers
+    command = PROG + " " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    print(f"command: {command}", flush=True)
+
+    from specray.demo import held_out_prompts
+
+    rows: list[dict] = []
+    failures: list[str] = []
+    started = time.time()
+    url, model, tokenizer_dir = start_server(args)
+    try:
+        n_prompts = max(max(args.requests_per_level, c) for c in args.levels)
+        prompts = held_out_prompts(n_prompts, tokenizer_dir, *args.prompt_range)
+        endpoint = f"{url}/v1/completions"
+        specs = {m: {"method": m} if m == "none" else {"method": m, "num_speculative_tokens": args.k}
+                 for m in args.method_list}
+        # Warm-up: start the workers, and the proposers of each method.
+        for m in args.method_list:
+            res, _ = asyncio.run(run_level(endpoint, model, prompts, 2, 2, specs[m], 8, 60, args.request_timeout))
+            if not all(r.ok for r in res):
+                raise RuntimeError(f"warm-up with {m} failed: {[r.error or r.status for r in res]}")
+        for c in args.levels:
+            n = max(args.requests_per_level, c)
+            texts: dict[str, dict[int, str]] = {}
+            for m in args.method_list:
+                log.info("concurrency %d, %s: %d requests", c, m, n)
+                results, wall = asyncio.run(run_level(
+                    endpoint, model, prompts, c, n, specs[m], args.max_tokens, args.duration_cap, args.request_timeout))
+                row = {"concurrency": c, "method": m, **summarize(results, wall)}
+                texts[m] = {r.prompt_index: r.text for r in results if r.ok}
+                for r in results:
+                    if not r.ok:
+                        failures.append(f"c={c} {m} prompt {r.prompt_index}: {r.status} {r.error}")
+                rows.append(row)
+            base = next(r for r in rows if r["concurrency"] == c and r["method"] == "none")
+            for r in rows:
+                if r["concurrency"] != c:
+                    continue
+                r["speedup_vs_none"] = (
+                    round(r["throughput_tok_s"] / base["throughput_tok_s"], 3) if base["throughput_tok_s"] else None
+                )
+                common = texts[r["method"]].keys() & texts["none"].keys()
+                r["same_text_as_none"] = all(texts[r["method"]][i] == texts["none"][i] for i in common)
+                if not r["same_text_as_none"]:
+                    failures.append(f"c={c} {r['method']}: greedy text differs from plain decoding")
+    finally:
+        stop_server()
+
+    methods = args.method_list
+    table = format_table(rows)
+    verdict_lines, goal = verdicts(rows, methods)
+    pair = _pair_info(args)
+    title = (f"specray load: {pair.get('name', 'custom models')}, max_num_seqs={args.max_num_seqs}, "
+             f"{args.placement}, k={args.k}, {args.max_tokens} tokens/request, {platform.node()}")
+    meta = {
+        "command": command, "title": title, "started": started, "elapsed_s": round(time.time() - started, 1),
+        "python": platform.python_version(), "torch_threads_per_worker": os.environ.get("SPECRAY_WORKER_THREADS"),
+        "cpu_count": os.cpu_count(), "pair": pair, "goal": goal, "failures": failures[:50],
+        "args": {k: v for k, v in vars(args).items() if k not in ("levels", "method_list", "prompt_range")},
+    }
+    print()
+    print(title)
+    print(table)
+    print()
+    print("\n".join(verdict_lines))
+    if failures:
+        print(f"\n{len(failures)} failure(s):\n  " + "\n  ".join(failures[:10]))
+    out = Path(args.out)
+    write_outputs(out, rows, meta, table, verdict_lines, methods)
+    print(f"\nwrote {out / 'load.csv'}, {out / 'load.json'}, {out / 'load.txt'}, {out / 'load.png'}")
+    return 1 if failures else 0
+
+
+def _pair_info(args) -> dict:
+    if args.target is not None:
+        return {"name": f"target {args.target}", "target": args.target, "draft": args.draft}
+    from specray.demo import load_or_build_demo_pair
+
+    pair = load_or_build_demo_pair()
+    return {"name": f"demo pair (alpha {pair.alpha:.2f}, c {pair.cost_ratio:.2f})", **asdict(pair)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

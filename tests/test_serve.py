@@ -1,0 +1,633 @@
+"""The OpenAI-compatible Serve application over HTTP: the official ``openai`` client,
+raw HTTP error classes, API keys, overload, client disconnects and ``/metrics``.
+
+Fast tests use tiny random Llama pairs given a 64-symbol tokenizer of their own (one
+character per token id), so response *text* identifies the token ids exactly: greedy
+results can be compared with Hugging Face ``generate`` without the demo pair. Tests that
+need the trained demo pair (a real tokenizer with a chat template) are ``slow``.
+
+One Serve instance on a free loopback port for the module; each application gets its own
+route prefix. Models run on CPU; fake GPUs are not needed here (``num_gpus: 0``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import time
+
+import httpx
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from tests.conftest import hf_greedy
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from specray.serve.app import build_app  # noqa: E402
+from specray.serve.config import ServeConfig  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/"
+"""Token id i of the tiny models is the character ALPHABET[i] (64 ids, the tiny vocab)."""
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}ZZ{% endif %}"
+)
+KEY = "sekret-key"
+MAIN, GUARDED = "tiny", "tiny-guarded"
+LONG_CONTEXT = 4096
+"""The guarded app's models take long prompts/outputs: its requests can be slow on purpose."""
+
+
+def encode(text: str) -> list[int]:
+    return [ALPHABET.index(c) for c in text]
+
+
+def decode(ids) -> str:
+    return "".join(ALPHABET[i] for i in ids)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_char_tokenizer(path) -> None:
+    """A BPE without merges over the 64 symbols: text <-> token ids one to one."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(ALPHABET)}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE
+    ).save_pretrained(str(path))
+
+
+def cpu_placement(mode: str = "separate") -> dict:
+    small = {"num_gpus": 0, "num_cpus": 0.25}
+    return {"mode": mode, "target": small, "draft": small, "ngram_cpus": 0.25}
+
+
+def wait_until_serving(url: str, model: str, headers=None, timeout: float = 120) -> None:
+    """First request also starts the replica's coordinator and workers."""
+    deadline = time.monotonic() + timeout
+    body = {"model": model, "prompt": "abc", "max_tokens": 2, "temperature": 0}
+    while True:
+        try:
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=60)
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not serve within {timeout}s")
+        time.sleep(0.5)
+
+
+def assert_openai_error(r: httpx.Response, status: int, *words: str) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and isinstance(err["message"], str) and err["type"]
+    for word in words:
+        assert word in err["message"], err
+    return err
+
+
+def sse_events(lines) -> list:
+    """Parse server-sent events: dicts, and the final "[DONE]" marker as a string."""
+    events = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# -- fixtures ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_checkpoints, tmp_path_factory) -> dict:
+    """The session's tiny checkpoints plus a tokenizer folder of their own."""
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    save_char_tokenizer(path)
+    return {**tiny_checkpoints, "tokenizer": str(path)}
+
+
+@pytest.fixture(scope="module")
+def long_tok(tmp_path_factory) -> dict:
+    """A tiny pair with a 4096-token context (long, slow requests on purpose)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    import torch
+
+    root = tmp_path_factory.mktemp("tiny-long")
+    for name, layers, seed in (("target", 2, 0), ("draft", 1, 1)):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LONG_CONTEXT,
+            initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        )
+        LlamaForCausalLM(cfg).eval().save_pretrained(root / name)
+    save_char_tokenizer(root / "tokenizer")
+    return {"target": str(root / "target"), "draft": str(root / "draft"), "tokenizer": str(root / "tokenizer")}
+
+
+@pytest.fixture(scope="module")
+def server(ray_session):
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def main_url(server, tiny_tok):
+    """Separate target/draft/n-gram actors, 4 sequences, no API key."""
+    cfg = {
+        "model_name": MAIN,
+        "engine": {**tiny_tok, "max_num_seqs": 4, "placement": cpu_placement("separate")},
+        "max_ongoing_requests": 16,
+    }
+    serve.run(build_app(cfg), name="main", route_prefix="/main")
+    url = f"{server}/main"
+    wait_until_serving(url, MAIN)
+    yield url
+    serve.delete("main")
+
+
+@pytest.fixture(scope="module")
+def guarded_url(server, long_tok):
+    """Colocated engine, ONE sequence at a time, a queue bound of one, and an API key.
+
+    Only plain decoding is requested from it except in the /metrics test, so the
+    speculation counters tagged with its model name come from that test alone.
+    """
+    cfg = {
+        "model_name": GUARDED,
+        "engine": {**long_tok, "max_num_seqs": 1, "placement": cpu_placement("colocated")},
+        "max_ongoing_requests": 4,
+        "max_queued_requests": 1,
+        "api_key": KEY,
+    }
+    serve.run(build_app(cfg), name="guarded", route_prefix="/guarded")
+    url = f"{server}/guarded"
+    wait_until_serving(url, GUARDED, headers=AUTH)
+    yield url
+    serve.delete("guarded")
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def client(main_url):
+    return openai.OpenAI(base_url=f"{main_url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def target_model(tiny_pair):
+    return tiny_pair[0]
+
+
+def greedy_text(model, prompt_ids, n) -> str:
+    return decode(hf_greedy(model, prompt_ids, n))
+
+
+# -- configuration (no server) ------------------------------------------------------------
+def test_autoscaling_typo_is_rejected():
+    with pytest.raises(ValidationError, match="max_replica"):
+        ServeConfig(autoscaling={"min_replicas": 1, "max_replica": 2})
+    with pytest.raises(ValidationError, match="max_replica"):
+        build_app({"engine": {"target": "/nonexistent"}, "autoscaling": {"max_replica": 2}})
+    with pytest.raises(ValidationError, match="min_replicas"):
+        ServeConfig(autoscaling={"min_replicas": 3, "max_replicas": 2})
+
+
+def test_ingress_admits_what_the_engines_can_hold():
+    """Serve's default (5 requests per replica) must not cap the server below its engines."""
+    app = build_app({"engine": {"target": "/nonexistent"}, "max_ongoing_requests": 32, "max_queued_requests": 8,
+                     "autoscaling": {"max_replicas": 3}})
+    ingress = app._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    assert (engine.max_ongoing_requests, engine.max_queued_requests) == (32, 8)
+    assert ingress.max_ongoing_requests >= 3 * (32 + 8)
+
+
+def test_example_yaml_args_are_a_valid_config():
+    """examples/serve.yaml's application args validate (build_app would use the demo pair)."""
+    import pathlib
+
+    doc = yaml.safe_load((pathlib.Path(__file__).parents[1] / "examples" / "serve.yaml").read_text())
+    (app,) = doc["applications"]
+    assert app["import_path"] == "specray.serve.app:build_app"
+    cfg = ServeConfig.model_validate(app["args"])
+    assert cfg.autoscaling is not None and cfg.autoscaling.max_replicas >= cfg.autoscaling.min_replicas
+    assert cfg.engine.placement.mode in ("separate", "colocated")
+    assert doc["http_options"]["host"] == "127.0.0.1"
+
+
+# -- the openai client on the tiny pair ---------------------------------------------------
+def test_models_endpoint(client):
+    assert [m.id for m in client.models.list().data] == [MAIN]
+
+
+def test_completion_greedy_token_ids_all_methods_match_hf(client, target_model):
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    ref = greedy_text(target_model, prompt, 20)
+    for method in ("none", "draft", "ngram"):
+        r = client.completions.create(
+            model=MAIN, prompt=prompt, max_tokens=20, temperature=0,
+            extra_body={"speculation": {"method": method, "num_speculative_tokens": 3}},
+        )
+        assert r.choices[0].text == ref, method
+        assert r.choices[0].finish_reason == "length"
+        assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 20
+
+
+def test_completion_text_prompt_and_default_max_tokens(client, target_model):
+    r = client.completions.create(model=MAIN, prompt="helloWorld", temperature=0)
+    assert r.choices[0].text == greedy_text(target_model, encode("helloWorld"), 16)  # OpenAI default: 16
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+
+
+def test_per_request_speculation_reports_drafts(client, target_model):
+    prompt = [5, 5, 6, 5, 5, 6, 5, 5]
+    r = client.completions.create(
+        model=MAIN, prompt=prompt, max_tokens=24, temperature=0,
+        extra_body={"speculation": {"method": "draft", "num_speculative_tokens": 3}},
+    )
+    (m,) = r.model_dump()["speculation_metrics"]
+    assert m["num_drafts"] > 0 and 0 < m["num_draft_tokens"] <= 3 * m["num_drafts"]
+    assert 0 <= m["num_accepted_tokens"] <= m["num_draft_tokens"]
+    assert r.choices[0].text == greedy_text(target_model, prompt, 24)
+    plain = client.completions.create(
+        model=MAIN, prompt=prompt, max_tokens=24, temperature=0, extra_body={"speculation": {"method": "none"}}
+    )
+    assert plain.model_dump()["speculation_metrics"][0]["num_drafts"] == 0
+
+
+def test_streaming_with_client_matches_non_streamed(client):
+    kwargs = dict(model=MAIN, prompt="abcabcab", max_tokens=30, temperature=0,
+                  extra_body={"speculation": {"method": "ngram", "num_speculative_tokens": 3}})
+    full = client.completions.create(**kwargs).choices[0].text
+    pieces, reasons = [], []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        pieces.append(chunk.choices[0].text)
+        reasons.append(chunk.choices[0].finish_reason)
+    assert len([p for p in pieces if p]) >= 3
+    assert "".join(pieces) == full and reasons[-1] == "length"
+
+
+def test_streaming_raw_sse_is_incremental(main_url, target_model):
+    body = {"model": MAIN, "prompt": [7, 8, 9], "max_tokens": 200, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "speculation": {"method": "none"}}
+    start = time.monotonic()
+    arrivals, lines = [], []
+    with httpx.stream("POST", f"{main_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            lines.append(line)
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic() - start)
+    events = sse_events(lines)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == greedy_text(target_model, [7, 8, 9], 200)
+    assert len(chunks) >= 10 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 200, "total_tokens": 203}
+    # Tokens arrive as they are made, not all at the end.
+    assert arrivals[0] < 0.7 * arrivals[-1], arrivals[:3] + arrivals[-3:]
+
+
+def test_n_choices_with_seed(client):
+    kwargs = dict(model=MAIN, prompt="abcdef", max_tokens=12, temperature=1.0, n=3, seed=1234,
+                  extra_body={"speculation": {"method": "draft", "num_speculative_tokens": 2}})
+    r = client.completions.create(**kwargs)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert all(len(t) == 12 for t in texts) and len(set(texts)) > 1
+    assert r.usage.completion_tokens == 36 and len(r.model_dump()["speculation_metrics"]) == 3
+    again = client.completions.create(**kwargs)  # a seed makes sampling reproducible
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
+
+
+def test_n_choices_streamed(main_url):
+    body = {"model": MAIN, "prompt": "xyz", "max_tokens": 8, "temperature": 0.8, "n": 2, "seed": 3, "stream": True}
+    with httpx.stream("POST", f"{main_url}/v1/completions", json=body, timeout=60) as r:
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    texts = {0: "", 1: ""}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            texts[c["index"]] += c["text"]
+    r2 = httpx.post(f"{main_url}/v1/completions", json={**body, "stream": False}, timeout=60).json()
+    assert texts == {c["index"]: c["text"] for c in r2["choices"]}
+
+
+def test_chat_completion_on_tiny_template(client, target_model):
+    messages = [{"role": "system", "content": "abc"}, {"role": "user", "content": "hello"}]
+    prompt = encode("abchelloZZ")  # CHAT_TEMPLATE rendered
+    ref = greedy_text(target_model, prompt, 10)
+    r = client.chat.completions.create(model=MAIN, messages=messages, max_tokens=10, temperature=0,
+                                       extra_body={"speculation": {"method": "draft", "num_speculative_tokens": 3}})
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MAIN, messages=messages, max_completion_tokens=10, temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == ref
+
+
+# -- raw HTTP errors: each class answered in OpenAI's shape, then the server still serves --
+ERRORS = [  # (id, body patch or raw bytes, status, the error's param, words of its message)
+    ("malformed json", b'{"model": "tiny", "prompt": [1, 2', 400, None, ["malformed JSON"]),
+    ("not an object", b"[1, 2, 3]", 400, None, ["object"]),
+    ("wrong type", {"max_tokens": "ten"}, 400, "max_tokens", ["max_tokens", "integer"]),
+    ("temperature range", {"temperature": 5}, 400, "temperature", ["temperature", "2"]),
+    ("top_p range", {"top_p": 0}, 400, "top_p", ["top_p", "greater than 0"]),
+    ("n range", {"n": 0}, 400, "n", ["n: ", "greater than or equal to 1"]),
+    ("negative max_tokens", {"max_tokens": -1}, 400, "max_tokens", ["max_tokens"]),
+    ("prompt too long", {"prompt": [1] * 300}, 400, None, ["prompt", "300", "256"]),
+    ("token id out of vocab", {"prompt": [1, 64]}, 400, None, ["prompt token ids"]),
+    ("empty prompt", {"prompt": []}, 400, "prompt", ["prompt", "empty"]),
+    ("unknown model", {"model": "gpt-17"}, 404, "model", ["model", "gpt-17"]),
+    ("unknown speculation method", {"speculation": {"method": "bogus"}}, 400, None,
+     ["speculation method", "bogus"]),
+    ("speculation k range", {"speculation": {"method": "draft", "num_speculative_tokens": 0}}, 400,
+     "speculation.num_speculative_tokens", ["speculation.num_speculative_tokens"]),
+    ("unknown field", {"frobnicate": 1}, 400, "frobnicate", ["frobnicate", "Extra inputs"]),
+    ("unknown speculation field", {"speculation": {"method": "draft", "k": 2}}, 400, "speculation.k",
+     ["speculation.k"]),
+    ("unsupported penalty", {"presence_penalty": 1.0}, 400, None, ["presence_penalty"]),
+]
+
+
+@pytest.mark.parametrize("name, patch, status, param, words", ERRORS, ids=[e[0] for e in ERRORS])
+def test_error_then_success(main_url, name, patch, status, param, words):
+    good = {"model": MAIN, "prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
+    url = f"{main_url}/v1/completions"
+    if isinstance(patch, bytes):
+        r = httpx.post(url, content=patch, headers={"Content-Type": "application/json"}, timeout=60)
+    else:
+        r = httpx.post(url, json={**good, **patch}, timeout=60)
+    err = assert_openai_error(r, status, *words)
+    assert err["param"] == param
+    ok = httpx.post(url, json=good, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["choices"][0]["text"]) == 3
+
+
+def test_stream_request_errors_are_statuses_not_broken_streams(main_url):
+    body = {"model": MAIN, "prompt": [1] * 300, "max_tokens": 3, "stream": True}
+    r = httpx.post(f"{main_url}/v1/completions", json=body, timeout=60)
+    assert_openai_error(r, 400, "prompt")
+
+
+def test_chat_errors(main_url):
+    url = f"{main_url}/v1/chat/completions"
+    assert_openai_error(httpx.post(url, json={"model": MAIN, "messages": []}, timeout=60), 400, "messages")
+    bad_role = {"model": MAIN, "messages": [{"role": "robot", "content": "a"}]}
+    assert_openai_error(httpx.post(url, json=bad_role, timeout=60), 400, "messages.0.role")
+
+
+def test_client_raises_openai_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="abc", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MAIN, prompt="abc", max_tokens=2, temperature=5)
+
+
+def test_health(main_url):
+    assert httpx.get(f"{main_url}/health", timeout=30).json() == {"status": "ok"}
+
+
+# -- API key --------------------------------------------------------------------------------
+def test_api_key(guarded_url):
+    body = {"model": GUARDED, "prompt": "abc", "max_tokens": 2, "temperature": 0}
+    url = f"{guarded_url}/v1/completions"
+    assert_openai_error(httpx.post(url, json=body, timeout=60), 401, "API key")
+    wrong = {"Authorization": "Bearer nope"}
+    assert_openai_error(httpx.post(url, json=body, headers=wrong, timeout=60), 401)
+    assert_openai_error(httpx.get(f"{guarded_url}/v1/models", timeout=60), 401)
+    assert httpx.post(url, json=body, headers=AUTH, timeout=60).status_code == 200
+    client = openai.OpenAI(base_url=f"{guarded_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list().data] == [GUARDED]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{guarded_url}/v1", api_key="bad", max_retries=0).models.list()
+
+
+# -- overload, queue bound and disconnects (max_num_seqs=1) ---------------------------------
+def long_body(max_tokens: int = 1500, stream: bool = False) -> dict:
+    return {"model": GUARDED, "prompt": "abc", "max_tokens": max_tokens, "temperature": 0,
+            "stream": stream, "speculation": {"method": "none"}}
+
+
+def test_burst_overload_gives_503_then_recovers(guarded_url):
+    url = f"{guarded_url}/v1/completions"
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(*(c.post(url, json=long_body(400), headers=AUTH) for _ in range(12)))
+
+    replies = asyncio.run(burst())
+    codes = sorted(r.status_code for r in replies)
+    busy = [r for r in replies if r.status_code in (503, 429)]
+    assert busy and any(c == 200 for c in codes) and set(codes) <= {200, 429, 503}, codes
+    for r in busy:
+        assert_openai_error(r, r.status_code)
+        assert r.json()["error"]["type"] == "overloaded"
+    for r in replies:
+        if r.status_code == 200:
+            assert r.json()["usage"]["completion_tokens"] == 400
+    ok = httpx.post(url, json=long_body(5), headers=AUTH, timeout=60)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 5
+
+
+def test_engine_queue_bound(guarded_url):
+    """One running + one waiting fills this replica (max_queued_requests=1): a third is 503
+    at once, although Serve would let up to max_ongoing_requests=4 reach the replica."""
+    url = f"{guarded_url}/v1/completions"
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as c:
+            async with c.stream("POST", url, json=long_body(stream=True), headers=AUTH) as running:
+                assert running.status_code == 200
+                lines = running.aiter_lines()
+                async for line in lines:  # first token: it holds the only slot
+                    if line.startswith("data: "):
+                        break
+                waiting = asyncio.create_task(c.post(url, json=long_body(4), headers=AUTH))
+                await asyncio.sleep(1.0)
+                assert not waiting.done()
+                third = await c.post(url, json=long_body(4), headers=AUTH)
+                await running.aclose()  # frees the slot: the waiting request runs
+            return third, await waiting
+
+    third, waiting = asyncio.run(scenario())
+    assert_openai_error(third, 503)
+    assert third.json()["error"]["type"] == "overloaded"
+    assert waiting.status_code == 200 and waiting.json()["usage"]["completion_tokens"] == 4
+
+
+def test_disconnect_mid_stream_frees_the_sequence(guarded_url):
+    url = f"{guarded_url}/v1/completions"
+    start = time.monotonic()
+    r = httpx.post(url, json=long_body(400), headers=AUTH, timeout=120)
+    full_400 = time.monotonic() - start
+    assert r.status_code == 200
+    # Each long stream (1500 tokens, ~4x the request above) is dropped after one chunk;
+    # were its sequence kept, the next stream could not start until it ended.
+    start = time.monotonic()
+    for _ in range(4):
+        with httpx.stream("POST", url, json=long_body(stream=True), headers=AUTH, timeout=120) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if line.startswith("data: "):
+                    break
+    t0 = time.monotonic()
+    after = httpx.post(url, json=long_body(3), headers=AUTH, timeout=120)
+    follow_up = time.monotonic() - t0
+    dropped = t0 - start
+    print(f"\n400 tokens: {full_400:.2f}s; 4 dropped 1500-token streams: {dropped:.2f}s; follow-up: {follow_up:.2f}s")
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 3
+    # Unfreed, the four streams would have cost ~4 x 1500 tokens (~15 x full_400).
+    assert dropped < 4 * full_400 + 4, (dropped, full_400)
+    assert follow_up < full_400 + 2, (follow_up, full_400)
+
+    # A non-streamed request whose client gives up (read timeout) is freed as well.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=long_body(4000), headers=AUTH, timeout=httpx.Timeout(60, read=0.5))
+    t0 = time.monotonic()
+    after = httpx.post(url, json=long_body(3), headers=AUTH, timeout=120)
+    assert after.status_code == 200 and time.monotonic() - t0 < full_400 + 2, (time.monotonic() - t0, full_400)
+
+
+# -- /metrics --------------------------------------------------------------------------------
+SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+
+
+def metric_sums(text: str, model: str) -> dict[str, float]:
+    """Sum of each series over its label sets, for one model ('_total' suffix dropped)."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        m = SAMPLE.match(line)
+        if not m or f'model="{model}"' not in (m.group(2) or ""):
+            continue
+        name = m.group(1)
+        name = name[: -len("_total")] if name.endswith("_total") else name
+        sums[name] = sums.get(name, 0.0) + float(m.group(3))
+    return sums
+
+
+def test_metrics_match_responses(guarded_url):
+    url = f"{guarded_url}/v1/completions"
+    expected = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    for prompt, method in (("abcabcabcabc", "ngram"), ("helloWorld", "draft"), ("xyxyxyxy", "draft")):
+        body = {"model": GUARDED, "prompt": prompt, "max_tokens": 32, "temperature": 0,
+                "speculation": {"method": method, "num_speculative_tokens": 3}}
+        r = httpx.post(url, json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200
+        for m in r.json()["speculation_metrics"]:
+            for key in expected:
+                expected[key] += m[key]
+    assert expected["num_drafts"] > 0
+    names = {f"ray_specray_spec_decode_{k}": v for k, v in expected.items()}
+    deadline = time.monotonic() + 45
+    while True:
+        text = httpx.get(f"{guarded_url}/metrics", timeout=30).text
+        sums = metric_sums(text, GUARDED)
+        if all(sums.get(n, 0) == v for n, v in names.items()):
+            break
+        assert time.monotonic() < deadline, (names, {n: sums.get(n) for n in names})
+        time.sleep(1)
+    assert sums.get("ray_specray_request_success", 0) >= 3
+    assert sums.get("ray_specray_generation_tokens", 0) >= 96
+    for hist in ("ray_specray_time_to_first_token_seconds", "ray_specray_inter_token_latency_seconds"):
+        assert sums.get(f"{hist}_count", 0) > 0 and f"{hist}_bucket" in sums, hist
+    if expected["num_accepted_tokens"]:
+        assert sums["ray_specray_spec_decode_num_accepted_tokens_per_pos"] == expected["num_accepted_tokens"]
+
+
+# -- the demo pair (real tokenizer, chat template) ------------------------------------------
+@pytest.fixture(scope="module")
+def demo_url(server, demo_pair):
+    """build_app with no models: the demo pair (separate actors, small CPU shares)."""
+    cfg = {"engine": {"max_num_seqs": 4, "placement": {
+        "mode": "separate", "target": {"num_cpus": 0.25}, "draft": {"num_cpus": 0.25}, "ngram_cpus": 0.25}}}
+    serve.run(build_app(cfg), name="demo", route_prefix="/demo")
+    url = f"{server}/demo"
+    deadline = time.monotonic() + 180
+    while httpx.get(f"{url}/v1/models", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    yield url
+    serve.delete("demo")
+
+
+@pytest.fixture(scope="module")
+def demo_client(demo_url):
+    return openai.OpenAI(base_url=f"{demo_url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def demo_reference(demo_models):
+    """Greedy text of the in-process engine (lossless plain decoding) for a prompt."""
+    import copy
+
+    from specray.engine.config import EngineConfig
+    from specray.engine.engine import LLMEngine
+    from specray.engine.params import SamplingParams, SpeculationParams
+
+    target, draft, tok = demo_models
+    engine = LLMEngine(EngineConfig(target="<in-memory>", max_num_seqs=2), target_model=copy.deepcopy(target),
+                       draft_model=copy.deepcopy(draft), tokenizer=tok)
+
+    def reference(prompt: str, max_tokens: int):
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0)
+        return engine.generate([prompt], sampling, SpeculationParams(method="none"))[0]
+
+    return reference
+
+
+@pytest.mark.slow
+def test_demo_completion_greedy_matches_engine(demo_client, demo_reference, demo_models):
+    prompt = "def fibonacci(n):\n    "
+    ref = demo_reference(prompt, 40)
+    tok = demo_models[2]
+    hf = hf_greedy(demo_models[0], tok.encode(prompt, add_special_tokens=False), 40)
+    assert ref.token_ids[: len(hf)] == hf[: len(ref.token_ids)]
+    for method in ("none", "draft", "ngram"):
+        r = demo_client.completions.create(
+            model="specray-demo", prompt=prompt, max_tokens=40, temperature=0,
+            extra_body={"speculation": {"method": method, "num_speculative_tokens": 3}},
+        )
+        assert r.choices[0].text == ref.text, method
+        assert r.usage.completion_tokens == len(ref.token_ids)
+        if method != "none":
+            assert r.model_dump()["speculation_metrics"][0]["num_drafts"] > 0
+
+
+@pytest.mark.slow
+def test_demo_chat_and_stream(demo_client, demo_reference, demo_models):
+    tok = demo_models[2]
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ref = demo_reference(prompt, 24)
+    r = demo_client.chat.completions.create(
+        model="specray-demo", messages=messages, max_tokens=24, temperature=0,
+        extra_body={"speculation": {"method": "draft", "num_speculative_tokens": 3}},
+    )
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ("stop" if ref.finish_reason == "stop" else "length")
+    pieces = [c.choices[0].delta.content or "" for c in demo_client.chat.completions.create(
+        model="specray-demo", messages=messages, max_tokens=24, temperature=0, stream=True,
+        extra_body={"speculation": {"method": "ngram"}}) if c.choices]
+    assert "".join(pieces) == ref.text and len([p for p in pieces if p]) >= 2
