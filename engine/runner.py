@@ -145,8 +145,8 @@ class ModelRunner:
             pos_ids = torch.minimum(positions, (lens_t + q_t - 1)[:, None])
         kv_len = max(L + n for L, n in zip(lengths, q_lens))
         tree_mask = None
-        if tree is not None:
-            tree_mask, depth = tree
+        if tree is not None:  # small index tensors: built on the CPU, moved once below
+            tree_mask, depth = tree[0].cpu(), tree[1].cpu()
             pos_ids = lens_t[:, None] + depth
         if q == 1 and min(lengths) == max(lengths):
             mask = None  # every row sees all kv_len keys

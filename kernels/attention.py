@@ -7,12 +7,18 @@ cache at each row's own offset, then attends over ``[cached prefix | new tokens]
 one additive mask built once per forward (see :class:`AttentionBatch`). Prefill, decode,
 linear-draft verification and (later) tree verification differ only in that mask.
 
-CPU: ``torch.nn.functional.scaled_dot_product_attention`` with the materialized mask.
+CUDA: ``xformers.ops.memory_efficient_attention`` with the same mask as an explicit
+attention bias (the prefix is block-diagonal with padded keys per row, the suffix the
+causal or tree mask). CPU (or ``SPECRAY_ATTENTION=sdpa``):
+``torch.nn.functional.scaled_dot_product_attention`` with the materialized mask.
+Both get the same mask, so they agree to floating-point tolerance (tests/test_gpu.py).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -107,15 +113,48 @@ def cached_attention(module, query, key, value, attention_mask, scaling=None, dr
             "run the model through specray.engine.runner.ModelRunner"
         )
     keys, values = batch.update_and_read(module.layer_idx, key, value)
+    if query.is_cuda and _use_xformers():
+        return xformers_attention(query, keys, values, batch.mask, scaling), None
+    return sdpa_attention(query, keys, values, batch.mask, scaling), None
+
+
+def sdpa_attention(query, keys, values, mask, scaling):
+    """query [B, H, q, D], keys/values [B, H_kv, kv, D], mask [B, 1, q, kv] -> [B, q, H, D]."""
     out = F.scaled_dot_product_attention(
-        query,
-        keys,
-        values,
-        attn_mask=batch.mask,
-        scale=scaling,
-        enable_gqa=query.shape[1] != keys.shape[1],
+        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1]
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
+
+
+def xformers_attention(query, keys, values, mask, scaling):
+    """The same contract as ``sdpa_attention``, computed by xformers' fused kernels (CUDA)."""
+    import xformers.ops as xops
+
+    b, h, q, d = query.shape
+    kv = keys.shape[2]
+    if keys.shape[1] != h:  # GQA: xformers' BMHK layout wants one K/V head per query head
+        keys = keys.repeat_interleave(h // keys.shape[1], dim=1)
+        values = values.repeat_interleave(h // values.shape[1], dim=1)
+    bias = None
+    if mask is not None:
+        # xformers needs the bias' last dimension 8-aligned in memory: pad, then slice.
+        padded = -(-kv // 8) * 8
+        bias = torch.empty(b, h, q, padded, dtype=query.dtype, device=query.device)[..., :kv]
+        bias.copy_(mask.expand(b, h, q, kv))
+    return xops.memory_efficient_attention(
+        query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_bias=bias, scale=scaling
+    )
+
+
+@lru_cache(maxsize=1)
+def _use_xformers() -> bool:
+    if os.environ.get("SPECRAY_ATTENTION", "auto") == "sdpa":
+        return False
+    try:
+        import xformers.ops  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _no_mask(*args, **kwargs):
