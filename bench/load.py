@@ -24,6 +24,9 @@ Measured per (level, method), from the client:
   tokens in one chunk (as in vLLM's benchmark, ITL is per chunk);
 * TPOT: per request, (end - first token) / (tokens - 1), p50/p90/p99 (per token).
 
+``--off-above-batch`` / ``--k-caps`` set the engine's speculation-length policy
+(``speculation_off_above_batch`` / ``speculation_k_caps``) to measure its effect.
+
 Writes ``load.csv``, ``load.json``, ``load.txt`` (the table) and ``load.png`` to
 ``--out`` (default ``bench/results/``), and says for each level whether a speculative
 method was slower than plain decoding. ``main(argv)`` returns 0, or 1 if any request
@@ -192,9 +195,14 @@ def start_server(args) -> tuple[str, str, str]:
     from specray.cluster.config import SpecrayConfig
     from specray.serve.app import build_app
 
+    policy = {}
+    if args.off_above_batch is not None:
+        policy["speculation_off_above_batch"] = args.off_above_batch
+    if args.k_caps:
+        policy["speculation_k_caps"] = [tuple(int(v) for v in pair.split(":")) for pair in args.k_caps.split(",")]
     engine = SpecrayConfig(
         target=args.target, draft=args.draft, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
-        placement={"mode": args.placement},
+        placement={"mode": args.placement}, **policy,
     ).resolved()
     threads = os.environ.setdefault("SPECRAY_WORKER_THREADS", "1")
     ray.init(
@@ -344,6 +352,9 @@ def parse_args(argv):
     p.add_argument("--max-num-seqs", type=int, default=32, help="engine batch rows (default 32)")
     p.add_argument("--placement", choices=["colocated", "separate"], default="colocated",
                    help="colocated: one actor holds target and draft (default); separate: an actor each")
+    p.add_argument("--off-above-batch", type=int, default=None,
+                   help="engine speculation_off_above_batch: plain decoding above this running batch (default: off)")
+    p.add_argument("--k-caps", default="", help="engine speculation_k_caps as min_batch:max_k,... (e.g. 4:2,8:1)")
     p.add_argument("--prompt-tokens", default="32,128", help="held-out prompt lengths min,max (default 32,128)")
     p.add_argument("--target", default=None, help="target checkpoint dir (default: the demo pair)")
     p.add_argument("--draft", default=None)
@@ -419,8 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(rows)
     verdict_lines, goal = verdicts(rows, methods)
     pair = _pair_info(args)
+    policy = (f", spec off above batch {args.off_above_batch}" if args.off_above_batch is not None else "") + (
+        f", k caps {args.k_caps}" if args.k_caps else "")
     title = (f"specray load: {pair.get('name', 'custom models')}, max_num_seqs={args.max_num_seqs}, "
-             f"{args.placement}, k={args.k}, {args.max_tokens} tokens/request, {platform.node()}")
+             f"{args.placement}, k={args.k}{policy}, {args.max_tokens} tokens/request, {os.cpu_count()} CPUs")
     meta = {
         "command": command, "title": title, "started": started, "elapsed_s": round(time.time() - started, 1),
         "python": platform.python_version(), "torch_threads_per_worker": os.environ.get("SPECRAY_WORKER_THREADS"),

@@ -117,13 +117,18 @@ def test_replicas_scale_up_under_load_and_back_down(server, tiny_checkpoints):
                 "stream": True, "speculation": {"method": "draft", "num_speculative_tokens": 2}}
         assert httpx.post(url, json={**body, "stream": False, "max_tokens": 2}, timeout=120).status_code == 200
         gpus = ray.cluster_resources()["GPU"]
+        t0 = time.monotonic()
         with Load(url, body, concurrency=6, cap_s=90) as load:
             wait_for(lambda: running_replicas("autoscale") == 2, 60, "scale up to 2 replicas")
+            up = time.monotonic() - t0
             # Both replicas serve: requests keep completing after the second one is up.
             served = len(load.statuses)
             wait_for(lambda: len(load.statuses) >= served + 6, 60, "requests completing on 2 replicas")
         assert load.errors == [] and set(load.statuses) == {200}, (load.errors[:3], set(load.statuses))
+        t1 = time.monotonic()
         wait_for(lambda: running_replicas("autoscale") == 1, 60, "scale down to 1 replica")
+        print(f"\n2 replicas {up:.1f}s after the load began; 1 replica {time.monotonic() - t1:.1f}s after it "
+              f"stopped; {len(load.statuses)} streams served, all 200")
         # The stopped replica's coordinator gave its placement group (its GPU) back.
         wait_for(lambda: ray.available_resources().get("GPU", 0) >= gpus - 1, 30, "GPU released")
         assert httpx.post(url, json={**body, "stream": False, "max_tokens": 4}, timeout=120).json()[
