@@ -1,0 +1,42 @@
+"""Smoke test of the speed benchmark: ``--quick`` on the demo pair writes its outputs and
+every specray config reproduces plain greedy decoding token for token."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+
+@pytest.mark.slow
+def test_quick_benchmark(tmp_path):
+    from specray.bench import speed
+
+    threads = torch.get_num_threads()
+    rc = speed.main(["--quick", "--out", str(tmp_path)])
+    assert torch.get_num_threads() == threads  # main() restores the thread count
+
+    for name in ("speed.csv", "speed.png", "speed.json", "speed.txt"):
+        assert (tmp_path / name).is_file() and (tmp_path / name).stat().st_size > 0, name
+
+    with open(tmp_path / "speed.csv", newline="") as fh:
+        rows = {r["config"]: r for r in csv.DictReader(fh)}
+    expected = {"specray plain", "specray draft k=1", "specray draft k=2", "specray ngram k=2",
+                "hf plain", "hf assisted (default)", "hf prompt-lookup k=2"}
+    assert expected <= set(rows)
+    for name, row in rows.items():
+        assert float(row["tokens_per_s"]) > 0, name
+        assert int(row["tokens"]) == 2 * 32, name  # 2 prompts x 32 tokens, EOS ignored
+        if row["system"] == "specray":
+            assert int(row["mismatch_vs_specray_plain"]) == 0, name
+            assert int(row["mismatch_vs_hf_plain"]) == 0, name
+    assert rows["specray draft k=2"]["bound"] not in ("", "nan")
+
+    report = json.loads((tmp_path / "speed.json").read_text())
+    assert rc == 0
+    assert report["total_mismatches"] == 0
+    assert report["command"].endswith("--quick --out " + str(tmp_path))
+    s = report["summary"]
+    assert 0.0 <= s["alpha_teacher_forced"] <= 1.0
+    assert 0.0 < s["cost_ratio_c"] < 1.0  # a 1-layer draft is cheaper than the target
+    assert {r["config"] for r in report["rows"]} == set(rows)
