@@ -29,6 +29,8 @@ from specray.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
+PROPOSER_START_TIMEOUT_S = 120.0
+
 
 class WorkerLostError(RuntimeError):
     """A model worker died while it served this request."""
@@ -87,8 +89,15 @@ class SeparateBackend:
                 "draft", lambda: proposer_cls.options(**placement.options("draft")).remote("draft", config, vocab_size)
             )
 
-    async def start(self) -> dict:
+    async def start(self, proposer_timeout_s: float = PROPOSER_START_TIMEOUT_S) -> dict:
+        """Wait for the target, then (bounded) for the proposers, so that the first requests
+        already speculate; a proposer that is still loading only costs speed."""
         await self.target.wait_ready()
+        others = [w for w in self.proposers.values() if w is not self.target]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.wait_ready() for w in others)), proposer_timeout_s)
+        except (asyncio.TimeoutError, RayActorError) as exc:
+            log.warning("proposer workers not ready at start (%s); decoding plainly until they are", exc)
         return await self.target.handle.limits.remote()
 
     @property
