@@ -3,22 +3,26 @@ concurrency, over HTTP, streaming.
 
     python -m specray.bench.load [--concurrency 1,8,32] [--requests-per-level N]
                                  [--max-tokens 64] [--duration-cap 60] [--out DIR]
-                                 [--methods none,draft,ngram] [--k 3]
+                                 [--methods none,draft,ngram] [--k 3] [--rounds 3]
 
 Starts Ray Serve on a free loopback port with the demo pair (one engine replica,
 ``max_num_seqs=32``, colocated target + draft, one torch thread per worker), then for
-each concurrency level C and each method runs a closed loop: C clients, each sending
-its next streaming ``/v1/completions`` request as soon as its previous one ends, over
-the same held-out prompts (``specray.demo.held_out_prompts``) for every method. Greedy,
-EOS ignored: every request makes exactly ``--max-tokens`` tokens, so methods do equal
-work, and their texts must be identical (speculation is lossless). A level runs
-``max(N, C)`` requests, and stops sending new ones after ``--duration-cap`` seconds.
-Configurations run level by level, methods in turn (load from other processes on shared
-cores then hits every method alike).
+each concurrency level C runs a closed loop per method: C clients, each sending its
+next streaming ``/v1/completions`` request as soon as its previous one ends, over
+held-out prompts (``specray.demo.held_out_prompts``). Greedy, EOS ignored: every request
+makes exactly ``--max-tokens`` tokens, so methods do equal work, and their texts must be
+identical (speculation is lossless).
+
+A level runs in ``--rounds`` rounds; a round runs every method in turn on the same
+prompts, in an order rotated from round to round, ``max(ceil(N / rounds), C)`` requests
+each (a run sends no new request after ``--duration-cap`` seconds). Methods measured
+side by side in time share whatever load other processes put on the cores; the ratio of
+each round's throughputs (paired, adjacent in time) is reported as a min..max range.
 
 Measured per (level, method), from the client:
 
-* throughput: output tokens / wall time (first request sent to last one finished);
+* throughput: output tokens / wall time (each run: first request sent to last one
+  finished; summed over the rounds);
 * TTFT: request sent to first streamed token, p50/p90/p99;
 * ITL: time between streamed chunks, p50/p90/p99. A speculative step may carry several
   tokens in one chunk (as in vLLM's benchmark, ITL is per chunk);
@@ -44,7 +48,6 @@ import os
 import platform
 import shlex
 import socket
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -55,6 +58,8 @@ log = logging.getLogger("specray.bench.load")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 PROG = "python -m specray.bench.load"
 APP = "specray-load"
+MAX_PROMPTS = 48
+"""Distinct held-out prompts at most (distinct token lengths in 32..128); reused beyond."""
 SLOWER_TOLERANCE = 0.97
 """A speculative method counts as slower than plain below this throughput ratio (the
 run-to-run noise on shared CPU cores is a few percent)."""
@@ -134,14 +139,14 @@ async def stream_one(client, url: str, body: dict, index: int) -> RequestResult:
     return result
 
 
-async def run_level(url: str, model: str, prompts: list[str], concurrency: int, n_requests: int,
+async def run_level(url: str, model: str, prompts: list[str], concurrency: int, indices: list[int],
                     speculation: dict, max_tokens: int, cap_s: float, timeout_s: float) -> tuple[list, float]:
-    """Closed loop: ``concurrency`` clients share a queue of ``n_requests`` prompts."""
+    """Closed loop: ``concurrency`` clients share a queue of prompts (by index)."""
     import httpx
 
     queue: asyncio.Queue = asyncio.Queue()
-    for i in range(n_requests):
-        queue.put_nowait(i % len(prompts))
+    for i in indices:
+        queue.put_nowait(i)
     results: list[RequestResult] = []
     start = time.perf_counter()
     stop_sending = start + cap_s
@@ -187,25 +192,31 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
 
 
 # -- the server ------------------------------------------------------------------------------
-def start_server(args) -> tuple[str, str, str]:
-    """Ray (in-process) + Serve on a free loopback port; returns (url, model, tokenizer dir)."""
-    import ray
-    from ray import serve
-
+def engine_config(args):
+    """The engine's SpecrayConfig, with the demo pair's paths filled in if none given."""
     from specray.cluster.config import SpecrayConfig
-    from specray.serve.app import build_app
 
     policy = {}
     if args.off_above_batch is not None:
         policy["speculation_off_above_batch"] = args.off_above_batch
     if args.k_caps:
         policy["speculation_k_caps"] = [tuple(int(v) for v in pair.split(":")) for pair in args.k_caps.split(",")]
-    engine = SpecrayConfig(
+    return SpecrayConfig(
         target=args.target, draft=args.draft, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
         placement={"mode": args.placement}, **policy,
     ).resolved()
+
+
+def start_server(args, engine) -> str:
+    """Ray (in-process, our own) + Serve on a free loopback port; returns the base URL."""
+    import ray
+    from ray import serve
+
+    from specray.serve.app import build_app
+
     threads = os.environ.setdefault("SPECRAY_WORKER_THREADS", "1")
     ray.init(
+        address="local",  # a Ray of our own, even if `ray start` left a cluster to join
         num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
         runtime_env={"env_vars": {"SPECRAY_WORKER_THREADS": threads}},
     )
@@ -220,7 +231,7 @@ def start_server(args) -> tuple[str, str, str]:
         "max_queued_requests": max(args.levels) + 8,
     }
     serve.run(build_app(cfg), name="load", route_prefix="/")
-    return f"http://127.0.0.1:{port}", APP, engine.tokenizer or engine.target
+    return f"http://127.0.0.1:{port}"
 
 
 def stop_server() -> None:
@@ -237,6 +248,7 @@ def stop_server() -> None:
 COLUMNS = [  # (row key, title, format)
     ("concurrency", "conc", "{}"), ("method", "method", "{}"), ("requests", "reqs", "{}"),
     ("failed", "fail", "{}"), ("throughput_tok_s", "tok/s", "{:.1f}"), ("speedup_vs_none", "x none", "{:.2f}"),
+    ("speedup_round_min", "rounds min", "{:.2f}"), ("speedup_round_max", "max", "{:.2f}"),
     ("mean_tokens_per_chunk", "tok/chunk", "{:.2f}"),
     ("ttft_ms_p50", "TTFT p50", "{:.1f}"), ("ttft_ms_p90", "p90", "{:.1f}"), ("ttft_ms_p99", "p99", "{:.1f}"),
     ("itl_ms_p50", "ITL p50", "{:.1f}"), ("itl_ms_p90", "p90", "{:.1f}"), ("itl_ms_p99", "p99", "{:.1f}"),
@@ -270,7 +282,9 @@ def verdicts(rows: list[dict], methods: list[str]) -> tuple[list[str], dict]:
             if m == "none" or m not in at:
                 continue
             ratio = at[m].get("speedup_vs_none")
-            parts.append(f"{m} {ratio:.2f}x" if ratio is not None else f"{m} -")
+            lo, hi = at[m].get("speedup_round_min"), at[m].get("speedup_round_max")
+            spread = f" (rounds {lo:.2f}..{hi:.2f})" if lo is not None and hi is not None else ""
+            parts.append(f"{m} {ratio:.2f}x{spread}" if ratio is not None else f"{m} -")
             if ratio is not None and ratio < SLOWER_TOLERANCE:
                 slower.append(m)
         per_level[c] = {"slower": slower, "ratios": {m: at[m].get("speedup_vs_none") for m in at if m != "none"}}
@@ -343,7 +357,10 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts (default 1,8,32)")
     p.add_argument("--requests-per-level", type=int, default=32,
-                   help="requests per (level, method); at least one per client (default 32)")
+                   help="requests per (level, method), split over --rounds; each round has at least one "
+                        "request per client (default 32)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds per level; each runs every method in turn, order rotated (default 3)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request, EOS ignored (default 64)")
     p.add_argument("--duration-cap", type=float, default=60.0,
                    help="seconds after which a (level, method) run sends no new requests (default 60)")
@@ -366,6 +383,8 @@ def parse_args(argv):
     args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not args.levels or min(args.levels) < 1:
         p.error("--concurrency needs positive integers")
+    if args.rounds < 1 or args.requests_per_level < 1:
+        p.error("--rounds and --requests-per-level must be >= 1")
     if "none" not in args.method_list:
         args.method_list.insert(0, "none")  # the baseline every ratio refers to
     args.prompt_range = tuple(int(v) for v in args.prompt_tokens.split(","))
@@ -387,46 +406,59 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     failures: list[str] = []
     started = time.time()
-    url, model, tokenizer_dir = start_server(args)
+    engine = engine_config(args)
+    per_round = {c: max(-(-args.requests_per_level // args.rounds), c) for c in args.levels}
+    n_prompts = min(MAX_PROMPTS, max(n * args.rounds for n in per_round.values()))
+    prompts = held_out_prompts(n_prompts, engine.tokenizer or engine.target, *args.prompt_range)
+    model = APP
+    url = start_server(args, engine)
     try:
-        n_prompts = max(max(args.requests_per_level, c) for c in args.levels)
-        prompts = held_out_prompts(n_prompts, tokenizer_dir, *args.prompt_range)
         endpoint = f"{url}/v1/completions"
         specs = {m: {"method": m} if m == "none" else {"method": m, "num_speculative_tokens": args.k}
                  for m in args.method_list}
         # Warm-up: start the workers, and the proposers of each method.
         for m in args.method_list:
-            res, _ = asyncio.run(run_level(endpoint, model, prompts, 2, 2, specs[m], 8, 60, args.request_timeout))
+            res, _ = asyncio.run(run_level(endpoint, model, prompts, 2, [0, 1], specs[m], 8, 60, args.request_timeout))
             if not all(r.ok for r in res):
                 raise RuntimeError(f"warm-up with {m} failed: {[r.error or r.status for r in res]}")
+        methods = args.method_list
         for c in args.levels:
-            n = max(args.requests_per_level, c)
-            texts: dict[str, dict[int, str]] = {}
-            for m in args.method_list:
-                log.info("concurrency %d, %s: %d requests", c, m, n)
-                results, wall = asyncio.run(run_level(
-                    endpoint, model, prompts, c, n, specs[m], args.max_tokens, args.duration_cap, args.request_timeout))
-                row = {"concurrency": c, "method": m, **summarize(results, wall)}
-                texts[m] = {r.prompt_index: r.text for r in results if r.ok}
-                for r in results:
-                    if not r.ok:
-                        failures.append(f"c={c} {m} prompt {r.prompt_index}: {r.status} {r.error}")
-                rows.append(row)
-            base = next(r for r in rows if r["concurrency"] == c and r["method"] == "none")
-            for r in rows:
-                if r["concurrency"] != c:
-                    continue
-                r["speedup_vs_none"] = (
-                    round(r["throughput_tok_s"] / base["throughput_tok_s"], 3) if base["throughput_tok_s"] else None
+            n = per_round[c]
+            results = {m: [] for m in methods}
+            walls = {m: 0.0 for m in methods}
+            round_tput: dict[str, list[float]] = {m: [] for m in methods}
+            for rnd in range(args.rounds):
+                # Every method in turn, on the same prompts, order rotated each round: load
+                # from other processes on shared cores then falls on all methods alike.
+                indices = [(rnd * n + j) % len(prompts) for j in range(n)]
+                order = methods[rnd % len(methods):] + methods[: rnd % len(methods)]
+                for m in order:
+                    log.info("concurrency %d, round %d/%d, %s: %d requests", c, rnd + 1, args.rounds, m, n)
+                    res, wall = asyncio.run(run_level(endpoint, model, prompts, c, indices, specs[m],
+                                                      args.max_tokens, args.duration_cap, args.request_timeout))
+                    results[m] += res
+                    walls[m] += wall
+                    round_tput[m].append(sum(r.tokens for r in res if r.ok) / wall if wall > 0 else 0.0)
+            texts = {m: {r.prompt_index: r.text for r in results[m] if r.ok} for m in methods}
+            base = summarize(results["none"], walls["none"])
+            for m in methods:
+                row = {"concurrency": c, "method": m, **summarize(results[m], walls[m])}
+                row["speedup_vs_none"] = (
+                    round(row["throughput_tok_s"] / base["throughput_tok_s"], 3) if base["throughput_tok_s"] else None
                 )
-                common = texts[r["method"]].keys() & texts["none"].keys()
-                r["same_text_as_none"] = all(texts[r["method"]][i] == texts["none"][i] for i in common)
-                if not r["same_text_as_none"]:
-                    failures.append(f"c={c} {r['method']}: greedy text differs from plain decoding")
+                # Paired by round (adjacent in time): the spread says how noisy the ratio is.
+                ratios = [t / b for t, b in zip(round_tput[m], round_tput["none"]) if b > 0]
+                row["speedup_round_min"] = round(min(ratios), 3) if ratios else None
+                row["speedup_round_max"] = round(max(ratios), 3) if ratios else None
+                common = texts[m].keys() & texts["none"].keys()
+                row["same_text_as_none"] = all(texts[m][i] == texts["none"][i] for i in common)
+                if not row["same_text_as_none"]:
+                    failures.append(f"c={c} {m}: greedy text differs from plain decoding")
+                failures += [f"c={c} {m} prompt {r.prompt_index}: {r.status} {r.error}" for r in results[m] if not r.ok]
+                rows.append(row)
     finally:
         stop_server()
 
-    methods = args.method_list
     table = format_table(rows)
     verdict_lines, goal = verdicts(rows, methods)
     pair = _pair_info(args)
