@@ -13,6 +13,7 @@ Outputs are ``RequestOutput`` dicts. A request lost with its target worker raise
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 from dataclasses import replace
@@ -86,7 +87,10 @@ class CoordinatorCore:
         self._queues[req.request_id] = asyncio.Queue()
         self.backend.add(req)
         if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+            # A fresh context: Ray would otherwise treat the request that happened to start
+            # the loop as the parent of every worker call, and cancelling that request
+            # (its client went away) would cancel the shared loop's calls.
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
         return req.request_id
 
     async def outputs(self, request_id: str):
