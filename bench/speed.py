@@ -86,7 +86,8 @@ class RunResult:
 @dataclasses.dataclass
 class ConfigResult:
     config: BenchConfig
-    runs: list[RunResult] = dataclasses.field(default_factory=list)
+    runs: list[RunResult] = dataclasses.field(default_factory=list)  # seconds = fastest pass
+    all_seconds: list[list[float]] = dataclasses.field(default_factory=list)  # [prompt][pass]
     warmup_seconds: float = 0.0
 
     @property
@@ -230,31 +231,62 @@ def teacher_forced_alpha(target, draft, prompts: list[list[int]], continuations:
     return matches / total if total else float("nan")
 
 
-def runner_cost_ratio(target_runner, draft_runner, prompt_ids: list[int], runs: int = 300, warmup: int = 20):
-    """Median one-token ``ModelRunner.forward`` time of draft over target at batch 1 after
-    a ``len(prompt_ids)``-token cache (interleaved, so load noise hits both). Slot 0 of
-    both runners is used and reset afterwards: call only while the engine is idle."""
+def runner_forward_costs(target_runner, draft_runner, prompt_ids: list[int], target_qs: Sequence[int],
+                         draft_qs: Sequence[int] = (1,), runs: int = 300, warmup: int = 20) -> dict:
+    """Median ``ModelRunner.forward`` time in ms of q new tokens after a ``len(prompt_ids)``-
+    token cache, batch 1: ``{"target": {q: ms}, "draft": {q: ms}}``. All (runner, q) cases
+    are interleaved, so load noise hits them alike. Slot 0 of both runners is used and
+    reset afterwards: call only while the engine is idle."""
     slot, length = 0, len(prompt_ids)
-    runners = [draft_runner, target_runner]
-    times: list[list[float]] = [[], []]
+    cases = [("target", target_runner, q) for q in sorted(set(target_qs))]
+    cases += [("draft", draft_runner, q) for q in sorted(set(draft_qs))]
+    times: dict[tuple[str, int], list[float]] = {(name, q): [] for name, _, q in cases}
     try:
-        for r in runners:
+        for r in (target_runner, draft_runner):
             r.reset(slot)
             r.forward([slot], [prompt_ids])
-        tok = [[prompt_ids[-1]]]
+        tokens = (prompt_ids * 8)[: max(q for _, _, q in cases)]
         for i in range(warmup + runs):
-            for j, r in enumerate(runners):
+            for name, r, q in cases:
                 r.set_length(slot, length)
                 start = time.perf_counter()
-                r.forward([slot], tok)
+                r.forward([slot], [tokens[:q]], torch.arange(q)[None])  # logits at every new token, as verify does
                 elapsed = time.perf_counter() - start
                 if i >= warmup:
-                    times[j].append(elapsed)
+                    times[(name, q)].append(elapsed)
     finally:
-        for r in runners:
+        for r in (target_runner, draft_runner):
             r.reset(slot)
-    draft_s, target_s = (statistics.median(t) for t in times)
-    return draft_s / target_s, draft_s * 1e3, target_s * 1e3
+    out: dict[str, dict[int, float]] = {"target": {}, "draft": {}}
+    for (name, q), ts in times.items():
+        out[name][q] = statistics.median(ts) * 1e3
+    return out
+
+
+def prefill_ms(runner, prompt_ids: list[int], runs: int = 3) -> float:
+    """Fastest of ``runs`` prefills of ``prompt_ids`` into slot 0 (reset afterwards); the
+    minimum, since a load spike during one prefill would swamp a whole config's decode time."""
+    ts = []
+    try:
+        for _ in range(runs):
+            runner.reset(0)
+            start = time.perf_counter()
+            runner.forward([0], [prompt_ids])
+            ts.append(time.perf_counter() - start)
+    finally:
+        runner.reset(0)
+    return min(ts) * 1e3
+
+
+def interp(table: dict[int, float], q: float) -> float:
+    """Linear interpolation of a {q: ms} table (clamped at its ends)."""
+    qs = sorted(table)
+    if q <= qs[0]:
+        return table[qs[0]]
+    for a, b in zip(qs, qs[1:]):
+        if q <= b:
+            return table[a] + (table[b] - table[a]) * (q - a) / (b - a)
+    return table[qs[-1]]
 
 
 def speedup_bound(alpha: float, k: int, c: float) -> float:
@@ -278,6 +310,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-fixed-k", action="store_true",
                    help="also run HF assisted at each --ks with a constant schedule (no confidence stop)")
     p.add_argument("--cost-runs", type=int, default=None, help="timed steps per model for c (default 300)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed passes over all prompts; each (config, prompt) keeps its fastest (default 3; --quick 1)")
     p.add_argument("--seed", type=int, default=0, help="held-out prompt seed")
     args = p.parse_args(argv)
     quick = args.quick
@@ -287,6 +321,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.ngram_ks = _int_list(args.ngram_ks if args.ngram_ks is not None else ("2" if quick else "2,4,6"),
                               "--ngram-ks")
     args.cost_runs = args.cost_runs if args.cost_runs is not None else (50 if quick else 300)
+    args.repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     if args.prompts < 1 or args.max_tokens < 2:
         p.error("need --prompts >= 1 and --max-tokens >= 2")
     return args
@@ -347,18 +384,30 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
     configs = build_configs(args.ks, args.ngram_ks, alpha_k1=not args.no_k1, hf_fixed_k=args.hf_fixed_k)
     results = {cfg: ConfigResult(cfg) for cfg in configs}
     warm_tokens = min(args.max_tokens, 32)
-    bar = tqdm(total=len(configs) * (1 + len(prompt_ids)), desc="bench", unit="run", dynamic_ncols=True)
+    bar = tqdm(total=len(configs) * (1 + args.repeats * len(prompt_ids)), desc="bench", unit="run",
+               dynamic_ncols=True)
     for cfg in configs:  # one untimed warm-up per config
         bar.set_postfix_str(f"warm-up {cfg.name}")
         start = time.perf_counter()
         runners[cfg.system].run(cfg, prompt_ids[0], warm_tokens)
         results[cfg].warmup_seconds = time.perf_counter() - start
         bar.update(1)
-    for i, ids in enumerate(prompt_ids):  # interleaved: every config on prompt i, then i+1
-        for cfg in configs:
-            bar.set_postfix_str(f"prompt {i + 1}/{len(prompt_ids)} {cfg.name}")
-            results[cfg].runs.append(runners[cfg.system].run(cfg, ids))
-            bar.update(1)
+    unstable: dict[BenchConfig, list[int]] = {cfg: [] for cfg in configs}
+    for rep in range(args.repeats):
+        for i, ids in enumerate(prompt_ids):  # interleaved: every config on prompt i, then i+1
+            for cfg in configs:
+                bar.set_postfix_str(f"pass {rep + 1}/{args.repeats} prompt {i + 1}/{len(prompt_ids)} {cfg.name}")
+                run = runners[cfg.system].run(cfg, ids)
+                res = results[cfg]
+                if rep == 0:
+                    res.runs.append(run)
+                    res.all_seconds.append([run.seconds])
+                else:
+                    res.all_seconds[i].append(run.seconds)
+                    res.runs[i].seconds = min(res.runs[i].seconds, run.seconds)
+                    if run.token_ids != res.runs[i].token_ids:
+                        unstable[cfg].append(i)
+                bar.update(1)
     bar.close()
 
     # Reference outputs and losslessness.
@@ -370,26 +419,38 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
         vs_hf = [j for j, r in enumerate(res.runs) if r.token_ids != hf_plain.runs[j].token_ids]
         lengths = [len(r.token_ids) for r in res.runs]
         mismatches[cfg] = {"vs_specray_plain": vs_sp, "vs_hf_plain": vs_hf,
-                           "wrong_length": [j for j, n in enumerate(lengths) if n != args.max_tokens]}
+                           "wrong_length": [j for j, n in enumerate(lengths) if n != args.max_tokens],
+                           "differs_between_passes": sorted(set(unstable[cfg]))}
 
     # alpha (exact, teacher-forced along HF plain's greedy output) and the engine's k=1 rate.
     alpha = teacher_forced_alpha(hf_target, hf_draft, prompt_ids, [r.token_ids for r in hf_plain.runs])
     k1 = results.get(BenchConfig("specray", "draft", 1))
     alpha_k1 = k1.acceptance_rate if k1 is not None else None
-    # c from the engine's own runners (the draft runner exists once a draft config ran).
+    # c and the verify cost from the engine's own runners (the draft runner exists once a
+    # draft config ran), and each prompt's prefill time, for the per-step decomposition.
     draft_runner = engine._proposer("draft").runner
     cost_prompt = prompt_ids[0][:128]
-    c, draft_ms, target_ms = runner_cost_ratio(engine.target, draft_runner, cost_prompt, runs=args.cost_runs)
+    max_q = max([1] + [k + 1 for k in args.ks] + [k + 1 for k in args.ngram_ks])
+    costs = runner_forward_costs(engine.target, draft_runner, cost_prompt, range(1, max_q + 1), (1, 2),
+                                 runs=args.cost_runs)
+    target_ms, draft_ms = costs["target"][1], costs["draft"][1]
+    c = draft_ms / target_ms
+    prefill = {"target": [prefill_ms(engine.target, p) for p in prompt_ids],
+               "draft": [prefill_ms(draft_runner, p) for p in prompt_ids]}
+    decomposition = _decompose(results, costs, prefill, alpha)
 
     rows = _rows(results, mismatches, alpha, c, sp_plain, hf_plain)
     summary = _summary(results, rows, alpha, alpha_k1, c, draft_ms, target_ms, pair)
+    summary["forward_ms"] = costs
+    summary["verify_cost_factor"] = {q: costs["target"][q] / target_ms for q in costs["target"]}
     total_mismatches = sum(len(m["vs_specray_plain"]) + len(m["vs_hf_plain"]) + len(m["wrong_length"])
+                           + len(m["differs_between_passes"])
                            for cfg, m in mismatches.items() if cfg.system == "specray")
     hf_mismatches = sum(len(m["vs_hf_plain"]) for cfg, m in mismatches.items() if cfg.system == "hf")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table = format_table(rows)
+    table = format_table(rows) + "\n\n" + format_decomposition(decomposition, costs)
     summary_text = format_summary(summary, args, total_mismatches, hf_mismatches)
     text = f"$ {command}\n\n{table}\n\n{summary_text}\n"
     print("\n" + table + "\n\n" + summary_text, flush=True)
@@ -403,7 +464,8 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
         "settings": {"prompts": args.prompts, "max_tokens": args.max_tokens, "ks": args.ks,
                      "ngram_ks": args.ngram_ks, "seed": args.seed, "batch_size": 1, "greedy": True,
                      "ignore_eos": True, "torch_threads": 1, "max_matching_ngram_size": 2,
-                     "order": "warm-up per config, then interleaved by prompt",
+                     "order": "warm-up per config, then interleaved by prompt", "repeats": args.repeats,
+                     "timing": "per (config, prompt): fastest of the passes",
                      "hf_assisted_defaults": _hf_assistant_defaults(hf_draft)},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "transformers": transformers.__version__, "cpu_count": os.cpu_count(),
@@ -413,11 +475,14 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
         "prompt_token_lengths": [len(p) for p in prompt_ids],
         "summary": summary,
         "rows": rows,
+        "step_decomposition": decomposition,
+        "prefill_ms": prefill,
         "total_mismatches": total_mismatches,
         "hf_mismatches_vs_hf_plain": hf_mismatches,
         "per_prompt": {
             cfg.name: {
                 "seconds": [r.seconds for r in res.runs],
+                "seconds_all_passes": res.all_seconds,
                 "tokens": [len(r.token_ids) for r in res.runs],
                 "target_forwards": [r.target_forwards for r in res.runs],
                 "spec_metrics": [r.metrics for r in res.runs] if cfg.system == "specray" else None,
@@ -505,6 +570,66 @@ def _summary(results, rows, alpha, alpha_k1, c, draft_ms, target_ms, pair) -> di
     }
 
 
+def _decompose(results, costs, prefill, alpha) -> list[dict]:
+    """Per specray config: where a decode step's time goes, by the runners' own costs.
+
+    steps = target forwards after the prefill; decode ms/step = (wall - prefill) / steps;
+    model ms/step = target forward of the mean verify width (1 + draft tokens per step)
+    + draft forwards (one per draft token, at q=1); overhead = the rest (proposer host
+    code, tensor building outside the model, accept, commit, detokenization, outputs).
+    """
+    out = []
+    for cfg, res in results.items():
+        if cfg.system != "specray":
+            continue
+        steps = sum(r.target_forwards - 1 for r in res.runs)
+        if steps <= 0:
+            continue
+        t = res.spec_totals()
+        drafted = t["num_draft_tokens"] / steps
+        pre = sum(prefill["target"]) + (sum(prefill["draft"]) if cfg.method == "draft" else 0.0)
+        decode_ms = (res.seconds * 1e3 - pre) / steps
+        model_ms = interp(costs["target"], 1 + drafted)
+        if cfg.method == "draft":
+            model_ms += drafted * costs["draft"][1]
+        tok_step = sum(len(r.token_ids) - 1 for r in res.runs) / steps
+        iid = (1 - alpha ** (cfg.k + 1)) / (1 - alpha) if cfg.method == "draft" and alpha < 1 else None
+        out.append({
+            "config": cfg.name,
+            "steps": steps,
+            "tokens_per_step": round(tok_step, 3),
+            "iid_tokens_per_step": _round(iid, 3) if iid is not None else "",
+            "draft_tokens_per_step": round(drafted, 3),
+            "decode_ms_per_step": round(decode_ms, 3),
+            "model_ms_per_step": round(model_ms, 3),
+            "overhead_ms_per_step": round(decode_ms - model_ms, 3),
+            "overhead_pct": round(100 * (decode_ms - model_ms) / decode_ms, 1),
+            "prefill_ms_total": round(pre, 2),
+        })
+    return out
+
+
+DECOMP_COLUMNS = [
+    ("config", "config", "<"),
+    ("steps", "steps", ">"),
+    ("tokens_per_step", "tok/step", ">"),
+    ("iid_tokens_per_step", "iid tok/step", ">"),
+    ("draft_tokens_per_step", "drafted/step", ">"),
+    ("decode_ms_per_step", "ms/step", ">"),
+    ("model_ms_per_step", "model ms", ">"),
+    ("overhead_ms_per_step", "overhead ms", ">"),
+    ("overhead_pct", "overhead %", ">", 1),
+]
+
+
+def format_decomposition(rows: list[dict], costs: dict) -> str:
+    title = ("per-step time of specray configs (model ms = the runners' own forward costs: target at the mean "
+             "verify width + one draft forward per draft token; overhead = everything else)")
+    t = " ".join(f"q={q}:{ms:.3f}" for q, ms in sorted(costs["target"].items()))
+    d = " ".join(f"q={q}:{ms:.3f}" for q, ms in sorted(costs["draft"].items()))
+    return f"{title}\n{_aligned(rows, DECOMP_COLUMNS)}\nrunner.forward ms, target: {t}; draft: {d}"
+
+
 # -- output ------------------------------------------------------------------------------
 TABLE_COLUMNS = [
     ("config", "config", "<"),
@@ -523,13 +648,17 @@ TABLE_COLUMNS = [
 
 
 def format_table(rows: list[dict]) -> str:
-    cells = [[_fmt(r[key]) for key, _, _ in TABLE_COLUMNS] for r in rows]
-    heads = [h for _, h, _ in TABLE_COLUMNS]
+    return _aligned(rows, TABLE_COLUMNS)
+
+
+def _aligned(rows: list[dict], columns) -> str:
+    cells = [[_fmt(r[col[0]], *col[3:]) for col in columns] for r in rows]
+    heads = [col[1] for col in columns]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
 
     def line(values):
-        return "  ".join(v.ljust(w) if a == "<" else v.rjust(w)
-                         for v, w, (_, _, a) in zip(values, widths, TABLE_COLUMNS)).rstrip()
+        return "  ".join(v.ljust(w) if col[2] == "<" else v.rjust(w)
+                         for v, w, col in zip(values, widths, columns)).rstrip()
 
     out = [line(heads), line(["-" * w for w in widths])]
     out += [line(c) for c in cells]
@@ -565,7 +694,7 @@ def format_summary(s: dict, args, total_mismatches: int, hf_mismatches: int) -> 
                  f"{total_mismatches}" + ("" if total_mismatches == 0 else "  <-- NOT LOSSLESS"))
     lines.append(f"HF configs differing from HF plain: {hf_mismatches}")
     lines.append(f"{args.prompts} held-out prompts x {args.max_tokens} new tokens, batch 1, greedy, "
-                 f"EOS ignored, torch threads 1")
+                 f"EOS ignored, torch threads 1; each (config, prompt) timed {args.repeats}x, fastest kept")
     return "\n".join(lines)
 
 
@@ -598,7 +727,7 @@ def _plot(path: Path, rows: list[dict], summary: dict, args) -> None:
         ax.legend(loc="upper left", fontsize=8)
     ax.axhline(base, color="#4c72b0", lw=0.8, ls="--")
     for i, v in enumerate(values):
-        ax.text(i, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
+        ax.text(i, v * 0.98, f"{v:.0f}", ha="center", va="top", fontsize=7, color="white")
     ax.set_xticks(list(x))
     ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("tokens / s (batch 1, greedy)")
