@@ -130,3 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         report["mean_accepted_length"] = evaluate(target, args.out, tokenizer or target)
     print(json.dumps(report))
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
