@@ -1,7 +1,7 @@
 """Speed benchmark: specray vs. Hugging Face ``generate`` on the demo pair (CPU, batch 1).
 
     python -m specray.bench.speed [--prompts 10] [--max-tokens 128] [--ks 2,4,6]
-                                  [--ngram-ks 2,4,6] [--out DIR] [--quick]
+                                  [--ngram-ks 2,4,6] [--repeats 3] [--out DIR] [--quick]
 
 What runs, side by side in one process (one prompt at a time, greedy, EOS ignored so
 every run makes exactly ``--max-tokens`` tokens, ``torch.set_num_threads(1)``):
@@ -15,7 +15,8 @@ every run makes exactly ``--max-tokens`` tokens, ``torch.set_num_threads(1)``):
 One LLMEngine (``max_num_seqs=1``) serves every specray config; the HF models are separate
 ``AutoModelForCausalLM`` copies with ``attn_implementation="sdpa"``. Each config gets one
 untimed warm-up; timed runs are interleaved (prompt by prompt, every config in turn), so
-load from other processes on the shared cores spreads evenly over the configs.
+load from other processes on the shared cores spreads evenly over the configs, and there
+are ``--repeats`` such passes, each (config, prompt) keeping its fastest time.
 
 Reported: tokens/s (generated tokens / wall time, summed over prompts), the speed-up
 over specray plain, mean accepted length, tokens per target forward, token-id
@@ -23,7 +24,10 @@ mismatches against specray plain and HF plain (must be 0: greedy speculation is
 lossless), alpha (exact, by teacher-forcing both models along the target's greedy
 output; and the engine's own k=1 acceptance rate), the cost ratio c (median time of a
 one-token ``ModelRunner.forward`` of draft over target), and for draft configs the
-speed-up bound (1 - a^(k+1)) / ((1 - a)(k c + 1)) with measured/bound.
+speed-up bound (1 - a^(k+1)) / ((1 - a)(k c + 1)) with measured/bound; and, per specray
+config, where a decode step's time goes: the runners' forward costs (target at the
+verify width, draft forwards; sampled after every prompt round under the same load)
+against the measured time per step, the rest being engine overhead.
 
 Writes ``speed.txt`` (the table), ``speed.csv``, ``speed.png`` and ``speed.json`` to
 ``--out`` (default ``bench/results/``). ``main(argv)`` returns 0 (1 if any config's
@@ -88,6 +92,7 @@ class ConfigResult:
     config: BenchConfig
     runs: list[RunResult] = dataclasses.field(default_factory=list)  # seconds = fastest pass
     all_seconds: list[list[float]] = dataclasses.field(default_factory=list)  # [prompt][pass]
+    best_pass: list[int] = dataclasses.field(default_factory=list)  # [prompt] pass of the fastest run
     warmup_seconds: float = 0.0
 
     @property
@@ -231,32 +236,49 @@ def teacher_forced_alpha(target, draft, prompts: list[list[int]], continuations:
     return matches / total if total else float("nan")
 
 
-def runner_forward_costs(target_runner, draft_runner, prompt_ids: list[int], target_qs: Sequence[int],
-                         draft_qs: Sequence[int] = (1,), runs: int = 300, warmup: int = 20) -> dict:
-    """Median ``ModelRunner.forward`` time in ms of q new tokens after a ``len(prompt_ids)``-
-    token cache, batch 1: ``{"target": {q: ms}, "draft": {q: ms}}``. All (runner, q) cases
-    are interleaved, so load noise hits them alike. Slot 0 of both runners is used and
-    reset afterwards: call only while the engine is idle."""
-    slot, length = 0, len(prompt_ids)
-    cases = [("target", target_runner, q) for q in sorted(set(target_qs))]
-    cases += [("draft", draft_runner, q) for q in sorted(set(draft_qs))]
-    times: dict[tuple[str, int], list[float]] = {(name, q): [] for name, _, q in cases}
-    try:
-        for r in (target_runner, draft_runner):
-            r.reset(slot)
-            r.forward([slot], [prompt_ids])
-        tokens = (prompt_ids * 8)[: max(q for _, _, q in cases)]
-        for i in range(warmup + runs):
-            for name, r, q in cases:
-                r.set_length(slot, length)
-                start = time.perf_counter()
-                r.forward([slot], [tokens[:q]], torch.arange(q)[None])  # logits at every new token, as verify does
-                elapsed = time.perf_counter() - start
-                if i >= warmup:
-                    times[(name, q)].append(elapsed)
-    finally:
-        for r in (target_runner, draft_runner):
-            r.reset(slot)
+class ForwardCostSampler:
+    """Times ``ModelRunner.forward`` of q new tokens after a ``len(prompt_ids)``-token
+    cache, batch 1, for the target at each of ``target_qs`` and the draft at each of
+    ``draft_qs``; logits at every new token, as verification asks for them.
+
+    ``sample(n)`` times every case n times, interleaved (load noise hits all cases alike),
+    and returns ``{(runner, q): [seconds]}``. The benchmark samples a chunk after every
+    prompt round, so each timed generation has forward costs measured under the same load.
+    Slot 0 of both runners is used and reset: call only while the engine is idle.
+    """
+
+    def __init__(self, target_runner, draft_runner, prompt_ids: list[int], target_qs: Sequence[int],
+                 draft_qs: Sequence[int] = (1,), warmup: int = 2):
+        self.runners = {"target": target_runner, "draft": draft_runner}
+        self.prompt_ids = list(prompt_ids)
+        self.cases = [("target", q) for q in sorted(set(target_qs))] + [("draft", q) for q in sorted(set(draft_qs))]
+        self.tokens = (self.prompt_ids * 8)[: max(q for _, q in self.cases)]
+        self.warmup = warmup
+
+    def sample(self, n: int) -> dict[tuple[str, int], list[float]]:
+        slot, length = 0, len(self.prompt_ids)
+        times: dict[tuple[str, int], list[float]] = {case: [] for case in self.cases}
+        try:
+            for r in self.runners.values():
+                r.reset(slot)
+                r.forward([slot], [self.prompt_ids])
+            for i in range(self.warmup + n):
+                for name, q in self.cases:
+                    r = self.runners[name]
+                    r.set_length(slot, length)
+                    start = time.perf_counter()
+                    r.forward([slot], [self.tokens[:q]], torch.arange(q)[None])
+                    elapsed = time.perf_counter() - start
+                    if i >= self.warmup:
+                        times[(name, q)].append(elapsed)
+        finally:
+            for r in self.runners.values():
+                r.reset(slot)
+        return times
+
+
+def cost_table(times: dict[tuple[str, int], list[float]]) -> dict[str, dict[int, float]]:
+    """Median ms per case: ``{"target": {q: ms}, "draft": {q: ms}}``."""
     out: dict[str, dict[int, float]] = {"target": {}, "draft": {}}
     for (name, q), ts in times.items():
         out[name][q] = statistics.median(ts) * 1e3
@@ -309,7 +331,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-k1", action="store_true", help="skip the specray draft k=1 config (alpha cross-check)")
     p.add_argument("--hf-fixed-k", action="store_true",
                    help="also run HF assisted at each --ks with a constant schedule (no confidence stop)")
-    p.add_argument("--cost-runs", type=int, default=None, help="timed steps per model for c (default 300)")
+    p.add_argument("--cost-runs", type=int, default=None,
+                   help="timed runner forwards per (model, width) after each prompt round, for c and the "
+                        "per-step decomposition (default 15; --quick 10)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed passes over all prompts; each (config, prompt) keeps its fastest (default 3; --quick 1)")
     p.add_argument("--seed", type=int, default=0, help="held-out prompt seed")
@@ -320,7 +344,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.ks = _int_list(args.ks if args.ks is not None else ("2" if quick else "2,4,6"), "--ks")
     args.ngram_ks = _int_list(args.ngram_ks if args.ngram_ks is not None else ("2" if quick else "2,4,6"),
                               "--ngram-ks")
-    args.cost_runs = args.cost_runs if args.cost_runs is not None else (50 if quick else 300)
+    args.cost_runs = args.cost_runs if args.cost_runs is not None else (10 if quick else 15)
     args.repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
@@ -392,6 +416,12 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
         runners[cfg.system].run(cfg, prompt_ids[0], warm_tokens)
         results[cfg].warmup_seconds = time.perf_counter() - start
         bar.update(1)
+    # Forward costs of the engine's own runners (c, verify width, draft step), sampled
+    # after every prompt round; the draft runner is created with the draft proposer.
+    draft_runner = engine._proposer("draft").runner
+    max_q = max([1] + [k + 1 for k in args.ks] + [k + 1 for k in args.ngram_ks])
+    sampler = ForwardCostSampler(engine.target, draft_runner, prompt_ids[0][:128], range(1, max_q + 1), (1, 2))
+    chunks: dict[tuple[int, int], dict[tuple[str, int], list[float]]] = {}  # (pass, prompt) -> samples
     unstable: dict[BenchConfig, list[int]] = {cfg: [] for cfg in configs}
     for rep in range(args.repeats):
         for i, ids in enumerate(prompt_ids):  # interleaved: every config on prompt i, then i+1
@@ -402,12 +432,16 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
                 if rep == 0:
                     res.runs.append(run)
                     res.all_seconds.append([run.seconds])
+                    res.best_pass.append(0)
                 else:
                     res.all_seconds[i].append(run.seconds)
-                    res.runs[i].seconds = min(res.runs[i].seconds, run.seconds)
+                    if run.seconds < res.runs[i].seconds:
+                        res.runs[i].seconds, res.best_pass[i] = run.seconds, rep
                     if run.token_ids != res.runs[i].token_ids:
                         unstable[cfg].append(i)
                 bar.update(1)
+            bar.set_postfix_str(f"pass {rep + 1}/{args.repeats} prompt {i + 1}/{len(prompt_ids)} forward costs")
+            chunks[(rep, i)] = sampler.sample(args.cost_runs)
     bar.close()
 
     # Reference outputs and losslessness.
@@ -426,22 +460,23 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
     alpha = teacher_forced_alpha(hf_target, hf_draft, prompt_ids, [r.token_ids for r in hf_plain.runs])
     k1 = results.get(BenchConfig("specray", "draft", 1))
     alpha_k1 = k1.acceptance_rate if k1 is not None else None
-    # c and the verify cost from the engine's own runners (the draft runner exists once a
-    # draft config ran), and each prompt's prefill time, for the per-step decomposition.
-    draft_runner = engine._proposer("draft").runner
-    cost_prompt = prompt_ids[0][:128]
-    max_q = max([1] + [k + 1 for k in args.ks] + [k + 1 for k in args.ngram_ks])
-    costs = runner_forward_costs(engine.target, draft_runner, cost_prompt, range(1, max_q + 1), (1, 2),
-                                 runs=args.cost_runs)
+    # c: medians over all forward-cost samples; prefill of each prompt for the decomposition.
+    pooled: dict[tuple[str, int], list[float]] = {}
+    for chunk in chunks.values():
+        for case, ts in chunk.items():
+            pooled.setdefault(case, []).extend(ts)
+    costs = cost_table(pooled)
     target_ms, draft_ms = costs["target"][1], costs["draft"][1]
     c = draft_ms / target_ms
     prefill = {"target": [prefill_ms(engine.target, p) for p in prompt_ids],
                "draft": [prefill_ms(draft_runner, p) for p in prompt_ids]}
-    decomposition = _decompose(results, costs, prefill, alpha)
+    chunk_costs = {key: cost_table(chunk) for key, chunk in chunks.items()}
+    decomposition = _decompose(results, chunk_costs, prefill, alpha)
 
     rows = _rows(results, mismatches, alpha, c, sp_plain, hf_plain)
     summary = _summary(results, rows, alpha, alpha_k1, c, draft_ms, target_ms, pair)
     summary["forward_ms"] = costs
+    summary["cost_samples"] = len(pooled[("target", 1)])
     summary["verify_cost_factor"] = {q: costs["target"][q] / target_ms for q in costs["target"]}
     total_mismatches = sum(len(m["vs_specray_plain"]) + len(m["vs_hf_plain"]) + len(m["wrong_length"])
                            + len(m["differs_between_passes"])
@@ -476,6 +511,7 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
         "summary": summary,
         "rows": rows,
         "step_decomposition": decomposition,
+        "forward_ms_by_pass_and_prompt": {f"pass{p}-prompt{i}": v for (p, i), v in chunk_costs.items()},
         "prefill_ms": prefill,
         "total_mismatches": total_mismatches,
         "hf_mismatches_vs_hf_plain": hf_mismatches,
@@ -483,6 +519,7 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
             cfg.name: {
                 "seconds": [r.seconds for r in res.runs],
                 "seconds_all_passes": res.all_seconds,
+                "fastest_pass": res.best_pass,
                 "tokens": [len(r.token_ids) for r in res.runs],
                 "target_forwards": [r.target_forwards for r in res.runs],
                 "spec_metrics": [r.metrics for r in res.runs] if cfg.system == "specray" else None,
@@ -570,28 +607,36 @@ def _summary(results, rows, alpha, alpha_k1, c, draft_ms, target_ms, pair) -> di
     }
 
 
-def _decompose(results, costs, prefill, alpha) -> list[dict]:
+def _decompose(results, chunk_costs, prefill, alpha) -> list[dict]:
     """Per specray config: where a decode step's time goes, by the runners' own costs.
 
     steps = target forwards after the prefill; decode ms/step = (wall - prefill) / steps;
-    model ms/step = target forward of the mean verify width (1 + draft tokens per step)
-    + draft forwards (one per draft token, at q=1); overhead = the rest (proposer host
-    code, tensor building outside the model, accept, commit, detokenization, outputs).
+    model ms/step = target forward at the mean verify width (1 + draft tokens per step)
+    + one draft forward per draft token (q=1), with each prompt's forward costs taken from
+    the samples right after the pass its (fastest) time came from; overhead = the rest:
+    proposer host code, tensor building outside the runners, accept, commit,
+    detokenization, outputs (and cache effects the tight cost loop does not see).
     """
     out = []
     for cfg, res in results.items():
         if cfg.system != "specray":
             continue
-        steps = sum(r.target_forwards - 1 for r in res.runs)
+        steps_i = [r.target_forwards - 1 for r in res.runs]
+        steps = sum(steps_i)
         if steps <= 0:
             continue
         t = res.spec_totals()
         drafted = t["num_draft_tokens"] / steps
+        model_total = 0.0
+        for i, n in enumerate(steps_i):
+            table = chunk_costs[(res.best_pass[i], i)]
+            step_ms = interp(table["target"], 1 + drafted)
+            if cfg.method == "draft":
+                step_ms += drafted * table["draft"][1]
+            model_total += n * step_ms
+        model_ms = model_total / steps
         pre = sum(prefill["target"]) + (sum(prefill["draft"]) if cfg.method == "draft" else 0.0)
         decode_ms = (res.seconds * 1e3 - pre) / steps
-        model_ms = interp(costs["target"], 1 + drafted)
-        if cfg.method == "draft":
-            model_ms += drafted * costs["draft"][1]
         tok_step = sum(len(r.token_ids) - 1 for r in res.runs) / steps
         iid = (1 - alpha ** (cfg.k + 1)) / (1 - alpha) if cfg.method == "draft" and alpha < 1 else None
         out.append({
@@ -623,11 +668,13 @@ DECOMP_COLUMNS = [
 
 
 def format_decomposition(rows: list[dict], costs: dict) -> str:
-    title = ("per-step time of specray configs (model ms = the runners' own forward costs: target at the mean "
-             "verify width + one draft forward per draft token; overhead = everything else)")
+    title = ("per-step time of specray configs (ms/step = (wall - prefill) / steps; model ms = the runners' own "
+             "forward costs, sampled after each prompt round: target at the mean verify width + one draft forward "
+             "per draft token; overhead = everything else)")
     t = " ".join(f"q={q}:{ms:.3f}" for q, ms in sorted(costs["target"].items()))
     d = " ".join(f"q={q}:{ms:.3f}" for q, ms in sorted(costs["draft"].items()))
-    return f"{title}\n{_aligned(rows, DECOMP_COLUMNS)}\nrunner.forward ms, target: {t}; draft: {d}"
+    return (f"{title}\n{_aligned(rows, DECOMP_COLUMNS)}\n"
+            f"runner.forward ms (median of all samples, 128-token cache), target: {t}; draft: {d}")
 
 
 # -- output ------------------------------------------------------------------------------
@@ -673,7 +720,7 @@ def format_summary(s: dict, args, total_mismatches: int, hf_mismatches: int) -> 
     lines = [
         f"alpha (teacher-forced along the target's greedy output) = {s['alpha_teacher_forced']:.4f}; "
         f"engine draft k=1 acceptance = {_fmt(s['alpha_engine_k1'], 4)}; demo metrics.json = {s['alpha_demo_metrics']:.4f}",
-        f"c (ModelRunner.forward, 1 token, batch 1, median) = {s['cost_ratio_c']:.4f} "
+        f"c (ModelRunner.forward, 1 token, batch 1, median of {s['cost_samples']}) = {s['cost_ratio_c']:.4f} "
         f"(draft {s['draft_step_ms']:.3f} ms / target {s['target_step_ms']:.3f} ms); "
         f"demo metrics.json (HF forward) = {s['cost_ratio_demo_metrics']:.4f}",
         f"bound = (1 - a^(k+1)) / ((1 - a)(k c + 1)) with a = teacher-forced alpha; "
