@@ -58,6 +58,8 @@ def sampling_tensors(reqs: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.
 def accept(reqs: Sequence, draft: Draft, has_probs: Sequence[bool], logits: torch.Tensor) -> StepResult:
     """logits: [B, K+1, V] target logits at the last committed token and each draft token."""
     b, k1, vocab = logits.shape
+    if not draft.trees and all(r.sampling.greedy for r in reqs):
+        return _accept_greedy_fast(draft, logits)
     num_accepted = torch.zeros(b, dtype=torch.long)
     tokens = torch.zeros(b, k1, dtype=torch.long)
     groups = {"greedy": [], "probs": [], "onehot": []}
@@ -94,6 +96,24 @@ def accept(reqs: Sequence, draft: Draft, has_probs: Sequence[bool], logits: torc
             res = _accept_tree(reqs[i], tree, draft, i, logits[i, : tree.size])
             accepted[i], emitted[i], hidden_at[i], paths[i] = res.num_accepted, res.emitted, res.path[-1], res.path
     return StepResult(accepted, emitted, hidden_at, paths)
+
+
+def _accept_greedy_fast(draft: Draft, logits: torch.Tensor) -> StepResult:
+    """All rows greedy and linear (the common case): one argmax, then plain Python.
+
+    Same rule as ``greedy_accept``; the step is dominated by host overhead at small
+    batches, and this avoids a dozen small tensor ops.
+    """
+    best = logits.argmax(dim=-1).tolist()  # [B][K+1]
+    drafts, lengths = draft.tokens.tolist(), draft.lengths.tolist()
+    accepted, emitted = [], []
+    for row_best, row_draft, n_draft in zip(best, drafts, lengths):
+        n = 0
+        while n < n_draft and row_draft[n] == row_best[n]:
+            n += 1
+        accepted.append(n)
+        emitted.append(row_draft[:n] + [row_best[n]])
+    return StepResult(accepted, emitted, list(accepted), {})
 
 
 def _accept_tree(req, tree, draft: Draft, row: int, logits: torch.Tensor):  # logits [T, V]
