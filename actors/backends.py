@@ -111,14 +111,7 @@ class SeparateBackend:
         return self.scheduler.has_unfinished()
 
     async def abort(self, request_id: str) -> RequestOutput | None:
-        req = self.scheduler.find(request_id)
-        if req is None:
-            return None
-        if req.slot < 0:
-            return self.scheduler.abort_waiting(req)
-        req.finish_reason = "abort"
-        self._release([req])
-        return req.output([])
+        return self.scheduler.abort(request_id, lambda req: self._release([req]))
 
     async def step(self) -> list[RequestOutput]:
         joining = self.scheduler.admit()

@@ -80,14 +80,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its last output (finish_reason 'abort') if it existed."""
-        req = self.scheduler.find(request_id)
-        if req is None:
-            return None
-        if req.slot < 0:
-            return self.scheduler.abort_waiting(req)
-        req.finish_reason = "abort"
-        self._release(req)
-        return req.output([])
+        return self.scheduler.abort(request_id, self._release)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

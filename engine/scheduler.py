@@ -124,9 +124,17 @@ class Scheduler:
                 return req
         return None
 
-    def abort_waiting(self, req: Request) -> RequestOutput:
-        self.waiting.remove(req)
+    def abort(self, request_id: str, release) -> RequestOutput | None:
+        """Stop a request; ``release(req)`` frees a running one's workers. Returns its last
+        output (finish_reason 'abort'), or None if no such request is queued or running."""
+        req = self.find(request_id)
+        if req is None:
+            return None
         req.finish_reason = "abort"
+        if req.slot < 0:
+            self.waiting.remove(req)
+        else:
+            release(req)
         return req.output([])
 
     def has_unfinished(self) -> bool:
