@@ -71,17 +71,22 @@ class _Supervised:
 
 
 class SeparateBackend:
-    def __init__(self, config: EngineConfig, placement, scheduler: Scheduler, vocab_size: int, ngram_cpus: float):
+    def __init__(self, config: EngineConfig, placement, scheduler: Scheduler, ngram_cpus: float):
         self.scheduler = scheduler
         self.length_policy = config.speculation_length
-        self.vocab_size = vocab_size
         self.tokenizer = scheduler.tokenizer
+        self._config, self._placement, self._ngram_cpus = config, placement, ngram_cpus
         target_cls = ray.remote(TargetWorker)
-        proposer_cls = ray.remote(ProposerWorker)
         self.target = _Supervised("target", lambda: target_cls.options(**placement.options("target")).remote(config))
-        self.proposers = {
-            "ngram": _Supervised("ngram", lambda: proposer_cls.options(num_cpus=ngram_cpus).remote("ngram", None, vocab_size))
-        }
+        self.proposers: dict[str, _Supervised] = {}
+
+    def _start_proposers(self, vocab_size: int) -> None:
+        """Proposers draft over the target's vocabulary (its LM head, padding included)."""
+        config, placement = self._config, self._placement
+        proposer_cls = ray.remote(ProposerWorker)
+        self.proposers["ngram"] = _Supervised(
+            "ngram", lambda: proposer_cls.options(num_cpus=self._ngram_cpus).remote("ngram", None, vocab_size)
+        )
         if config.medusa:
             self.proposers["medusa"] = self.target  # heads live with the target's hidden states
         if config.draft:
@@ -93,12 +98,15 @@ class SeparateBackend:
         """Wait for the target, then (bounded) for the proposers, so that the first requests
         already speculate; a proposer that is still loading only costs speed."""
         await self.target.wait_ready()
+        limits = await self.target.handle.limits.remote()
+        self.vocab_size = limits["vocab_size"]
+        self._start_proposers(self.vocab_size)
         others = [w for w in self.proposers.values() if w is not self.target]
         try:
             await asyncio.wait_for(asyncio.gather(*(w.wait_ready() for w in others)), proposer_timeout_s)
         except (asyncio.TimeoutError, RayActorError) as exc:
             log.warning("proposer workers not ready at start (%s); decoding plainly until they are", exc)
-        return await self.target.handle.limits.remote()
+        return limits
 
     @property
     def capacity(self) -> int:

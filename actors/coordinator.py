@@ -27,7 +27,6 @@ from specray.cluster.config import SpecrayConfig
 from specray.cluster.placement import reserve
 from specray.engine.config import load_tokenizer
 from specray.engine.params import SamplingParams, SpeculationParams
-from specray.engine.request import RequestOutput
 from specray.engine.scheduler import ModelLimits, Scheduler
 
 log = logging.getLogger(__name__)
@@ -61,8 +60,7 @@ class CoordinatorCore:
         if cfg.placement.mode == "colocated":
             self.backend = ColocatedBackend(engine_cfg, self.placement, self.scheduler)
         else:
-            vocab = _vocab_size(cfg.target)
-            self.backend = SeparateBackend(engine_cfg, self.placement, self.scheduler, vocab, cfg.placement.ngram_cpus)
+            self.backend = SeparateBackend(engine_cfg, self.placement, self.scheduler, cfg.placement.ngram_cpus)
         limits = await self.backend.start()
         self.scheduler.limits = ModelLimits(
             capacity=limits["capacity"],
@@ -211,14 +209,6 @@ def _validated(model, value):
         return model.model_validate(value)
     except ValidationError as exc:
         raise ValueError(str(exc)) from None
-
-
-def _vocab_size(target: str) -> int:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(target)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return cfg.vocab_size
 
 
 @ray.remote(num_cpus=0)  # an async event loop that waits on workers; it reserves none

@@ -28,8 +28,20 @@ def _threads() -> None:
     # Small models on shared cores: one intra-op thread per worker avoids oversubscription.
     torch.set_num_threads(int(os.environ.get("SPECRAY_WORKER_THREADS", "1")))
 
+class _Placed:
+    """Where Ray put this worker (tests and operations check placement with these)."""
 
-class TargetWorker:
+    def gpu_ids(self) -> list:
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()]
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+class TargetWorker(_Placed):
     """The target model's runner and KV cache (and Medusa heads, which read its hidden states)."""
 
     def __init__(self, config: EngineConfig):
@@ -86,21 +98,7 @@ class TargetWorker:
         for s in slots:
             self.runner.reset(s)
 
-    def gpu_ids(self) -> list:
-        import ray
-
-        return [str(g) for g in ray.get_gpu_ids()]
-
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-class ProposerWorker:
+class ProposerWorker(_Placed):
     """Any registered proposer behind an actor (the draft model, the n-gram pool).
 
     Seeded sampling: the coordinator's generator must not be copied here (its copy
@@ -139,18 +137,7 @@ class ProposerWorker:
             self.proposer.release(s)
             self._generators.pop(s, None)
 
-    def gpu_ids(self) -> list:
-        import ray
-
-        return [str(g) for g in ray.get_gpu_ids()]
-
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-
-class EngineWorker:
+class EngineWorker(_Placed):
     """Colocated mode: target and draft in one actor on one device (no hop per step)."""
 
     def __init__(self, config: EngineConfig):
@@ -170,8 +157,3 @@ class EngineWorker:
 
     def step(self):
         return self.engine.step()
-
-    def gpu_ids(self) -> list:
-        import ray
-
-        return [str(g) for g in ray.get_gpu_ids()]

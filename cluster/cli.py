@@ -29,7 +29,7 @@ def _generate(args) -> int:
     from specray.engine.engine import LLMEngine
     from specray.engine.params import SamplingParams, SpeculationParams
 
-    from specray.engine.engine import check_method_name
+    from specray.engine.scheduler import check_method_name
 
     if args.draft and not args.target:
         raise SystemExit("--draft needs --target (without both, the demo pair is used)")

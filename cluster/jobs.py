@@ -125,7 +125,7 @@ def _model_facts(config: SpecrayConfig) -> tuple[int | None, bool | None]:
 
 def read_input(path: str, config: SpecrayConfig) -> list[JobLine]:
     """Parse and validate every line; UsageError listing all bad lines (1-based numbers)."""
-    from specray.engine.engine import check_method_name  # registers the proposers
+    from specray.engine.scheduler import check_method_name
 
     try:
         text = Path(path).read_text(encoding="utf-8")

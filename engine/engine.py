@@ -23,13 +23,8 @@ from specray.engine.config import EngineConfig, load_tokenizer
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
-from specray.engine.scheduler import ModelLimits, Scheduler, check_method_name  # noqa: F401
+from specray.engine.scheduler import ModelLimits, Scheduler
 from specray.policies.base import proposer_factory
-
-# Importing the proposer modules registers them by name.
-from specray.policies import draft_model as _draft_model  # noqa: F401
-from specray.policies import medusa as _medusa  # noqa: F401
-from specray.policies import prompt_lookup as _prompt_lookup  # noqa: F401
 
 log = logging.getLogger(__name__)
 

@@ -102,7 +102,6 @@ class ModelRunner:
                    acceptance, ``compact`` moves the kept path into consecutive slots.
         Lengths advance by len(tokens[i]); callers roll back with ``set_length``.
         """
-        batch = len(slots)
         q_lens = [len(t) for t in tokens]
         q = max(q_lens)
         if min(q_lens) < 1:

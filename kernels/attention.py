@@ -11,7 +11,8 @@ CUDA: ``xformers.ops.memory_efficient_attention`` with the same mask as an expli
 attention bias (the prefix is block-diagonal with padded keys per row, the suffix the
 causal or tree mask). CPU (or ``SPECRAY_ATTENTION=sdpa``):
 ``torch.nn.functional.scaled_dot_product_attention`` with the materialized mask.
-Both get the same mask, so they agree to floating-point tolerance (tests/test_gpu.py).
+Both get the same mask; tests/test_gpu.py compares them on a GPU (not yet run: no GPU
+has been available to this project's sessions).
 """
 
 from __future__ import annotations

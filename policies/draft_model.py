@@ -68,42 +68,40 @@ class DraftModelProposer:
                 pending[i] = pending[i][-1:]
 
         k_max = max(r.num_tokens for r in rows)
-        tokens = torch.zeros(len(rows), k_max, dtype=torch.long)
-        sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
-        probs = torch.zeros(len(rows), k_max, self.vocab_size) if sampled else None
-        if sampled:
-            params = [rows[i].sampling for i in sampled]
-            temperature = torch.tensor([p.temperature for p in params])
-            top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
-            top_p = torch.tensor([p.top_p for p in params])
-            generators = [rows[i].generator for i in sampled]
+        tokens = [[] for _ in rows]  # drafted tokens per row
+        is_sampled = [not r.sampling.greedy for r in rows]
+        probs = torch.zeros(len(rows), k_max, self.vocab_size) if any(is_sampled) else None
 
         active = list(range(len(rows)))
         feed = pending
         for j in range(k_max):
-            logits = runner.forward([slots[i] for i in active], feed).logits[:, 0]  # [b, V]
-            logits = self._fit_vocab(logits)
-            picked = logits.argmax(dim=-1)
-            pos = {i: n for n, i in enumerate(active)}
-            sub = [i for i in sampled if i in pos]
-            if sub:
-                at = torch.tensor([pos[i] for i in sub])
-                sel = torch.tensor([sampled.index(i) for i in sub])
-                q = probs_from_logits(logits[at], temperature[sel], top_k[sel], top_p[sel])
-                picked[at] = sample(q, [generators[s] for s in sel.tolist()])
-                probs[torch.tensor(sub), j] = q
-            tokens[torch.tensor(active), j] = picked.cpu()
+            logits = self._fit_vocab(runner.forward([slots[i] for i in active], feed).logits[:, 0])  # [b, V]
+            picked = logits.argmax(dim=-1).tolist()
+            at = [n for n, i in enumerate(active) if is_sampled[i]]
+            if at:
+                sub = [rows[active[n]] for n in at]
+                q = probs_from_logits(
+                    logits[at],
+                    torch.tensor([r.sampling.temperature for r in sub]),
+                    torch.tensor([r.sampling.top_k for r in sub], dtype=torch.long),
+                    torch.tensor([r.sampling.top_p for r in sub]),
+                )  # [s, V]
+                for n, tok in zip(at, sample(q, [r.generator for r in sub]).tolist()):
+                    picked[n] = tok
+                probs[[active[n] for n in at], j] = q.to(probs.device)
+            for n, i in enumerate(active):
+                tokens[i].append(picked[n])
             # Keep going for rows that want more tokens; the last token is not fed.
             active = [i for i in active if rows[i].num_tokens > j + 1]
-            feed = [[int(tokens[i, j])] for i in active]
+            feed = [tokens[i][-1:] for i in active]
             if not active:
                 break
 
         for r in rows:
             self._base[r.slot] = len(r.token_ids)
             self._k[r.slot] = r.num_tokens
-        lengths = torch.tensor([r.num_tokens for r in rows], dtype=torch.long)
-        return Draft(tokens=tokens, lengths=lengths, probs=probs)
+        draft = Draft.from_lists(tokens)
+        return Draft(tokens=draft.tokens, lengths=draft.lengths, probs=probs)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [b, V_draft] -> [b, V]
         v = logits.shape[-1]

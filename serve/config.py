@@ -24,7 +24,7 @@ class AutoscalingSpec(BaseModel):
     target_ongoing_requests: float = Field(2.0, gt=0)
     upscale_delay_s: float = Field(3.0, ge=0)
     downscale_delay_s: float = Field(30.0, ge=0)
-    metrics_interval_s: float = Field(2.0, gt=0)
+    metrics_interval_s: float | None = Field(None, gt=0, description="Deprecated by Ray; passed only if set.")
     look_back_period_s: float = Field(5.0, gt=0)
     upscaling_factor: float | None = Field(None, gt=0)
     downscaling_factor: float | None = Field(None, gt=0)

@@ -104,11 +104,6 @@ class EngineDeployment:
         worker the queue lives in that actor, not in ``self.core.scheduler``."""
         return max(0, self._inflight - self.max_num_seqs), min(self._inflight, self.max_num_seqs)
 
-    async def check_health(self) -> None:
-        """Serve's health check: a replica whose coordinator failed to start is unhealthy."""
-        if self.core.placement is None and self.core._started:
-            raise RuntimeError("coordinator lost its placement")
-
     async def __del__(self):
         try:
             await self.core.shutdown()

@@ -123,3 +123,22 @@ def tiny_checkpoints(tmp_path_factory, tiny_pair):
     target.save_pretrained(root / "target")
     draft.save_pretrained(root / "draft")
     return {"target": str(root / "target"), "draft": str(root / "draft")}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(ray_session):
+    """Ray Serve's HTTP proxy on a free loopback port, for one test module."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()

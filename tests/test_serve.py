@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
 import time
 
 import httpx
@@ -51,12 +50,6 @@ def encode(text: str) -> list[int]:
 
 def decode(ids) -> str:
     return "".join(ALPHABET[i] for i in ids)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save_char_tokenizer(path) -> None:
@@ -138,14 +131,6 @@ def long_tok(tmp_path_factory) -> dict:
         LlamaForCausalLM(cfg).eval().save_pretrained(root / name)
     save_char_tokenizer(root / "tokenizer")
     return {"target": str(root / "target"), "draft": str(root / "draft"), "tokenizer": str(root / "tokenizer")}
-
-
-@pytest.fixture(scope="module")
-def server(ray_session):
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,18 +24,13 @@ import yaml
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
+from tests.conftest import free_port  # noqa: E402
 from specray.serve.app import build_app  # noqa: E402
 
 pytestmark = pytest.mark.timeout(420)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ENGINE = "SpecrayEngine"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def running_replicas(app: str) -> int:
@@ -88,14 +82,6 @@ class Load:
         deadline = time.monotonic() + self.cap_s
         async with httpx.AsyncClient(timeout=60) as c:
             await asyncio.gather(*(self._client(c, deadline) for _ in range(self.concurrency)))
-
-
-@pytest.fixture(scope="module")
-def server(ray_session):
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
 
 
 def test_replicas_scale_up_under_load_and_back_down(server, tiny_checkpoints):
