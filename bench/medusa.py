@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     configs = {"plain": SpeculationParams(method="none"),
                f"draft k={args.draft_k}": SpeculationParams(method="draft", num_speculative_tokens=args.draft_k)}
     configs.update({f"medusa {name}": SpeculationParams(method="medusa", tree=name) for name in NAMED_TREES})
+    heads_tree = engine.medusa_heads.choices
+    if heads_tree is not None:  # the tree `specray train medusa` fitted to these heads
+        configs["medusa fitted"] = SpeculationParams(method="medusa")
 
     best = {c: [float("inf")] * len(prompts) for c in configs}
     tokens: dict[str, list] = {c: [None] * len(prompts) for c in configs}
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             "x_plain": round(tps / plain_tps, 3),
             "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
             "tokens_per_target_forward": round(total / forwards, 3),
-            "tree_tokens": build_tree(NAMED_TREES[spec.tree]).size if spec.tree else "",
+            "tree_tokens": build_tree(NAMED_TREES[spec.tree] if spec.tree else heads_tree).size
+            if spec.method == "medusa" else "",
             "mismatches_vs_plain": sum(a != b for a, b in zip(tokens[name], tokens["plain"])),
         })
     out = pathlib.Path(args.out)

@@ -184,6 +184,25 @@ def _check_record(rec: JobLine, config, vocab, has_tokenizer, has_draft, check_m
         return f"speculation.method: {exc}"
     if spec.method == "draft" and not has_draft:
         return "speculation.method: 'draft' needs a draft model (config 'draft')"
+    if spec.method == "medusa":
+        return _check_medusa(spec, config)
+    return None
+
+
+def _check_medusa(spec, config) -> str | None:
+    """Heads configured, and the request's tree no deeper than they are (read from their config)."""
+    from specray.policies.medusa import resolve_tree
+
+    if config.medusa is None:
+        return "speculation.method: 'medusa' needs Medusa heads (config 'medusa'; `specray train medusa`)"
+    try:
+        num_heads = int(json.loads((Path(config.medusa) / "config.json").read_text())["medusa_num_heads"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the workers report a bad heads directory when they load it
+    try:
+        resolve_tree(spec.model_dump(), num_heads)
+    except ValueError as exc:
+        return f"speculation.medusa_choices: {exc}"
     return None
 
 

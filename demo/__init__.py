@@ -16,7 +16,7 @@ from .cli import main
 from .corpus import CorpusFile, corpus_documents, corpus_text
 from .metrics import MeasureConfig
 from .pair import DemoPair, default_cache_dir, load_or_build_demo_pair
-from .prompts import held_out_prompts
+from .prompts import corpus_prompts, held_out_prompts
 from .training import DemoRecipe
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "DemoRecipe",
     "MeasureConfig",
     "corpus_documents",
+    "corpus_prompts",
     "corpus_text",
     "default_cache_dir",
     "held_out_prompts",

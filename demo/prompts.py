@@ -39,21 +39,31 @@ def held_out_prompts(
     ``n <= max_tokens - min_tokens + 1``. No prompt occurs verbatim in the training split.
     The result depends only on the arguments, the tokenizer and the Python version.
     """
+    return corpus_prompts(n, tokenizer_dir, "held_out", min_tokens, max_tokens, seed)
+
+
+def corpus_prompts(
+    n: int, tokenizer_dir: str, split: str, min_tokens: int = 32, max_tokens: int = 256, seed: int = 0,
+    distinct_lengths: bool = True,
+) -> list[str]:
+    """Like ``held_out_prompts`` for any split (e.g. ``"train"`` to self-distil heads on
+    prompts shaped like the ones they will serve); held-out prompts also avoid training text.
+    ``distinct_lengths=False`` drops the pairwise-distinct lengths requirement."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if not 1 <= min_tokens <= max_tokens:
         raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
     tok = _tokenizer(tokenizer_dir)
     count = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    files = [doc.text.splitlines(keepends=True) for doc in corpus_documents("held_out")]
-    train_text = corpus_text("train")
+    files = [doc.text.splitlines(keepends=True) for doc in corpus_documents(split)]
+    train_text = corpus_text("train") if split != "train" else ""
     rng = random.Random(seed)
 
     span = max_tokens - min_tokens + 1
     # Target lengths spread evenly over the range, visited in a shuffled order.
     targets = [min_tokens + (i * span) // max(n, 1) for i in range(n)]
     rng.shuffle(targets)
-    unique_lengths = n <= span
+    unique_lengths = distinct_lengths and n <= span
     prompts: list[str] = []
     seen_prompts: set[str] = set()
     seen_lengths: set[int] = set()
@@ -62,7 +72,7 @@ def held_out_prompts(
             lines = files[rng.randrange(len(files))]
             start = rng.randrange(len(lines))
             text = _cut(lines, start, want, count)
-            if text is None or text in seen_prompts or text in train_text:
+            if text is None or text in seen_prompts or (train_text and text in train_text):
                 continue
             length = count(text)
             if length < min_tokens or (unique_lengths and length in seen_lengths):
@@ -72,7 +82,7 @@ def held_out_prompts(
             seen_lengths.add(length)
             break
         else:
-            raise RuntimeError(f"could not cut a {want}-token prompt from the held-out files")
+            raise RuntimeError(f"could not cut a {want}-token prompt from the {split} files")
     return prompts
 
 

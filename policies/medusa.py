@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from specray.kernels.tree import NAMED_TREES, TokenTree, build_tree
+from specray.kernels.tree import NAMED_TREES, TokenTree, TreeError, build_tree
 from specray.policies.base import Draft, ProposalRow, register_proposer
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -50,6 +50,9 @@ class MedusaHeads(nn.Module):
             raise ValueError(f"need medusa_num_heads >= 1 and medusa_num_layers >= 0, got {num_heads}, {num_layers}")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers = num_heads, num_layers
+        # The heads' own default tree (``medusa_choices`` in config.json, e.g. fitted by
+        # ``specray train medusa``); None means the global default.
+        self.choices: list[list[int]] | None = None
         self.heads = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)], nn.Linear(hidden_size, vocab_size, bias=False))
             for _ in range(num_heads)
@@ -71,6 +74,8 @@ class MedusaHeads(nn.Module):
             "vocab_size": self.vocab_size,
             "base_model_name_or_path": base_model,
         }
+        if self.choices is not None:
+            config["medusa_choices"] = self.choices
         (out / "config.json").write_text(json.dumps(config, indent=2))
         state = {k: v.contiguous() for k, v in self.heads.state_dict().items()}
         save_file(state, str(out / WEIGHT_FILES[0]))
@@ -107,14 +112,24 @@ class MedusaHeads(nn.Module):
             heads.heads.load_state_dict(state)
         except RuntimeError as exc:
             raise ValueError(f"{weights} does not match {num_heads} heads x {num_layers} layers: {exc}") from None
+        if cfg.get("medusa_choices") is not None:
+            try:
+                build_tree(cfg["medusa_choices"], max_depth=num_heads)
+            except (TreeError, TypeError, ValueError) as exc:
+                raise ValueError(f"{cfg_file}: bad medusa_choices: {exc}") from None
+            heads.choices = cfg["medusa_choices"]
         return heads.eval()
 
 
-def resolve_tree(options, num_heads: int) -> TokenTree:
-    """The row's tree: explicit ``medusa_choices``, a named tree, or the default."""
+def resolve_tree(options, num_heads: int, heads_choices=None) -> TokenTree:
+    """The row's tree: explicit ``medusa_choices``, a named tree, the heads' own tree, or the default."""
     choices = options.get("medusa_choices")
-    if choices is None:
-        choices = NAMED_TREES[options.get("tree") or DEFAULT_TREE]
+    if choices is None and options.get("tree"):
+        choices = NAMED_TREES[options["tree"]]
+    if choices is None and heads_choices is not None:
+        choices = heads_choices
+    if choices is None:  # the default tree, cut to the heads there are
+        choices = list(dict.fromkeys(tuple(c[:num_heads]) for c in NAMED_TREES[DEFAULT_TREE]))
     return build_tree(choices, max_depth=num_heads)
 
 
@@ -131,7 +146,7 @@ class MedusaProposer:
     def propose(self, rows: Sequence[ProposalRow]) -> Draft:
         if any(r.hidden is None for r in rows):
             raise ValueError("medusa needs the target's hidden state for every row")
-        trees = [resolve_tree(r.options, self.heads.num_heads) for r in rows]
+        trees = [resolve_tree(r.options, self.heads.num_heads, self.heads.choices) for r in rows]
         hidden = torch.stack([r.hidden for r in rows]).to(next(self.heads.parameters()).dtype)
         logits = self.heads(hidden)  # [B, K, V]
         k = max(max(t.topk) for t in trees)

@@ -29,11 +29,16 @@ MAX_NUM_SEQS = 4
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory, tiny_pair, tiny_checkpoints):
-    """(target model in memory, a YAML config naming the saved tiny target and draft)."""
-    config = tmp_path_factory.mktemp("jobs") / "specray.yaml"
+    """(target model in memory, a YAML config naming the saved tiny target, draft and Medusa heads)."""
+    from tests.test_medusa import random_heads
+
+    root = tmp_path_factory.mktemp("jobs")
+    random_heads().save(root / "medusa")
+    config = root / "specray.yaml"
     config.write_text(
         f"target: {tiny_checkpoints['target']}\n"
         f"draft: {tiny_checkpoints['draft']}\n"
+        f"medusa: {root / 'medusa'}\n"
         f"max_num_seqs: {MAX_NUM_SEQS}\n"
         "default_speculation:\n  method: draft\n  num_speculative_tokens: 3\n"
         "placement:\n  timeout_s: 60\n"
@@ -44,15 +49,16 @@ def tiny_dirs(tmp_path_factory, tiny_pair, tiny_checkpoints):
 def _records():
     """Greedy records with different lengths, max_tokens and methods (+ ids or none)."""
     methods = [None, {"method": "none"}, {"method": "draft", "num_speculative_tokens": 2},
-               {"method": "ngram", "num_speculative_tokens": 3, "max_matching_ngram_size": 2}]
+               {"method": "ngram", "num_speculative_tokens": 3, "max_matching_ngram_size": 2},
+               {"method": "medusa"}, {"method": "medusa", "tree": "wide"}]
     recs = []
-    for i in range(10):
+    for i in range(12):
         prompt = [(7 * i + 3 * j) % 64 for j in range(3 + i % 5)]
         if i % 3 == 0:
             prompt = prompt + prompt[:3]  # repeats, so prompt lookup finds something
         rec = {"prompt": prompt, "sampling": {"max_tokens": 4 + 3 * (i % 4), "temperature": 0}}
-        if methods[i % 4] is not None:
-            rec["speculation"] = methods[i % 4]
+        if methods[i % len(methods)] is not None:
+            rec["speculation"] = methods[i % len(methods)]
         if i % 2 == 0:
             rec["id"] = f"r{i}"
         recs.append(rec)
@@ -102,6 +108,8 @@ def _check_output(lines: list[dict], recs, target) -> None:
         method = (r.get("speculation") or {"method": "draft"})["method"]  # default: the config's
         if method == "none":
             assert o["metrics"]["num_drafts"] == 0
+        elif method == "medusa":
+            assert o["metrics"]["num_drafts"] > 0
         elif method == "draft":
             assert o["metrics"]["num_drafts"] > 0
             assert max(len(o["metrics"]["accepted_per_pos"]), 1) <= (r.get("speculation") or {}).get(
@@ -176,13 +184,16 @@ def test_job_bad_input_lines(tiny_dirs, tmp_path, capsys):
         '[1, 2]\n'                                                  # 8 not an object
         '{"prompt": "text"}\n'                                      # 9 no tokenizer
         '{"id": "x"}\n'                                             # 10 no prompt
+        '{"prompt": [1], "speculation": {"method": "medusa", "medusa_choices": [[0], [0, 0]]}}\n'  # 11 ok
+        '{"prompt": [1], "speculation": {"method": "medusa", "medusa_choices": [[0, 0, 0, 0, 0]]}}\n'  # 12 deep
     )
     out = tmp_path / "out.jsonl"
     assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 2
     err = capsys.readouterr().err
-    for n in (2, 4, 5, 6, 7, 8, 9, 10):
+    for n in (2, 4, 5, 6, 7, 8, 9, 10, 12):
         assert f"line {n}:" in err, (n, err)
-    for n in (1, 3):
+    assert "exceeds the 4 draft heads" in err
+    for n in (1, 3, 11):
         assert f"line {n}:" not in err
     assert "max_tokens" in err and "medusa9" in err and "temprature" in err
     assert not out.exists()

@@ -91,6 +91,8 @@ def test_medusa_requests_are_validated(tiny_pair):
     engine = medusa_engine(tiny_pair[0], random_heads(heads=2))
     with pytest.raises(ValueError, match="exceeds the 2 draft heads"):
         engine.add_request([1, 2, 3], GREEDY, SpeculationParams(method="medusa", tree="trtllm_example"))
+    engine.add_request([1, 2, 3], GREEDY, SpeculationParams(method="medusa"))  # default tree, cut to 2 heads
+    assert engine.generate([[4, 5]], GREEDY, SpeculationParams(method="medusa"))[0].token_ids
     with pytest.raises(ValueError, match="listed twice"):
         SpeculationParams(method="medusa", medusa_choices=[[0], [0]])
     with pytest.raises(ValueError, match="unknown tree"):
@@ -122,22 +124,56 @@ def test_typical_acceptance_runs_and_is_labelled_lossy(tiny_pair):
     assert "LOSSY" in SpeculationParams.model_fields["acceptance"].description
 
 
-def test_training_lowers_the_loss_and_writes_the_public_layout(tmp_path, monkeypatch):
-    """A few self-distillation steps on the tiny target (its own token stream as corpus)."""
+def random_prompts(split, n, seed):
+    """A stand-in prompt source for the tiny target: random token ids, 8-20 long."""
+    g = torch.Generator().manual_seed(seed + (1000 if split == "held_out" else 0))
+    return [torch.randint(0, 64, (int(torch.randint(8, 21, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def test_training_lowers_the_loss_fits_a_tree_and_writes_the_public_layout(tmp_path):
+    """Self-distillation on the tiny target's own greedy continuations."""
     from specray.cluster import train_medusa as T
 
     target = tiny_llama(seed=0)
     target.save_pretrained(tmp_path / "target")
-    monkeypatch.setattr(T, "corpus_ids", lambda tok, n, seed: torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(0)))
-
-    class ByteTok:  # the corpus is stubbed; only from_pretrained must succeed
-        @staticmethod
-        def from_pretrained(path):
-            return None
-
-    monkeypatch.setattr("transformers.AutoTokenizer", ByteTok)
-    first = T.train_medusa(str(tmp_path / "target"), str(tmp_path / "h1"), heads=2, steps=1, batch_size=4, seq_len=32)
-    last = T.train_medusa(str(tmp_path / "target"), str(tmp_path / "h2"), heads=2, steps=40, batch_size=4, seq_len=32)
-    assert last["final_loss"] < first["final_loss"]
+    common = dict(heads=2, batch_size=256, sequences=128, gen_len=32, tree_size=5, prompts=random_prompts)
+    first = T.train_medusa(str(tmp_path / "target"), str(tmp_path / "h1"), steps=1, **common)
+    last = T.train_medusa(str(tmp_path / "target"), str(tmp_path / "h2"), steps=150, lr=1e-2, **common)
+    assert last["final_loss"] < first["final_loss"] - 0.5, (first, last)
+    assert last["expected_accepted_length"] > first["expected_accepted_length"]  # on held-out prompts
     heads = MedusaHeads.load(tmp_path / "h2", hidden_size=32)
-    assert heads.num_heads == 2
+    assert heads.num_heads == 2 and json.loads((tmp_path / "h2" / "config.json").read_text())["medusa_num_layers"] == 1
+    # The fitted tree is saved with the heads and becomes their default.
+    assert heads.choices is not None and len(heads.choices) == last["tree_size"] <= 5
+    assert 1.0 <= last["expected_accepted_length"] <= 3.0
+    engine = medusa_engine(target, heads)
+    outs = engine.generate(ragged_prompts(3), GREEDY, SpeculationParams(method="medusa"))
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(3)]
+    t = engine.totals
+    assert t.num_draft_tokens == len(heads.choices) * t.num_drafts  # every step drafted the fitted tree
+
+
+def test_fit_tree_picks_the_most_often_right_paths():
+    from specray.cluster.train_medusa import fit_tree
+
+    # Per example, where head 0 / head 1 ranked the true next tokens (-1: not in the top k).
+    ranks = torch.tensor([[0, 0], [0, 0], [0, 1], [1, 0], [2, -1], [-1, 0]])
+    choices, expected = fit_tree(ranks, size=2, max_children=3)
+    assert choices == [[0], [0, 0]] and expected == pytest.approx(1 + 3 / 6 + 2 / 6)
+    choices, expected = fit_tree(ranks, size=10, max_children=3)  # every path seen at least once
+    assert sorted(choices) == [[0], [0, 0], [0, 1], [1], [1, 0], [2]]
+    assert expected == pytest.approx(1 + (3 + 2 + 1 + 1 + 1 + 1) / 6)
+    assert all(c[:-1] in choices for c in choices if len(c) > 1)  # a valid tree: parents first
+
+
+def test_heads_tree_in_config_is_validated(tmp_path):
+    heads = random_heads(heads=2)
+    heads.choices = [[0], [1], [0, 0]]
+    heads.save(tmp_path)
+    assert MedusaHeads.load(tmp_path).choices == [[0], [1], [0, 0]]
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["medusa_choices"] = [[0, 0, 0]]  # deeper than 2 heads
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="bad medusa_choices"):
+        MedusaHeads.load(tmp_path)

@@ -134,11 +134,21 @@ def long_tok(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def main_url(server, tiny_tok):
-    """Separate target/draft/n-gram actors, 4 sequences, no API key."""
+def tiny_heads(tmp_path_factory) -> str:
+    """Four random Medusa heads for the tiny target, in the public layout."""
+    from tests.test_medusa import random_heads
+
+    path = tmp_path_factory.mktemp("tiny-medusa")
+    random_heads().save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def main_url(server, tiny_tok, tiny_heads):
+    """Separate target/draft/n-gram actors (Medusa heads on the target), 4 sequences, no API key."""
     cfg = {
         "model_name": MAIN,
-        "engine": {**tiny_tok, "max_num_seqs": 4, "placement": cpu_placement("separate")},
+        "engine": {**tiny_tok, "medusa": tiny_heads, "max_num_seqs": 4, "placement": cpu_placement("separate")},
         "max_ongoing_requests": 16,
     }
     serve.run(build_app(cfg), name="main", route_prefix="/main")
@@ -239,6 +249,28 @@ def test_completion_greedy_token_ids_all_methods_match_hf(client, target_model, 
         assert r.choices[0].text == ref, method
         assert r.choices[0].finish_reason == "length"
         assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 20
+
+
+def test_medusa_over_http_is_lossless_and_validated(client, main_url, target_model):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    ref = greedy_text(target_model, prompt, 20)
+    for spec in ({"method": "medusa"}, {"method": "medusa", "tree": "wide"},
+                 {"method": "medusa", "medusa_choices": [[0], [1], [0, 0], [0, 0, 0]]}):
+        r = client.completions.create(model=MAIN, prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"speculation": spec})
+        assert r.choices[0].text == ref, spec
+        assert r.model_dump()["speculation_metrics"][0]["num_drafts"] > 0, spec
+    stream = client.completions.create(model=MAIN, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                       extra_body={"speculation": {"method": "medusa", "tree": "chain"}})
+    assert "".join(c.choices[0].text for c in stream) == ref
+    sampled = client.completions.create(model=MAIN, prompt=prompt, max_tokens=12, temperature=0.8, seed=3,
+                                        extra_body={"speculation": {"method": "medusa"}})
+    assert sampled.usage.completion_tokens == 12
+    body = {"model": MAIN, "prompt": prompt, "max_tokens": 4,
+            "speculation": {"method": "medusa", "medusa_choices": [[0, 0, 0, 0, 0]]}}
+    assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400, "exceeds the 4")
+    body["speculation"] = {"method": "medusa", "medusa_choices": [[0], [0]]}
+    assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400, "twice")
 
 
 def test_completion_text_prompt_and_default_max_tokens(client, target_model):
