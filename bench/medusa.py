@@ -5,8 +5,8 @@
 
 Batch 1, greedy, held-out prompts, ``torch.set_num_threads(1)``. Configs run interleaved
 prompt by prompt and repeated; each (config, prompt) keeps its fastest time. Prints a table
-(tokens/s, x plain, mean accepted length, tokens per target forward, tree size), checks
-every config's tokens against plain decoding, and writes CSV/JSON/PNG to --out.
+(tokens/s, x plain, mean accepted length, tokens per target forward, ms per step, tree size),
+checks every config's tokens against plain decoding, and writes CSV/JSON/PNG to --out.
 """
 
 from __future__ import annotations
@@ -77,16 +77,19 @@ def main(argv: list[str] | None = None) -> int:
             "x_plain": round(tps / plain_tps, 3),
             "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
             "tokens_per_target_forward": round(total / forwards, 3),
+            "ms_per_step": round(1000 * sum(best[name]) / forwards, 3),
             "tree_tokens": build_tree(NAMED_TREES[spec.tree] if spec.tree else heads_tree).size
             if spec.method == "medusa" else "",
             "mismatches_vs_plain": sum(a != b for a, b in zip(tokens[name], tokens["plain"])),
         })
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    header = f"{'config':<22} {'tok/s':>7} {'x plain':>8} {'acc.len':>8} {'tok/fwd':>8} {'tree':>5} {'mism':>5}"
+    header = (f"{'config':<22} {'tok/s':>7} {'x plain':>8} {'acc.len':>8} {'tok/fwd':>8} {'ms/step':>8} "
+              f"{'tree':>5} {'mism':>5}")
     lines = [header] + [
         f"{r['config']:<22} {r['tokens_per_s']:>7.1f} {r['x_plain']:>8.3f} {r['mean_accepted_length']:>8.3f} "
-        f"{r['tokens_per_target_forward']:>8.3f} {str(r['tree_tokens']):>5} {r['mismatches_vs_plain']:>5}"
+        f"{r['tokens_per_target_forward']:>8.3f} {r['ms_per_step']:>8.3f} {str(r['tree_tokens']):>5} "
+        f"{r['mismatches_vs_plain']:>5}"
         for r in rows
     ]
     print("\n".join(lines))

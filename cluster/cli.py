@@ -42,12 +42,16 @@ def _generate(args) -> int:
         seed=args.seed,
         stop=args.stop or [],
     )
+    if args.method == "medusa" and not args.medusa:
+        raise SystemExit("--method medusa needs --medusa DIR (heads from `specray train medusa --out DIR`)")
     speculation = SpeculationParams(
         method=args.method,
         num_speculative_tokens=args.num_speculative_tokens,
         max_matching_ngram_size=args.max_matching_ngram_size,
+        tree=args.tree,
     )
-    engine = LLMEngine(EngineConfig(target=args.target, draft=args.draft, max_num_seqs=1, device=args.device))
+    engine = LLMEngine(EngineConfig(target=args.target, draft=args.draft, medusa=args.medusa, max_num_seqs=1,
+                                    device=args.device))
     out = engine.generate([args.prompt], sampling, speculation)[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
@@ -77,6 +81,8 @@ def _serve(args) -> int:
     engine = dict(data.get("engine", {}))
     if args.target:
         engine.update({"target": args.target, "draft": args.draft, "tokenizer": args.tokenizer})
+    if args.medusa:
+        engine["medusa"] = args.medusa
     data["engine"] = engine
     for key in ("host", "port", "model_name"):
         if getattr(args, key) is not None:
@@ -145,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate one completion")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--method", default="draft", help="none | draft | ngram (default: draft)")
+    p.add_argument("--method", default="draft", help="none | draft | ngram | medusa (default: draft)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--max-matching-ngram-size", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -156,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--target", default=None, help="target checkpoint dir (default: demo pair)")
     p.add_argument("--draft", default=None, help="draft checkpoint dir")
+    p.add_argument("--medusa", default=None, help="Medusa heads dir (public layout) for --method medusa")
+    p.add_argument("--tree", default=None, help="Medusa: a named tree (default: the heads' own, else trtllm_example)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print text, token_ids and metrics as JSON")
     p.set_defaults(func=_generate)
@@ -165,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default=None)
     p.add_argument("--tokenizer", default=None)
+    p.add_argument("--medusa", default=None, help="Medusa heads dir, enabling method 'medusa'")
     p.add_argument("--model-name", dest="model_name", default=None)
     p.add_argument("--host", default=None, help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default 8000")

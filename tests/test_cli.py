@@ -40,3 +40,24 @@ def test_bad_parameters_exit_2(args, message, capsys):
 def test_unknown_method_exits_2(capsys):
     assert main(["generate", "--prompt", "x", "--method", "bogus"]) == 2
     assert "unknown speculation method" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_medusa_equals_plain(demo_pair, tmp_path, capsys):
+    """Random heads on the demo target: whatever they guess, greedy output is the target's."""
+    from tests.test_medusa import random_heads
+
+    random_heads(hidden=64, vocab=2048).save(tmp_path)
+    common = ["generate", "--prompt", "import os\n", "--max-tokens", "16", "--json"]
+    assert main([*common, "--method", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*common, "--method", "medusa", "--medusa", str(tmp_path), "--tree", "wide"]) == 0
+    medusa = json.loads(capsys.readouterr().out)
+    assert medusa["token_ids"] == plain["token_ids"] and medusa["metrics"]["num_drafts"] > 0
+
+
+def test_medusa_flags_are_checked(capsys):
+    with pytest.raises(SystemExit, match="needs --medusa"):
+        main(["generate", "--prompt", "x", "--method", "medusa"])
+    assert main(["generate", "--prompt", "x", "--method", "medusa", "--medusa", "/x", "--tree", "bushy"]) == 2
+    assert "unknown tree" in capsys.readouterr().err
