@@ -126,10 +126,10 @@ class SeparateBackend:
         outputs = []
         if joining:
             want = any(r.needs_hidden for r in joining)
-            logits, hidden = await self._target_call(
-                "prefill", [r.slot for r in joining], [r.prompt_ids for r in joining], want
+            scores, hidden = await self._target_call(
+                "prefill", [r.slot for r in joining], [r.prompt_ids for r in joining], want, S.sampled_rows(joining)
             )
-            tokens = S.first_tokens(joining, logits)
+            tokens = S.first_tokens(joining, scores)
             outputs += self._apply(S.commit_prefill(joining, tokens, self.capacity, self.tokenizer, hidden))
         fresh = {r.request_id for r in joining}
         batch = [r for r in self.scheduler.running.values() if r.request_id not in fresh]
@@ -151,15 +151,16 @@ class SeparateBackend:
             except RayActorError:
                 self.proposers[method].replace()
         draft, has_probs = S.merge_drafts(batch, plan, parts, self.vocab_size)
-        logits, hidden = await self._target_call(
+        scores, hidden = await self._target_call(
             "forward",
             [r.slot for r in batch],
             S.verify_tokens(batch, draft),
             S.logits_window(len(batch), draft),
             S.tree_inputs(draft),
             any(r.needs_hidden for r in batch),
+            S.sampled_rows(batch),
         )
-        result = S.accept(batch, draft, has_probs, logits)
+        result = S.accept(batch, draft, has_probs, scores)
         return self._apply(S.commit_step(batch, draft, result, self.capacity, self.tokenizer, hidden))
 
     async def _target_call(self, method: str, *args):

@@ -14,6 +14,7 @@ import torch
 from specray.engine.config import EngineConfig
 from specray.engine.engine import LLMEngine, eos_ids
 from specray.engine.runner import ModelRunner
+from specray.engine.verify import TargetScores
 from specray.policies.base import Draft, ProposalRow, proposer_factory
 
 log = logging.getLogger(__name__)
@@ -64,16 +65,19 @@ class TargetWorker(_Placed):
             "medusa_heads": self.medusa.heads.num_heads if self.medusa else 0,
         }
 
-    def forward(self, slots, tokens, logits_at=None, tree=None, want_hidden=False):
-        """(logits [B, m, V], hidden [B, m, H] or None), on the CPU."""
+    def forward(self, slots, tokens, logits_at=None, tree=None, want_hidden=False, sampled=()):
+        """(TargetScores over [B, m] — full logits only for the ``sampled`` rows —, hidden
+        [B, m, H] or None), on the CPU: what crosses the wire stays small for greedy rows."""
         out = self.runner.forward(slots, tokens, logits_at, tree=tree)
-        return out.logits.cpu(), (out.hidden.cpu() if want_hidden else None)
+        return TargetScores.from_logits(out.logits, sampled), (out.hidden.cpu() if want_hidden else None)
 
-    def prefill(self, slots, prompts, want_hidden=False):
+    def prefill(self, slots, prompts, want_hidden=False, sampled=()):
+        """Scores [B, 1] at each prompt's last token (and hidden [B, H])."""
         for s in slots:
             self.runner.reset(s)
-        logits, hidden = self.forward(slots, prompts, want_hidden=want_hidden)
-        return logits[:, 0], (hidden[:, 0] if hidden is not None else None)
+        out = self.runner.forward(slots, prompts)
+        hidden = out.hidden[:, 0].cpu() if want_hidden else None
+        return TargetScores.from_logits(out.logits, sampled), hidden
 
     def compact(self, paths: Sequence[tuple[int, list[int]]]) -> None:
         self.runner.compact(*zip(*paths))

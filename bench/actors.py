@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             results = {
                 "in-process": _time_local(cfg, prompts, sampling, spec),
                 "colocated actor": _time_coordinator(
-                    cfg.model_copy(update={"placement": {"mode": "colocated"}}), prompts, sampling, spec
+                    cfg.model_copy(update={"placement": cfg.placement.model_copy(update={"mode": "colocated"})}), prompts,
+                    sampling, spec,
                 ),
                 "separate actors": _time_coordinator(cfg, prompts, sampling, spec),
             }

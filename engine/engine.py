@@ -106,14 +106,14 @@ class LLMEngine:
             S.logits_window(len(batch), draft),
             tree=S.tree_inputs(draft),
         )  # logits [B, K+1, V], hidden [B, K+1, H]
-        result = S.accept(batch, draft, has_probs, out.logits)
+        result = S.accept(batch, draft, has_probs, S.TargetScores.from_logits(out.logits, S.sampled_rows(batch)))
         return self._apply(S.commit_step(batch, draft, result, self.capacity, self.tokenizer, out.hidden))
 
     def _prefill(self, joining: list[Request]) -> list[RequestOutput]:
         for r in joining:
             self.target.reset(r.slot)
         out = self.target.forward([r.slot for r in joining], [r.prompt_ids for r in joining])
-        tokens = S.first_tokens(joining, out.logits[:, 0])
+        tokens = S.first_tokens(joining, S.TargetScores.from_logits(out.logits[:, :1], S.sampled_rows(joining)))
         return self._apply(S.commit_prefill(joining, tokens, self.capacity, self.tokenizer, out.hidden[:, 0]))
 
     def _apply(self, commit: S.Commit) -> list[RequestOutput]:

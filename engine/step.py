@@ -21,7 +21,9 @@ import torch
 
 from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import PLAIN
-from specray.engine.verify import StepResult, accept, sampling_tensors, tree_inputs  # noqa: F401 (re-exported)
+from specray.engine.verify import (  # noqa: F401 (re-exported)
+    StepResult, TargetScores, accept, sampled_rows, sampling_tensors, tree_inputs,
+)
 from specray.kernels.sampling import probs_from_logits, sample
 from specray.policies.base import Draft, ProposalRow, SamplingView
 from specray.policies.spec_length import SpeculationLengthPolicy
@@ -154,16 +156,16 @@ def commit_step(
     return commit
 
 
-def first_tokens(reqs: Sequence[Request], logits: torch.Tensor) -> list[int]:
-    """Sample each admitted request's first token from its prefill logits [B, V]."""
-    tokens = logits.argmax(dim=-1)
-    sampled = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
+def first_tokens(reqs: Sequence[Request], scores: TargetScores) -> list[int]:
+    """Each admitted request's first token, from the target's scores at its last prompt token."""
+    tokens = [row[0] for row in scores.best]
+    sampled = sampled_rows(reqs)
     if sampled:
         temperature, top_k, top_p = sampling_tensors([reqs[i] for i in sampled])
-        at = torch.tensor(sampled)
-        probs = probs_from_logits(logits[at], temperature, top_k, top_p)
-        tokens[at] = sample(probs, [reqs[i].generator for i in sampled])
-    return tokens.tolist()
+        probs = probs_from_logits(scores.logits_of(sampled)[:, 0], temperature, top_k, top_p)
+        for i, tok in zip(sampled, sample(probs, [reqs[i].generator for i in sampled]).tolist()):
+            tokens[i] = tok
+    return tokens
 
 
 def commit_prefill(reqs: Sequence[Request], tokens: Sequence[int], capacity: int, tokenizer, hidden=None) -> Commit:

@@ -1,8 +1,10 @@
 """Acceptance for a mixed batch: greedy rows by token match, sampled rows by rejection.
 
 Both rules are lossless; rows are grouped only because they need different inputs
-(argmax of logits vs. processed target probabilities and, when the proposer sampled,
-its draft probabilities).
+(the target's argmax ids vs. its processed probabilities and, when the proposer sampled,
+the draft probabilities). ``TargetScores`` is the target's side reduced to exactly that,
+built next to the model, so a remote target ships a few ints per greedy row instead of
+[K+1, V] logits.
 """
 
 from __future__ import annotations
@@ -46,6 +48,32 @@ def tree_inputs(draft: Draft) -> tuple[torch.Tensor, torch.Tensor] | None:
     return mask, depth
 
 
+@dataclass(frozen=True)
+class TargetScores:
+    """best: [B][m] argmax ids at every scored position; logits: [n, m, V] of the rows in
+    ``sampled`` only (None when every row is greedy)."""
+
+    best: list[list[int]]
+    sampled: list[int]
+    logits: torch.Tensor | None
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, sampled: Sequence[int] = ()) -> "TargetScores":  # [B, m, V]
+        sampled = list(sampled)
+        kept = logits[torch.tensor(sampled)].cpu() if sampled else None
+        return cls(logits.argmax(dim=-1).tolist(), sampled, kept)
+
+    def logits_of(self, rows: Sequence[int]) -> torch.Tensor:
+        """[len(rows), m, V] for sampled rows."""
+        where = {row: n for n, row in enumerate(self.sampled)}
+        return self.logits[torch.tensor([where[r] for r in rows])]
+
+
+def sampled_rows(reqs: Sequence) -> list[int]:
+    """Rows whose acceptance needs the target's full distribution."""
+    return [i for i, r in enumerate(reqs) if not r.sampling.greedy]
+
+
 def sampling_tensors(reqs: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row (temperature [N], top_k [N], top_p [N]) of sampled requests."""
     return (
@@ -55,73 +83,53 @@ def sampling_tensors(reqs: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.
     )
 
 
-def accept(reqs: Sequence, draft: Draft, has_probs: Sequence[bool], logits: torch.Tensor) -> StepResult:
-    """logits: [B, K+1, V] target logits at the last committed token and each draft token."""
-    b, k1, vocab = logits.shape
-    if not draft.trees and all(r.sampling.greedy for r in reqs):
-        return _accept_greedy_fast(draft, logits)
-    num_accepted = torch.zeros(b, dtype=torch.long)
-    tokens = torch.zeros(b, k1, dtype=torch.long)
-    groups = {"greedy": [], "probs": [], "onehot": []}
+def accept(reqs: Sequence, draft: Draft, has_probs: Sequence[bool], scores: TargetScores) -> StepResult:
+    """scores: the target at the last committed token and each draft token ([B, K+1])."""
+    b = len(reqs)
     trees = draft.trees or [None] * b
+    drafts, lengths = draft.tokens.tolist(), draft.lengths.tolist()
+    accepted, emitted = [0] * b, [[] for _ in range(b)]
+    greedy = [i for i in range(b) if trees[i] is None and reqs[i].sampling.greedy]
+    if greedy:
+        counts, tokens = greedy_accept([drafts[i][: lengths[i]] for i in greedy], [scores.best[i] for i in greedy])
+        for i, n, toks in zip(greedy, counts, tokens):
+            accepted[i], emitted[i] = n, toks
+    groups = {"probs": [], "onehot": []}
     for i, r in enumerate(reqs):
-        if trees[i] is not None:
-            continue
-        key = "greedy" if r.sampling.greedy else ("probs" if has_probs[i] else "onehot")
-        groups[key].append(i)
+        if trees[i] is None and not r.sampling.greedy:
+            groups["probs" if has_probs[i] else "onehot"].append(i)
     for key, idx in groups.items():
         if not idx:
             continue
         at = torch.tensor(idx)
-        d_tokens, d_lens = draft.tokens[at], draft.lengths[at]
-        if key == "greedy":
-            part = greedy_accept(d_tokens, d_lens, logits[at])
-        else:
-            sub = [reqs[i] for i in idx]
-            temperature, top_k, top_p = sampling_tensors(sub)
-            flat = logits[at].reshape(-1, vocab)  # [n*(K+1), V]
-            probs = probs_from_logits(
-                flat, temperature.repeat_interleave(k1), top_k.repeat_interleave(k1), top_p.repeat_interleave(k1)
-            ).view(len(idx), k1, vocab)
-            d_probs = draft.probs[at] if key == "probs" else None
-            part = rejection_accept(d_tokens, d_lens, d_probs, probs, [r.generator for r in sub])
-        num_accepted[at] = part.num_accepted.cpu()
-        tokens[at] = part.tokens.cpu()
-    accepted = num_accepted.tolist()
-    emitted = [tokens[i, : accepted[i] + 1].tolist() for i in range(b)]
+        sub = [reqs[i] for i in idx]
+        logits = scores.logits_of(idx)
+        n, k1, vocab = logits.shape
+        temperature, top_k, top_p = sampling_tensors(sub)
+        probs = probs_from_logits(
+            logits.reshape(-1, vocab), temperature.repeat_interleave(k1), top_k.repeat_interleave(k1),
+            top_p.repeat_interleave(k1),
+        ).view(n, k1, vocab)
+        d_probs = draft.probs[at] if key == "probs" else None
+        part = rejection_accept(draft.tokens[at], draft.lengths[at], d_probs, probs, [r.generator for r in sub])
+        for j, i in enumerate(idx):
+            accepted[i], emitted[i] = int(part.num_accepted[j]), part.emitted(j)
     hidden_at = list(accepted)  # linear rows: position n produced the final token
     paths = {}
     for i, tree in enumerate(trees):
         if tree is not None:
-            res = _accept_tree(reqs[i], tree, draft, i, logits[i, : tree.size])
+            res = _accept_tree(reqs[i], tree, draft, i, scores)
             accepted[i], emitted[i], hidden_at[i], paths[i] = res.num_accepted, res.emitted, res.path[-1], res.path
     return StepResult(accepted, emitted, hidden_at, paths)
 
 
-def _accept_greedy_fast(draft: Draft, logits: torch.Tensor) -> StepResult:
-    """All rows greedy and linear (the common case): one argmax, then plain Python.
-
-    Same rule as ``greedy_accept``; the step is dominated by host overhead at small
-    batches, and this avoids a dozen small tensor ops.
-    """
-    best = logits.argmax(dim=-1).tolist()  # [B][K+1]
-    drafts, lengths = draft.tokens.tolist(), draft.lengths.tolist()
-    accepted, emitted = [], []
-    for row_best, row_draft, n_draft in zip(best, drafts, lengths):
-        n = 0
-        while n < n_draft and row_draft[n] == row_best[n]:
-            n += 1
-        accepted.append(n)
-        emitted.append(row_draft[:n] + [row_best[n]])
-    return StepResult(accepted, emitted, list(accepted), {})
-
-
-def _accept_tree(req, tree, draft: Draft, row: int, logits: torch.Tensor):  # logits [T, V]
+def _accept_tree(req, tree, draft: Draft, row: int, scores: TargetScores):
     node_tokens = [int(req.output_ids[-1])] + draft.tokens[row, : tree.size - 1].tolist()
     s, spec = req.sampling, req.speculation
     if s.greedy:
-        return tree_greedy_accept(tree, node_tokens, logits)
+        return tree_greedy_accept(tree, node_tokens, scores.best[row][: tree.size])
     n = tree.size
+    logits = scores.logits_of([row])[0, :n]  # [T, V]
     probs = probs_from_logits(
         logits,
         torch.full((n,), s.temperature),

@@ -81,27 +81,32 @@ def _accepted_prefix(ok: torch.Tensor) -> torch.Tensor:  # [B, K] bool -> [B] in
 
 
 def greedy_accept(
-    draft_tokens: torch.Tensor,  # [B, K] int64
-    draft_lengths: torch.Tensor,  # [B] int64, <= K
-    target_logits: torch.Tensor,  # [B, K+1, V]
-) -> Acceptance:
-    """Token-match acceptance for greedy rows: keep d_i while it equals argmax.
+    drafts: Sequence[Sequence[int]],  # [B][K_r] draft tokens
+    best: Sequence[Sequence[int]],  # [B][>= K_r + 1] the target's argmax at each verify position
+) -> tuple[list[int], list[list[int]]]:
+    """Token-match acceptance for greedy rows: keep d_i while it equals the argmax.
 
-    The emitted final token is the target's argmax at the first mismatch
-    (recovered) or at position ``draft_lengths[r]`` (bonus).
+    Returns (accepted count per row, emitted tokens per row): the accepted drafts, then
+    the target's argmax at the first mismatch (recovered) or after the last draft
+    (bonus). It reads only argmax ids, so a remote target can send those instead of
+    logits; plain lists, because at the batch sizes where speculation pays a loop over
+    a few ints beats a dozen small tensor ops.
 
-    >>> logits = torch.tensor([[[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]]])  # argmax 1, 0, 1
-    >>> greedy_accept(torch.tensor([[1, 1]]), torch.tensor([2]), logits).emitted(0)
-    [1, 0]
+    >>> greedy_accept([[1, 1]], [[1, 0, 1]])  # the second draft token is wrong
+    ([1], [[1, 0]])
     """
-    _check_shapes(draft_tokens, draft_lengths, target_logits)
-    b, k = draft_tokens.shape
-    device = draft_tokens.device
-    best = target_logits.argmax(dim=-1)  # [B, K+1]
-    valid = torch.arange(k, device=device) < draft_lengths.to(device).unsqueeze(1)  # [B, K]
-    num_accepted = _accepted_prefix((draft_tokens == best[:, :k]) & valid)  # [B]
-    final = best.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [B]
-    return _assemble(draft_tokens, num_accepted, final)
+    if len(drafts) != len(best):
+        raise ValueError(f"{len(drafts)} draft rows but {len(best)} target rows")
+    accepted, emitted = [], []
+    for row, (draft, target) in enumerate(zip(drafts, best)):
+        if len(target) < len(draft) + 1:
+            raise ValueError(f"row {row}: {len(draft)} draft tokens need {len(draft) + 1} target positions, got {len(target)}")
+        n = 0
+        while n < len(draft) and draft[n] == target[n]:
+            n += 1
+        accepted.append(n)
+        emitted.append(list(draft[:n]) + [target[n]])
+    return accepted, emitted
 
 
 def rejection_accept(

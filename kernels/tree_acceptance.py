@@ -49,9 +49,8 @@ def _children(tree: TokenTree) -> list[list[int]]:
     return kids
 
 
-def tree_greedy_accept(tree: TokenTree, tokens: Sequence[int], logits: torch.Tensor) -> TreeAcceptance:
-    """tokens: [T] node tokens (node 0 = root); logits: [T, V] target logits per node."""
-    best = logits.argmax(dim=-1).tolist()
+def tree_greedy_accept(tree: TokenTree, tokens: Sequence[int], best: Sequence[int]) -> TreeAcceptance:
+    """tokens: [T] node tokens (node 0 = root); best: [T] the target's argmax at each node."""
     kids = _children(tree)
     node, path = 0, [0]
     while True:
