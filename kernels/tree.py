@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Literal, Sequence
 
 import torch
@@ -97,9 +97,24 @@ class TokenTree:
         head_topk: [B, D, K] int64, head d's top-K tokens (K >= max(topk))
         returns:   [B, T-1] int64, the token of node i (i >= 1) at column i - 1
         """
-        level = torch.tensor([len(c) - 1 for c in self.choices])
-        rank = torch.tensor([c[-1] for c in self.choices])
+        level, rank = self._level_rank
         return head_topk[:, level, rank]
+
+    # Per-tree constants that proposing and accepting read every step; trees are cached
+    # (``build_tree``), so these are computed once per distinct tree.
+    @cached_property
+    def _level_rank(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([len(c) - 1 for c in self.choices]), torch.tensor([c[-1] for c in self.choices])
+
+    @cached_property
+    def children(self) -> list[list[int]]:
+        """Each node's children in rank order (the candidate index at the child's level)."""
+        kids: list[list[int]] = [[] for _ in range(self.size)]
+        for node in range(1, self.size):
+            kids[int(self.parents[node])].append(node)
+        for k in kids:
+            k.sort(key=lambda n: self.choices[n - 1][-1])
+        return kids
 
 
 @lru_cache(maxsize=64)
@@ -124,7 +139,20 @@ def _build(choices: tuple) -> TokenTree:
 
 
 def build_tree(choices: Sequence[Sequence[int]], form: Form = "auto", max_depth: int | None = None) -> TokenTree:
-    """A validated ``TokenTree`` for ``medusa_choices`` (cached per distinct tree)."""
+    """A validated ``TokenTree`` for ``medusa_choices`` (cached per distinct tree).
+
+    Proposers call this every step with the request's choices, so the cache is keyed on the
+    choices as given: a repeat costs a tuple conversion, not a re-validation."""
+    if isinstance(choices, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in choices):
+        try:
+            return _build_given(tuple(tuple(c) for c in choices), form, max_depth)
+        except TypeError:  # unhashable entries: validation below says what is wrong
+            pass
+    return _build(normalize_choices(choices, form, max_depth))
+
+
+@lru_cache(maxsize=256)
+def _build_given(choices: tuple, form: Form, max_depth: int | None) -> TokenTree:
     return _build(normalize_choices(choices, form, max_depth))
 
 

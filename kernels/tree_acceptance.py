@@ -40,18 +40,9 @@ class TreeAcceptance:
         return len(self.path) - 1
 
 
-def _children(tree: TokenTree) -> list[list[int]]:
-    kids: list[list[int]] = [[] for _ in range(tree.size)]
-    for node in range(1, tree.size):
-        kids[int(tree.parents[node])].append(node)
-    for k in kids:  # rank order: the candidate index at the child's level
-        k.sort(key=lambda n: tree.choices[n - 1][-1])
-    return kids
-
-
 def tree_greedy_accept(tree: TokenTree, tokens: Sequence[int], best: Sequence[int]) -> TreeAcceptance:
     """tokens: [T] node tokens (node 0 = root); best: [T] the target's argmax at each node."""
-    kids = _children(tree)
+    kids = tree.children
     node, path = 0, [0]
     while True:
         nxt = next((c for c in kids[node] if tokens[c] == best[node]), None)
@@ -65,7 +56,7 @@ def tree_rejection_accept(
     tree: TokenTree, tokens: Sequence[int], probs: torch.Tensor, generator: torch.Generator | None
 ) -> TreeAcceptance:
     """probs: [T, V] target distributions per node (after temperature/top-k/top-p)."""
-    kids = _children(tree)
+    kids = tree.children
     node, path = 0, [0]
     while True:
         residual = probs[node].double().clone()
@@ -97,7 +88,7 @@ def tree_typical_accept(
     generator: torch.Generator | None,
 ) -> TreeAcceptance:
     """Medusa's typical acceptance (lossy). probs: [T, V]."""
-    kids = _children(tree)
+    kids = tree.children
     node, path = 0, [0]
     while True:
         p = probs[node]
