@@ -191,14 +191,12 @@ class SeparateBackend:
 
     def fail_all(self) -> list[str]:
         """Drop every request (after a target loss); returns their ids for error reporting."""
-        failed = list(self.scheduler.running.values()) + list(self.scheduler.waiting)
-        for r in list(self.scheduler.running.values()):
+        running = list(self.scheduler.running.values())
+        failed = running + list(self.scheduler.waiting)
+        for r in running:
             r.finish_reason = "error"
-            self.scheduler.release(r)
         self.scheduler.waiting.clear()
-        for worker in self.proposers.values():
-            if worker is not self.target:
-                worker.handle.release.remote([r.slot for r in failed if r.slot >= 0])
+        self._release(running)
         return [r.request_id for r in failed]
 
     def info(self) -> dict:

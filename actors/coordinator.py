@@ -16,13 +16,11 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
-from dataclasses import replace
 
 import ray
 from pydantic import ValidationError
 
 from specray.actors.backends import ColocatedBackend, SeparateBackend, WorkerLostError
-from specray.actors.workers import worker_device
 from specray.cluster.config import SpecrayConfig
 from specray.cluster.placement import reserve
 from specray.engine.config import load_tokenizer
@@ -53,7 +51,7 @@ class CoordinatorCore:
 
     async def _start_workers(self) -> None:
         cfg, placeholder = self.config, ModelLimits(2, 1, frozenset(), False)
-        engine_cfg = replace(cfg.engine_config(), device=worker_device())
+        engine_cfg = cfg.engine_config()
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.target)
         self.placement = await reserve(cfg.placement, with_draft=cfg.draft is not None)
         self.scheduler = Scheduler(cfg.max_num_seqs, placeholder, self.tokenizer, cfg.default_speculation)

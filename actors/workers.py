@@ -29,6 +29,11 @@ def _threads() -> None:
     # Small models on shared cores: one intra-op thread per worker avoids oversubscription.
     torch.set_num_threads(int(os.environ.get("SPECRAY_WORKER_THREADS", "1")))
 
+
+def _on_this_device(config: EngineConfig) -> EngineConfig:
+    """Models load where this worker runs: only the worker sees the GPU Ray gave it."""
+    return replace(config, device=worker_device())
+
 class _Placed:
     """Where Ray put this worker (tests and operations check placement with these)."""
 
@@ -47,6 +52,7 @@ class TargetWorker(_Placed):
 
     def __init__(self, config: EngineConfig):
         _threads()
+        config = _on_this_device(config)
         model = config.load_model(config.target)
         self.runner = ModelRunner(model, config.max_num_seqs, config.context_length(model.config))
         self.eos = eos_ids(model, None)
@@ -69,7 +75,7 @@ class TargetWorker(_Placed):
         """(TargetScores over [B, m] — full logits only for the ``sampled`` rows —, hidden
         [B, m, H] or None), on the CPU: what crosses the wire stays small for greedy rows."""
         out = self.runner.forward(slots, tokens, logits_at, tree=tree)
-        return TargetScores.from_logits(out.logits, sampled), (out.hidden.cpu() if want_hidden else None)
+        return TargetScores.from_logits(out.logits, sampled).cpu(), (out.hidden.cpu() if want_hidden else None)
 
     def prefill(self, slots, prompts, want_hidden=False, sampled=()):
         """Scores [B, 1] at each prompt's last token (and hidden [B, H])."""
@@ -77,7 +83,7 @@ class TargetWorker(_Placed):
             self.runner.reset(s)
         out = self.runner.forward(slots, prompts)
         hidden = out.hidden[:, 0].cpu() if want_hidden else None
-        return TargetScores.from_logits(out.logits, sampled), hidden
+        return TargetScores.from_logits(out.logits, sampled).cpu(), hidden
 
     def compact(self, paths: Sequence[tuple[int, list[int]]]) -> None:
         self.runner.compact(*zip(*paths))
@@ -114,6 +120,7 @@ class ProposerWorker(_Placed):
         _threads()
         resources: dict = {"vocab_size": vocab_size}
         if config is not None and config.draft:
+            config = _on_this_device(config)
             model = config.load_model(config.draft)
             capacity = config.context_length(model.config)
             resources["draft_runner"] = ModelRunner(model, config.max_num_seqs, capacity)
@@ -146,7 +153,7 @@ class EngineWorker(_Placed):
 
     def __init__(self, config: EngineConfig):
         _threads()
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(_on_this_device(config))
 
     def limits(self) -> dict:
         e = self.engine

@@ -34,6 +34,7 @@ Exit codes: 0 done, 2 bad arguments/config/input/output file, 1 generation faile
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -51,8 +52,7 @@ from specray.engine.params import SamplingParams, SpeculationParams
 log = logging.getLogger("specray.jobs")
 
 MAX_REPORTED_ERRORS = 20
-_METRIC_FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos",
-                  "target_forward_passes", "num_generated_tokens")
+_METRIC_FIELDS = tuple(f.name for f in dataclasses.fields(SpecMetrics))
 
 
 class UsageError(Exception):
@@ -293,22 +293,6 @@ def _connect(address: str | None) -> bool:
     return True
 
 
-def _wait_for_workers(coordinator, methods: set[str], timeout_s: float = 120.0) -> None:
-    """``ready()`` waits for the target only; proposers load in the background and their
-    rows decode plainly until then. A batch job waits for the proposers its records use,
-    so it speculates from the first batch (and its metrics mean something). One that
-    cannot start (e.g. no CPU left for the n-gram pool) only costs speed: warn, go on."""
-    import ray
-
-    roles = {"target", "engine"} | methods
-    handles = {role: h for role, h in ray.get(coordinator.workers.remote()).items() if role in roles}
-    refs = {h.__ray_ready__.remote(): role for role, h in handles.items()}
-    _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        log.warning("worker(s) %s not ready after %.0f s (resources?); their rows decode plainly until they are",
-                    sorted(refs[r] for r in pending), timeout_s)
-
-
 def _stop_coordinator(coordinator, pgs_before: set[str]) -> None:
     """Kill the coordinator, its workers and its placement group.
 
@@ -408,8 +392,6 @@ def _run(args, config: SpecrayConfig, records: list[JobLine], done_before: int, 
             pgs_before = set(ray.util.placement_group_table())
             coordinator = Coordinator.remote(config.model_dump())
             ray.get(coordinator.ready.remote())
-            methods = {(records[i].speculation or config.default_speculation).method for i in pending}
-            _wait_for_workers(coordinator, methods)
             startup_seconds = time.perf_counter() - t0
             log.info("coordinator ready in %.1f s", startup_seconds)
             batches = [pending[i:i + args.batch_size] for i in range(0, len(pending), args.batch_size)]

@@ -94,6 +94,3 @@ class SpeculationParams(BaseModel):
             raise ValueError(f"unknown tree {v!r}; named trees: {sorted(NAMED_TREES)}")
         return v
 
-
-def speculation_off() -> SpeculationParams:
-    return SpeculationParams(method="none")

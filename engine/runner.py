@@ -44,11 +44,9 @@ class ModelRunner:
             raise ValueError(f"need num_slots >= 1 and capacity >= 2, got {num_slots}, {capacity}")
         model.set_attn_implementation(attention.register())
         model.eval()
-        self.model = model
         self.config = model.config
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        self.num_slots = num_slots
         self.capacity = capacity
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -78,10 +76,6 @@ class ModelRunner:
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
-
-    def room(self, slot: int) -> int:
-        """How many more tokens slot can take."""
-        return self.capacity - self.lengths[slot]
 
     # -- forward -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -189,9 +183,9 @@ class ModelRunner:
         """
         for slot, nodes in zip(slots, kept):
             base = self.lengths[slot]
-            src = torch.tensor([base + n for n in nodes], device=self.device)
-            dst = torch.arange(base, base + len(nodes), device=self.device)
-            if not torch.equal(src, dst):
+            if list(nodes) != list(range(len(nodes))):  # else the path already sits in place
+                src = torch.tensor([base + n for n in nodes], device=self.device)
+                dst = torch.arange(base, base + len(nodes), device=self.device)
                 for buf in (*self.cache.keys, *self.cache.values):
                     buf[slot, :, dst] = buf[slot, :, src]  # advanced-index read copies first
             self.lengths[slot] = base + len(nodes)

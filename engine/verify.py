@@ -9,7 +9,7 @@ built next to the model, so a remote target ships a few ints per greedy row inst
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -60,13 +60,23 @@ class TargetScores:
     @classmethod
     def from_logits(cls, logits: torch.Tensor, sampled: Sequence[int] = ()) -> "TargetScores":  # [B, m, V]
         sampled = list(sampled)
-        kept = logits[torch.tensor(sampled)].cpu() if sampled else None
+        kept = logits[torch.tensor(sampled, device=logits.device)] if sampled else None
         return cls(logits.argmax(dim=-1).tolist(), sampled, kept)
 
-    def logits_of(self, rows: Sequence[int]) -> torch.Tensor:
-        """[len(rows), m, V] for sampled rows."""
-        where = {row: n for n, row in enumerate(self.sampled)}
-        return self.logits[torch.tensor([where[r] for r in rows])]
+    def cpu(self) -> "TargetScores":
+        """For sending across processes (a local engine keeps the logits on its device)."""
+        return replace(self, logits=self.logits.cpu()) if self.logits is not None else self
+
+    def probs(self, reqs: Sequence) -> torch.Tensor | None:
+        """[n, m, V] the sampled rows' target distributions (temperature/top-k/top-p applied),
+        in ``sampled`` order; None when every row is greedy."""
+        if not self.sampled:
+            return None
+        n, m, vocab = self.logits.shape
+        temperature, top_k, top_p = sampling_tensors([reqs[i] for i in self.sampled])
+        flat = probs_from_logits(self.logits.reshape(-1, vocab), temperature.repeat_interleave(m),
+                                 top_k.repeat_interleave(m), top_p.repeat_interleave(m))
+        return flat.view(n, m, vocab)
 
 
 def sampled_rows(reqs: Sequence) -> list[int]:
@@ -94,6 +104,8 @@ def accept(reqs: Sequence, draft: Draft, has_probs: Sequence[bool], scores: Targ
         counts, tokens = greedy_accept([drafts[i][: lengths[i]] for i in greedy], [scores.best[i] for i in greedy])
         for i, n, toks in zip(greedy, counts, tokens):
             accepted[i], emitted[i] = n, toks
+    probs = scores.probs(reqs)  # one call for every sampled row, linear or tree
+    where = {row: n for n, row in enumerate(scores.sampled)}
     groups = {"probs": [], "onehot": []}
     for i, r in enumerate(reqs):
         if trees[i] is None and not r.sampling.greedy:
@@ -102,41 +114,28 @@ def accept(reqs: Sequence, draft: Draft, has_probs: Sequence[bool], scores: Targ
         if not idx:
             continue
         at = torch.tensor(idx)
-        sub = [reqs[i] for i in idx]
-        logits = scores.logits_of(idx)
-        n, k1, vocab = logits.shape
-        temperature, top_k, top_p = sampling_tensors(sub)
-        probs = probs_from_logits(
-            logits.reshape(-1, vocab), temperature.repeat_interleave(k1), top_k.repeat_interleave(k1),
-            top_p.repeat_interleave(k1),
-        ).view(n, k1, vocab)
         d_probs = draft.probs[at] if key == "probs" else None
-        part = rejection_accept(draft.tokens[at], draft.lengths[at], d_probs, probs, [r.generator for r in sub])
+        part = rejection_accept(draft.tokens[at], draft.lengths[at], d_probs, probs[[where[i] for i in idx]],
+                                [reqs[i].generator for i in idx])
         for j, i in enumerate(idx):
             accepted[i], emitted[i] = int(part.num_accepted[j]), part.emitted(j)
     hidden_at = list(accepted)  # linear rows: position n produced the final token
     paths = {}
     for i, tree in enumerate(trees):
         if tree is not None:
-            res = _accept_tree(reqs[i], tree, draft, i, scores)
+            node_probs = probs[where[i], : tree.size] if i in where else None
+            res = _accept_tree(reqs[i], tree, draft, i, scores.best[i][: tree.size], node_probs)
             accepted[i], emitted[i], hidden_at[i], paths[i] = res.num_accepted, res.emitted, res.path[-1], res.path
     return StepResult(accepted, emitted, hidden_at, paths)
 
 
-def _accept_tree(req, tree, draft: Draft, row: int, scores: TargetScores):
+def _accept_tree(req, tree, draft: Draft, row: int, best: list[int], probs: torch.Tensor | None):
+    """best: [T] argmax per node; probs: [T, V] target distributions (sampled rows)."""
     node_tokens = [int(req.output_ids[-1])] + draft.tokens[row, : tree.size - 1].tolist()
-    s, spec = req.sampling, req.speculation
-    if s.greedy:
-        return tree_greedy_accept(tree, node_tokens, scores.best[row][: tree.size])
-    n = tree.size
-    logits = scores.logits_of([row])[0, :n]  # [T, V]
-    probs = probs_from_logits(
-        logits,
-        torch.full((n,), s.temperature),
-        torch.full((n,), s.effective_top_k, dtype=torch.long),
-        torch.full((n,), s.top_p),
-    )
+    spec = req.speculation
+    if req.sampling.greedy:
+        return tree_greedy_accept(tree, node_tokens, best)
     if spec.acceptance == "typical":
-        return tree_typical_accept(tree, node_tokens, probs, False, spec.posterior_threshold,
-                                   spec.posterior_alpha, req.generator)
+        return tree_typical_accept(tree, node_tokens, probs, spec.posterior_threshold, spec.posterior_alpha,
+                                   req.generator)
     return tree_rejection_accept(tree, node_tokens, probs, req.generator)

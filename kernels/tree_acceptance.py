@@ -15,7 +15,7 @@ then one recovered or bonus token. Per row (trees are small; a row loop over dep
   are a fixed function of the prefix (Medusa's top-k are).
 * typical acceptance (Medusa; LOSSY, opt-in): a child is acceptable when
   p(c) > min(posterior_threshold, posterior_alpha * exp(-H(p))); follow the most likely
-  acceptable child; emit the argmax (temperature 0) or a sample from p at the end.
+  acceptable child; emit a sample from p at the end (greedy rows use the greedy rule).
 """
 
 from __future__ import annotations
@@ -82,7 +82,6 @@ def tree_typical_accept(
     tree: TokenTree,
     tokens: Sequence[int],
     probs: torch.Tensor,
-    greedy: bool,
     posterior_threshold: float,
     posterior_alpha: float,
     generator: torch.Generator | None,
@@ -96,7 +95,7 @@ def tree_typical_accept(
         bar = min(posterior_threshold, posterior_alpha * float(torch.exp(-entropy)))
         ok = [c for c in kids[node] if float(p[tokens[c]]) > bar]
         if not ok:
-            final = int(p.argmax()) if greedy else int(torch.multinomial(p, 1, generator=generator))
+            final = int(torch.multinomial(p, 1, generator=generator))
             return TreeAcceptance(path, [tokens[n] for n in path[1:]] + [final])
         node = max(ok, key=lambda c: float(p[tokens[c]]))
         path.append(node)

@@ -32,17 +32,11 @@ class EngineDeployment:
 
     def __init__(self, config: dict):
         cfg = ServeConfig.model_validate(config)
-        self.model_name = cfg.model_name
         self.max_waiting = cfg.max_queued_requests
         self.max_num_seqs = cfg.engine.max_num_seqs
         self._inflight = 0  # requests admitted to this replica and not yet done
         self.core = CoordinatorCore(cfg.engine)
         self.metrics = EngineMetrics(cfg.model_name)
-
-    async def limits(self) -> dict:
-        await asyncio.shield(_detached(self.core._start()))
-        lim = self.core.scheduler.limits
-        return {"capacity": lim.capacity, "vocab_size": lim.vocab_size}
 
     async def stream(self, prompt, sampling: dict, speculation: dict | None):
         # Started outside the request's context too (see below): the workers must not be
