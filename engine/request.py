@@ -17,6 +17,9 @@ from specray.engine.params import SamplingParams, SpeculationParams
 
 # Proposers that draft from the target's last hidden state (Medusa heads; EAGLE later).
 HIDDEN_STATE_METHODS = frozenset({"medusa"})
+# Methods that draft a token tree: its node count, not num_speculative_tokens, sizes the
+# draft, and the proposer cuts the tree to the room the step leaves (ProposalRow.num_tokens).
+TREE_METHODS = frozenset({"medusa"})
 
 
 @dataclass(frozen=True)
@@ -80,9 +83,9 @@ class Request:
                 self.finish_reason = "length"
             if self.finished:
                 break
-        self.metrics.num_generated_tokens = len(self.output_ids)
         if tokenizer is not None:
-            kept = self._update_text(kept, tokenizer)
+            kept = self._update_text(kept, tokenizer)  # a stop string may drop tokens
+        self.metrics.num_generated_tokens = len(self.output_ids)
         return kept
 
     def _update_text(self, kept: list[int], tokenizer) -> list[int]:
@@ -104,7 +107,6 @@ class Request:
                 dropped = len(self.output_ids) - n
                 del self.output_ids[n:]
                 kept = kept[: len(kept) - dropped]
-                self.metrics.num_generated_tokens = len(self.output_ids)
                 self.finish_reason = "stop"
                 text = text[:cut]
         self.text = text

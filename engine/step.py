@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from specray.engine.request import Request, RequestOutput
+from specray.engine.request import TREE_METHODS, Request, RequestOutput
 from specray.engine.scheduler import PLAIN
 from specray.engine.verify import (  # noqa: F401 (re-exported)
     StepResult, TargetScores, accept, sampled_rows, sampling_tensors, tree_inputs,
@@ -45,7 +45,9 @@ def plan_proposals(
     for i, r in enumerate(batch):
         # Never draft past max_tokens or the context: k <= remaining - 1, and the target
         # must fit the last token + k drafts.
-        k = max(0, min(r.speculation.num_speculative_tokens, r.remaining - 1, capacity - r.num_tokens))
+        k = max(0, min(r.remaining - 1, capacity - r.num_tokens))
+        if r.speculation.method not in TREE_METHODS:
+            k = min(k, r.speculation.num_speculative_tokens)
         if cap is not None:
             k = min(k, cap)
         ks.append(k)
@@ -159,11 +161,9 @@ def commit_step(
 def first_tokens(reqs: Sequence[Request], scores: TargetScores) -> list[int]:
     """Each admitted request's first token, from the target's scores at its last prompt token."""
     tokens = [row[0] for row in scores.best]
-    sampled = sampled_rows(reqs)
-    if sampled:
-        temperature, top_k, top_p = sampling_tensors([reqs[i] for i in sampled])
-        probs = probs_from_logits(scores.logits_of(sampled)[:, 0], temperature, top_k, top_p)
-        for i, tok in zip(sampled, sample(probs, [reqs[i].generator for i in sampled]).tolist()):
+    if scores.sampled:
+        probs = scores.probs(reqs)[:, 0]
+        for i, tok in zip(scores.sampled, sample(probs, [reqs[i].generator for i in scores.sampled]).tolist()):
             tokens[i] = tok
     return tokens
 

@@ -133,6 +133,13 @@ def resolve_tree(options, num_heads: int, heads_choices=None) -> TokenTree:
     return build_tree(choices, max_depth=num_heads)
 
 
+def _fit(tree: TokenTree, room: int) -> TokenTree:
+    """The tree cut to its first ``room`` candidates (near the context or max_tokens, or
+    under a speculation-length cap). Candidates are ordered by depth, so every kept node's
+    parent is kept too."""
+    return tree if tree.size - 1 <= room else build_tree(tree.choices[:room], form="explicit")
+
+
 @register_proposer("medusa")
 class MedusaProposer:
     """Needs the target's hidden state (``ProposalRow.hidden``) at the last emitted position."""
@@ -146,7 +153,7 @@ class MedusaProposer:
     def propose(self, rows: Sequence[ProposalRow]) -> Draft:
         if any(r.hidden is None for r in rows):
             raise ValueError("medusa needs the target's hidden state for every row")
-        trees = [resolve_tree(r.options, self.heads.num_heads, self.heads.choices) for r in rows]
+        trees = [_fit(resolve_tree(r.options, self.heads.num_heads, self.heads.choices), r.num_tokens) for r in rows]
         hidden = torch.stack([r.hidden for r in rows]).to(next(self.heads.parameters()).dtype)
         logits = self.heads(hidden)  # [B, K, V]
         k = max(max(t.topk) for t in trees)

@@ -151,7 +151,8 @@ def test_training_lowers_the_loss_fits_a_tree_and_writes_the_public_layout(tmp_p
     outs = engine.generate(ragged_prompts(3), GREEDY, SpeculationParams(method="medusa"))
     assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(3)]
     t = engine.totals
-    assert t.num_draft_tokens == len(heads.choices) * t.num_drafts  # every step drafted the fitted tree
+    # Steps drafted the fitted tree (cut only in the last steps before max_tokens).
+    assert len(t.accepted_per_pos) == len(heads.choices) and t.num_draft_tokens <= len(heads.choices) * t.num_drafts
 
 
 def test_fit_tree_picks_the_most_often_right_paths():
@@ -177,3 +178,26 @@ def test_heads_tree_in_config_is_validated(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="bad medusa_choices"):
         MedusaHeads.load(tmp_path)
+
+
+def test_trees_are_cut_to_the_room_a_step_has(tiny_pair):
+    """Near the context limit, near max_tokens and under a speculation-length cap, the tree
+    shrinks to fit instead of overflowing the KV cache; output stays the target's."""
+    from specray.policies.spec_length import SpeculationLengthPolicy
+
+    target = tiny_pair[0]
+    heads = random_heads()
+    wide = SpeculationParams(method="medusa", tree="wide")  # 13 candidates per step
+    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=2, max_model_len=20), target_model=copy.deepcopy(target),
+                       medusa_heads=heads)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), wide)
+    for p, o in zip(prompts, outs):
+        assert o.finish_reason == "length" and len(p) + len(o.token_ids) == 20
+        assert o.token_ids == hf_greedy(target, p, 20 - len(p))
+    capped = LLMEngine(EngineConfig(target="x", max_num_seqs=2, speculation_length=SpeculationLengthPolicy(
+        batch_k_caps=((1, 3),))), target_model=copy.deepcopy(target), medusa_heads=heads)
+    outs = capped.generate(prompts, GREEDY, wide)
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in prompts]
+    t = capped.totals
+    assert 0 < t.num_drafts and t.num_draft_tokens <= 3 * t.num_drafts
