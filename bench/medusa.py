@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from specray.demo import held_out_prompts, load_or_build_demo_pair
     from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
-    from specray.kernels.tree import NAMED_TREES, build_tree
+    from specray.kernels.tree import NAMED_TREES
+    from specray.policies.medusa import resolve_tree
 
     torch.set_num_threads(1)
     print("command: python -m specray.bench.medusa " + " ".join(argv if argv is not None else sys.argv[1:]))
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
             "tokens_per_target_forward": round(total / forwards, 3),
             "ms_per_step": round(1000 * sum(best[name]) / forwards, 3),
-            "tree_tokens": build_tree(NAMED_TREES[spec.tree] if spec.tree else heads_tree).size
+            "tree_tokens": resolve_tree(spec.model_dump(), engine.medusa_heads.num_heads, heads_tree).size
             if spec.method == "medusa" else "",
             "mismatches_vs_plain": sum(a != b for a, b in zip(tokens[name], tokens["plain"])),
         })

@@ -638,7 +638,7 @@ def _decompose(results, chunk_costs, prefill, alpha) -> list[dict]:
         pre = sum(prefill["target"]) + (sum(prefill["draft"]) if cfg.method == "draft" else 0.0)
         decode_ms = (res.seconds * 1e3 - pre) / steps
         tok_step = sum(len(r.token_ids) - 1 for r in res.runs) / steps
-        iid = (1 - alpha ** (cfg.k + 1)) / (1 - alpha) if cfg.method == "draft" and alpha < 1 else None
+        iid = speedup_bound(alpha, cfg.k, 0.0) if cfg.method == "draft" else None  # c = 0: tokens per step
         out.append({
             "config": cfg.name,
             "steps": steps,
