@@ -19,21 +19,36 @@ import logging
 
 import ray
 from pydantic import ValidationError
+from ray.exceptions import RayActorError
 
-from specray.actors.backends import ColocatedBackend, SeparateBackend, WorkerLostError
-from specray.cluster.config import SpecrayConfig
-from specray.cluster.placement import reserve
+from specray.actors.config import SpecrayConfig
+from specray.actors.placement import reserve
+from specray.actors.remote import Supervised
+from specray.actors.workers import EngineWorker
 from specray.engine.config import load_tokenizer
-from specray.engine.params import SamplingParams, SpeculationParams
-from specray.engine.scheduler import ModelLimits, Scheduler
+from specray.engine.metrics import SpecMetrics
+from specray.engine.params import SamplingParams
+from specray.engine.scheduler import Scheduler
+from specray.policies.registry import Limits, method_spec, parse_speculation, registered_methods
 
 log = logging.getLogger(__name__)
 
 _FAILED = object()  # queue marker: the request died with its worker
+PROPOSER_START_TIMEOUT_S = 120.0
+
+
+class WorkerLostError(RuntimeError):
+    """A model worker died while it served this request."""
 
 
 class CoordinatorCore:
-    """The coordinator's logic as a plain class (an async Ray actor wraps it)."""
+    """The coordinator's logic as a plain class (an async Ray actor wraps it).
+
+    It validates requests, owns their queues, and drives one engine worker — the actor that
+    holds the target and runs the step driver — one step per call. In the separate layout
+    that worker drives the draft / n-gram workers itself (in their own bundles); in the
+    colocated layout it holds every model.
+    """
 
     def __init__(self, config: SpecrayConfig | dict | None = None):
         self.config = SpecrayConfig.model_validate(config or {}).resolved()
@@ -41,6 +56,8 @@ class CoordinatorCore:
         self.placement = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._errors: dict[str, str] = {}
+        self._pending: set[str] = set()
+        self.totals = SpecMetrics()
         self._loop_task: asyncio.Task | None = None
         self._started = False
 
@@ -50,38 +67,48 @@ class CoordinatorCore:
                 await self._start_workers()
 
     async def _start_workers(self) -> None:
-        cfg, placeholder = self.config, ModelLimits(2, 1, frozenset(), False)
-        engine_cfg = cfg.engine_config()
+        cfg = self.config
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.target)
         self.placement = await reserve(cfg.placement, with_draft=cfg.draft is not None)
-        self.scheduler = Scheduler(cfg.max_num_seqs, placeholder, self.tokenizer, cfg.default_speculation)
-        if cfg.placement.mode == "colocated":
-            self.backend = ColocatedBackend(engine_cfg, self.placement, self.scheduler)
-        else:
-            self.backend = SeparateBackend(engine_cfg, self.placement, self.scheduler, cfg.placement.ngram_cpus)
-        limits = await self.backend.start()
-        self.scheduler.limits = ModelLimits(
-            capacity=limits["capacity"],
-            vocab_size=limits["vocab_size"],
-            eos_ids=frozenset(limits["eos_ids"]),
-            has_draft=cfg.draft is not None,
-            medusa_heads=limits.get("medusa_heads", 0),
-        )
+        colocated = cfg.placement.mode == "colocated"
+        self.role = "engine" if colocated else "target"
+        remote = {} if colocated else self._remote_methods()
+        engine_cfg, options = cfg.engine_config(), self.placement.options(self.role)
+        cls = ray.remote(EngineWorker)
+        self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote))
+        await self.worker.wait_ready()
+        limits = Limits.from_dict(await self.worker.handle.start.remote(PROPOSER_START_TIMEOUT_S))
+        self.scheduler = Scheduler(cfg.max_num_seqs, limits, self.tokenizer, cfg.default_speculation)
         self._started = True
+
+    def _remote_methods(self) -> dict[str, dict]:
+        """Separate layout: each method placed "worker" in an actor of its own — the draft
+        model in its bundle (its own GPU), the n-gram pool on a CPU share."""
+        cfg, remote = self.config, {}
+        for name in registered_methods():
+            spec = method_spec(name)
+            if spec.placement != "worker" or spec.build is None:
+                continue
+            if spec.checkpoint is not None and not cfg.engine_config().checkpoint(spec.checkpoint):
+                continue
+            in_bundle = name in self.placement.roles
+            remote[name] = self.placement.options(name) if in_bundle else {"num_cpus": cfg.placement.ngram_cpus}
+        return remote
 
     # -- API -----------------------------------------------------------------------------
     async def submit(self, prompt, sampling=None, speculation=None, request_id=None) -> str:
         await self._start()
         req = self.scheduler.make_request(
             prompt,
-            _validated(SamplingParams, sampling or {}),
-            _validated(SpeculationParams, speculation) if speculation is not None else None,
+            _validated(SamplingParams.model_validate, sampling or {}),
+            _validated(parse_speculation, speculation) if speculation is not None else None,
             request_id,
         )
         if req.request_id in self._queues:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self._queues[req.request_id] = asyncio.Queue()
-        self.backend.add(req)
+        self._pending.add(req.request_id)
+        self.worker.handle.add.remote(req)
         if self._loop_task is None or self._loop_task.done():
             # A fresh context: Ray would otherwise treat the request that happened to start
             # the loop as the parent of every worker call, and cancelling that request
@@ -128,9 +155,10 @@ class CoordinatorCore:
                 await self.abort(rid)
 
     async def abort(self, request_id: str) -> bool:
-        if not self._started:
+        if not self._started or request_id not in self._pending:
             return False
-        out = await self.backend.abort(request_id)
+        self._pending.discard(request_id)
+        out = await self.worker.handle.abort.remote(request_id)
         queue = self._queues.get(request_id)
         if out is not None and queue is not None:
             queue.put_nowait(out)
@@ -139,58 +167,70 @@ class CoordinatorCore:
     async def shutdown(self) -> None:
         """Fail what is in flight, kill the workers and give the placement group back."""
         if self._started:
-            for rid in self.backend.fail_all():
+            for rid in self._fail_all():
                 self._fail(rid, "the coordinator is shutting down")
-        if hasattr(self, "backend"):
-            for worker in self._supervised().values():
-                ray.kill(worker.handle, no_restart=True)
+        if hasattr(self, "worker"):
+            try:
+                handles = await self.worker.handle.proposer_handles.remote()
+            except Exception:  # noqa: BLE001 - the worker is gone already
+                handles = {}
+            for handle in [self.worker.handle, *handles.values()]:
+                ray.kill(handle, no_restart=True)
         if self.placement is not None:
             self.placement.remove()
             self.placement = None
         self._started = False
 
-    def stats(self) -> dict:
+    async def stats(self) -> dict:
         if not self._started:
             return {"started": False}
+        try:
+            restarts = await self.worker.handle.restarts.remote()
+        except Exception:  # noqa: BLE001 - the worker is being replaced
+            restarts = {}
         return {
             "started": True,
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
-            "totals": self.scheduler.totals.to_dict(),
-            "restarts": {name: w.restarts for name, w in self._supervised().items()},
+            "in_flight": len(self._pending),
+            "totals": self.totals.to_dict(),
+            "restarts": {self.role: self.worker.restarts, **restarts},
         }
-
-    def _supervised(self) -> dict:
-        b = self.backend
-        if isinstance(b, SeparateBackend):
-            return {"target": b.target, **{m: w for m, w in b.proposers.items() if w is not b.target}}
-        return {"engine": b.worker}
 
     async def workers(self) -> dict:
         """Handles of the workers by role (for tests and operations)."""
         await self._start()
-        return self.backend.info()
+        return {self.role: self.worker.handle, **await self.worker.handle.proposer_handles.remote()}
 
     # -- the loop ------------------------------------------------------------------------
     async def _loop(self) -> None:
-        while self.backend.has_unfinished():
+        while self._pending:
             try:
-                outputs = await self.backend.step()
-            except WorkerLostError as exc:
-                log.error("%s", exc)
-                for rid in self.backend.fail_all():
-                    self._fail(rid, str(exc))
+                outputs = await self.worker.handle.step.remote()
+            except RayActorError as exc:
+                self.worker.replace()
+                message = f"the {self.role} worker died: {exc.__class__.__name__}"
+                log.error("%s", message)
+                for rid in self._fail_all():
+                    self._fail(rid, message)
                 continue
             except Exception as exc:  # never let one bad step kill the loop
                 log.exception("step failed")
-                for rid in self.backend.fail_all():
+                for rid in self._fail_all():
                     self._fail(rid, f"internal error: {exc}")
                 continue
             for out in outputs:
+                if out.finished:
+                    self._pending.discard(out.request_id)
+                    self.totals.merge(SpecMetrics.from_dict(out.metrics))
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
-            await asyncio.sleep(0)  # let new requests in between steps
+            await asyncio.sleep(0 if outputs else 0.001)  # let new requests in between steps
+
+    def _fail_all(self) -> list[str]:
+        """Drop every request in flight (its worker is gone); returns their ids."""
+        failed = list(self._pending)
+        self._pending.clear()
+        return failed
 
     def _fail(self, request_id: str, message: str) -> None:
         queue = self._queues.get(request_id)
@@ -199,12 +239,10 @@ class CoordinatorCore:
             queue.put_nowait(_FAILED)
 
 
-def _validated(model, value):
+def _validated(parse, value):
     """pydantic validation as a plain ValueError (Ray cannot re-raise ValidationError)."""
-    if isinstance(value, model):
-        return value
     try:
-        return model.model_validate(value)
+        return parse(value)
     except ValidationError as exc:
         raise ValueError(str(exc)) from None
 
@@ -215,4 +253,4 @@ class Coordinator(CoordinatorCore):
 
     async def ready(self) -> dict:
         await self._start()
-        return self.stats()
+        return await self.stats()

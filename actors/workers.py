@@ -1,9 +1,16 @@
-"""Model and proposer workers. Each is a plain class; ``ray.remote`` is applied by the
-coordinator with the placement options of its role (so they are testable without Ray).
+"""Model and proposer workers. Each is a plain class; ``ray.remote`` is applied with the
+placement options of its role (so they are testable without Ray).
+
+EngineWorker: the target model and the step driver (``LLMEngine``). In the colocated layout
+every proposer runs inside it; in the separate layout methods placed ``"worker"`` (the
+draft model on its own GPU, the n-gram pool) run in ProposerWorkers that it drives through
+``RemoteProposer`` proxies, while methods that read the target's features (Medusa heads)
+stay beside the target, so features never cross actors.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from dataclasses import replace
@@ -11,11 +18,12 @@ from typing import Sequence
 
 import torch
 
+from specray.actors.remote import RemoteProposer
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine, eos_ids
+from specray.engine.engine import LLMEngine
 from specray.engine.runner import ModelRunner
-from specray.engine.verify import TargetScores
-from specray.policies.base import Draft, ProposalRow, proposer_factory
+from specray.policies.base import CommitRow, Draft, PrefillRow, ProposalRow
+from specray.policies.registry import ProposerContext, method_spec
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +42,7 @@ def _on_this_device(config: EngineConfig) -> EngineConfig:
     """Models load where this worker runs: only the worker sees the GPU Ray gave it."""
     return replace(config, device=worker_device())
 
+
 class _Placed:
     """Where Ray put this worker (tests and operations check placement with these)."""
 
@@ -47,84 +56,28 @@ class _Placed:
 
         return ray.get_runtime_context().get_node_id()
 
-class TargetWorker(_Placed):
-    """The target model's runner and KV cache (and Medusa heads, which read its hidden states)."""
-
-    def __init__(self, config: EngineConfig):
-        _threads()
-        config = _on_this_device(config)
-        model = config.load_model(config.target)
-        self.runner = ModelRunner(model, config.max_num_seqs, config.context_length(model.config))
-        self.eos = eos_ids(model, None)
-        self.medusa = None
-        if config.medusa is not None:
-            from specray.policies.medusa import MedusaHeads, MedusaProposer
-
-            heads = MedusaHeads.load(config.medusa, hidden_size=model.config.hidden_size).to(self.runner.device)
-            self.medusa = MedusaProposer(heads)
-
-    def limits(self) -> dict:
-        return {
-            "capacity": self.runner.capacity,
-            "vocab_size": self.runner.vocab_size,
-            "eos_ids": sorted(self.eos),
-            "medusa_heads": self.medusa.heads.num_heads if self.medusa else 0,
-        }
-
-    def forward(self, slots, tokens, logits_at=None, tree=None, want_hidden=False, sampled=()):
-        """(TargetScores over [B, m] — full logits only for the ``sampled`` rows —, hidden
-        [B, m, H] or None), on the CPU: what crosses the wire stays small for greedy rows."""
-        out = self.runner.forward(slots, tokens, logits_at, tree=tree)
-        return TargetScores.from_logits(out.logits, sampled).cpu(), (out.hidden.cpu() if want_hidden else None)
-
-    def prefill(self, slots, prompts, want_hidden=False, sampled=()):
-        """Scores [B, 1] at each prompt's last token (and hidden [B, H])."""
-        for s in slots:
-            self.runner.reset(s)
-        out = self.runner.forward(slots, prompts)
-        hidden = out.hidden[:, 0].cpu() if want_hidden else None
-        return TargetScores.from_logits(out.logits, sampled).cpu(), hidden
-
-    def compact(self, paths: Sequence[tuple[int, list[int]]]) -> None:
-        self.runner.compact(*zip(*paths))
-
-    # The proposer protocol, for Medusa rows (the heads live here, next to the target).
-    def propose(self, rows: Sequence[ProposalRow]) -> Draft:
-        if self.medusa is None:
-            raise ValueError("this target worker has no Medusa heads")
-        return self.medusa.propose(rows)
-
-    def commit(self, slots, num_accepted) -> None:
-        pass
-
-    def release(self, slots) -> None:
-        pass
-
-    def set_lengths(self, pairs: Sequence[tuple[int, int]]) -> None:
-        for slot, length in pairs:
-            self.runner.set_length(slot, length)
-
-    def reset(self, slots: Sequence[int]) -> None:
-        for s in slots:
-            self.runner.reset(s)
 
 class ProposerWorker(_Placed):
-    """Any registered proposer behind an actor (the draft model, the n-gram pool).
+    """Any method placed ``"worker"`` behind an actor (the draft model, the n-gram pool).
 
-    Seeded sampling: the coordinator's generator must not be copied here (its copy
-    would replay the acceptance test's uniforms), so each slot gets a draft generator
-    of its own, seeded from the request's seed.
+    Seeded sampling: the engine's generator must not be copied here (its copy would replay
+    the acceptance test's uniforms), so each slot gets a draft generator of its own,
+    seeded from the request's seed.
     """
 
-    def __init__(self, method: str, config: EngineConfig | None = None, vocab_size: int | None = None):
+    def __init__(self, method: str, config: EngineConfig, vocab_size: int, capacity: int):
         _threads()
-        resources: dict = {"vocab_size": vocab_size}
-        if config is not None and config.draft:
-            config = _on_this_device(config)
-            model = config.load_model(config.draft)
-            capacity = config.context_length(model.config)
-            resources["draft_runner"] = ModelRunner(model, config.max_num_seqs, capacity)
-        self.proposer = proposer_factory(method)(**resources)
+        config = _on_this_device(config)
+        spec = method_spec(method)
+
+        def runner_for(path: str) -> ModelRunner:
+            return ModelRunner(config.load_model(path), config.max_num_seqs, capacity)
+
+        ctx = ProposerContext(vocab_size=vocab_size, max_num_seqs=config.max_num_seqs, capacity=capacity,
+                              device=config.device, dtype=config.dtype, runner_for=runner_for)
+        path = config.checkpoint(spec.checkpoint) if spec.checkpoint else None
+        resource = spec.load(path, ctx) if path else None
+        self.proposer = spec.build(replace(ctx, resource=resource))
         self._generators: dict[int, torch.Generator] = {}
 
     def propose(self, rows: Sequence[ProposalRow]) -> Draft:
@@ -132,39 +85,74 @@ class ProposerWorker(_Placed):
         return self.proposer.propose(rows)
 
     def _generator(self, row: ProposalRow) -> torch.Generator | None:
-        seed = row.options.get("seed")
-        if seed is None:
+        if row.seed is None or row.sampling.greedy:
             return None
         if row.slot not in self._generators:
-            # A different stream from the coordinator's (seed) for the same request.
-            self._generators[row.slot] = torch.Generator().manual_seed((int(seed) * 1_000_003 + 12345) % 2**63)
+            # A different stream from the engine's (seed) for the same request.
+            self._generators[row.slot] = torch.Generator().manual_seed((int(row.seed) * 1_000_003 + 12345) % 2**63)
         return self._generators[row.slot]
 
-    def commit(self, slots: Sequence[int], num_accepted: Sequence[int]) -> None:
-        self.proposer.commit(slots, num_accepted)
+    def prefill(self, rows: Sequence[PrefillRow]) -> None:
+        if hasattr(self.proposer, "prefill"):
+            self.proposer.prefill(rows)
+
+    def commit(self, rows: Sequence[CommitRow]) -> None:
+        self.proposer.commit(rows)
 
     def release(self, slots: Sequence[int]) -> None:
         for s in slots:
             self.proposer.release(s)
             self._generators.pop(s, None)
 
-class EngineWorker(_Placed):
-    """Colocated mode: target and draft in one actor on one device (no hop per step)."""
 
-    def __init__(self, config: EngineConfig):
+class EngineWorker(_Placed):
+    """The target and the step driver in one actor.
+
+    remote: method -> actor options for the methods that run in ProposerWorkers of their
+    own (separate layout); empty = every proposer in this actor (colocated layout).
+    """
+
+    def __init__(self, config: EngineConfig, remote: dict[str, dict] | None = None):
         _threads()
-        self.engine = LLMEngine(_on_this_device(config))
+        config = _on_this_device(config)
+        self.remote: dict[str, RemoteProposer] = {}
+
+        def proxy(method: str, options: dict):
+            def make(ctx: ProposerContext) -> RemoteProposer:  # drafts over the target's vocab and context
+                self.remote[method] = RemoteProposer(method, config, options, ctx.vocab_size, ctx.capacity)
+                return self.remote[method]
+
+            return make
+
+        self.engine = LLMEngine(config, proposers={m: proxy(m, o) for m, o in (remote or {}).items()})
+        self._lock = asyncio.Lock()
+
+    async def start(self, timeout_s: float) -> dict:
+        """Wait (bounded) for the proposer workers, so that the first requests speculate;
+        one still loading only costs speed. Returns the validation limits."""
+        if self.remote:
+            try:
+                await asyncio.wait_for(asyncio.gather(*(p.wait_ready() for p in self.remote.values())), timeout_s)
+            except Exception as exc:  # noqa: BLE001 - timeout or a worker that failed to start
+                log.warning("proposer workers not ready at start (%s); decoding plainly until they are", exc)
+        return self.engine.limits.to_dict()
 
     def limits(self) -> dict:
-        e = self.engine
-        return {"capacity": e.capacity, "vocab_size": e.target.vocab_size, "eos_ids": sorted(e.limits.eos_ids),
-                "medusa_heads": e.limits.medusa_heads}
+        return self.engine.limits.to_dict()
 
     def add(self, request) -> None:
         self.engine.scheduler.add(request)
 
-    def abort(self, request_id: str):
-        return self.engine.abort(request_id)
+    async def abort(self, request_id: str):
+        async with self._lock:  # never between a step's verify and its commit
+            return self.engine.abort(request_id)
 
-    def step(self):
-        return self.engine.step()
+    async def step(self):
+        async with self._lock:
+            return await self.engine.step_async()
+
+    def proposer_handles(self) -> dict:
+        return {m: p.handle for m, p in self.remote.items()}
+
+    def restarts(self) -> dict:
+        return {m: p.restarts for m, p in self.remote.items()}

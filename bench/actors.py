@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     import torch
 
-    from specray.cluster.config import SpecrayConfig
+    from specray.actors.config import SpecrayConfig
     from specray.engine.params import SamplingParams, SpeculationParams
 
     torch.set_num_threads(1)

@@ -194,7 +194,7 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
 # -- the server ------------------------------------------------------------------------------
 def engine_config(args):
     """The engine's SpecrayConfig, with the demo pair's paths filled in if none given."""
-    from specray.cluster.config import SpecrayConfig
+    from specray.actors.config import SpecrayConfig
 
     policy = {}
     if args.off_above_batch is not None:

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
             "tokens_per_target_forward": round(total / forwards, 3),
             "ms_per_step": round(1000 * sum(best[name]) / forwards, 3),
-            "tree_tokens": resolve_tree(spec.model_dump(), engine.medusa_heads.num_heads, heads_tree).size
+            "tree_tokens": resolve_tree(spec, engine.medusa_heads.num_heads, heads_tree).size
             if spec.method == "medusa" else "",
             "mismatches_vs_plain": sum(a != b for a, b in zip(tokens[name], tokens["plain"])),
         })

@@ -418,7 +418,7 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
         bar.update(1)
     # Forward costs of the engine's own runners (c, verify width, draft step), sampled
     # after every prompt round; the draft runner is created with the draft proposer.
-    draft_runner = engine._proposer("draft").runner
+    draft_runner = engine.proposers.get("draft").runner
     max_q = max([1] + [k + 1 for k in args.ks] + [k + 1 for k in args.ngram_ks])
     sampler = ForwardCostSampler(engine.target, draft_runner, prompt_ids[0][:128], range(1, max_q + 1), (1, 2))
     chunks: dict[tuple[int, int], dict[tuple[str, int], list[float]]] = {}  # (pass, prompt) -> samples

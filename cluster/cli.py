@@ -24,16 +24,61 @@ def _demo_models(args) -> int:
     return 0
 
 
+def _speculation(args):
+    """The request's speculation from ``--method``, ``--speculation JSON`` and the per-field flags."""
+    from specray.policies.registry import method_spec, parse_speculation
+
+    fields = json.loads(args.speculation) if args.speculation else {}
+    method = fields.setdefault("method", args.method)
+    options = method_spec(method).options  # an unknown method fails here, before any model loads
+    for name in options.model_fields:
+        value = getattr(args, f"spec_{name}", None)
+        if name != "method" and value is not None:
+            fields[name] = value
+    return parse_speculation(fields)
+
+
+def _add_speculation_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per field of every method's options (``--num-speculative-tokens``, ``--tree``,
+    ...); a name taken by a sampling flag gets its method's prefix (``--eagle-top-k``).
+    List-valued fields take JSON."""
+    import typing
+
+    import specray.policies  # noqa: F401  (registers the methods)
+    from specray.policies.registry import method_spec, registered_methods
+
+    taken = set(p._option_string_actions)
+    seen: set[str] = set()
+    for method in registered_methods():
+        for name, info in method_spec(method).options.model_fields.items():
+            if name == "method" or name in seen:
+                continue
+            seen.add(name)
+            flag = "--" + name.replace("_", "-")
+            if flag in taken:
+                flag = f"--{method}-" + name.replace("_", "-")
+            kinds = [a for a in typing.get_args(info.annotation) or (info.annotation,) if a is not type(None)]
+            kind = kinds[0] if kinds else str
+            if getattr(kind, "__origin__", None) in (list, tuple) or kind in (list, dict):
+                conv = json.loads
+            elif kind is bool:
+                conv = lambda v: v.lower() in ("1", "true", "yes")  # noqa: E731
+            elif kind in (int, float, str):
+                conv = kind
+            else:
+                conv = str
+            p.add_argument(flag, dest=f"spec_{name}", type=conv, default=None,
+                           help=f"{method}: {info.description or name}")
+
+
 def _generate(args) -> int:
     from specray.engine.config import EngineConfig
     from specray.engine.engine import LLMEngine
-    from specray.engine.params import SamplingParams, SpeculationParams
-
-    from specray.engine.scheduler import check_method_name
+    from specray.engine.params import SamplingParams
 
     if args.draft and not args.target:
         raise SystemExit("--draft needs --target (without both, the demo pair is used)")
-    check_method_name(args.method)  # fail before loading any model
+    speculation = _speculation(args)  # fail before loading any model
     sampling = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -42,16 +87,18 @@ def _generate(args) -> int:
         seed=args.seed,
         stop=args.stop or [],
     )
-    if args.method == "medusa" and not args.medusa:
-        raise SystemExit("--method medusa needs --medusa DIR (heads from `specray train medusa --out DIR`)")
-    speculation = SpeculationParams(
-        method=args.method,
-        num_speculative_tokens=args.num_speculative_tokens,
-        max_matching_ngram_size=args.max_matching_ngram_size,
-        tree=args.tree,
-    )
-    engine = LLMEngine(EngineConfig(target=args.target, draft=args.draft, medusa=args.medusa, max_num_seqs=1,
-                                    device=args.device))
+    checkpoints = {k: v for k, v in _checkpoint_flags(args).items() if k not in ("draft", "medusa")}
+    if speculation.method != "none" and (spec_checkpoint := _method_checkpoint(speculation.method)):
+        if not (getattr(args, spec_checkpoint, None) or (spec_checkpoint == "draft" and not args.target)):
+            raise SystemExit(f"--method {speculation.method} needs --{spec_checkpoint} DIR")
+    target, draft, tokenizer = args.target, args.draft, None
+    if target is None:
+        from specray.demo import load_or_build_demo_pair
+
+        pair = load_or_build_demo_pair()
+        target, draft, tokenizer = pair.target, draft or pair.draft, pair.tokenizer
+    engine = LLMEngine(EngineConfig(target=target, draft=draft, tokenizer=tokenizer, medusa=args.medusa,
+                                    checkpoints=checkpoints, max_num_seqs=1, device=args.device))
     out = engine.generate([args.prompt], sampling, speculation)[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
@@ -60,12 +107,38 @@ def _generate(args) -> int:
         print(args.prompt + out.text)
         m = out.metrics
         print(
-            f"\n[{len(out.token_ids)} tokens, finish={out.finish_reason}, method={args.method}, "
+            f"\n[{len(out.token_ids)} tokens, finish={out.finish_reason}, method={speculation.method}, "
             f"mean accepted length {m['mean_accepted_length']:.2f}, "
             f"target forwards {m['target_forward_passes']}]",
             file=sys.stderr,
         )
     return 0
+
+
+def _method_checkpoint(method: str) -> str | None:
+    from specray.policies.registry import method_spec
+
+    return method_spec(method).checkpoint
+
+
+def _checkpoint_flags(args) -> dict[str, str]:
+    """--draft/--medusa/--<method> DIR flags given: checkpoint key -> directory."""
+    return {key: getattr(args, key) for key in _checkpoint_keys() if getattr(args, key, None)}
+
+
+def _checkpoint_keys() -> list[str]:
+    import specray.policies  # noqa: F401
+    from specray.policies.registry import method_spec, registered_methods
+
+    keys = [method_spec(m).checkpoint for m in registered_methods()]
+    return sorted({k for k in keys if k})
+
+
+def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """--<key> DIR for every method with weights (draft and target flags are added apart)."""
+    for key in _checkpoint_keys():
+        if key != "draft":
+            p.add_argument(f"--{key}", default=None, help=f"{key} weights dir (enables method '{key}')")
 
 
 def _serve(args) -> int:
@@ -81,8 +154,11 @@ def _serve(args) -> int:
     engine = dict(data.get("engine", {}))
     if args.target:
         engine.update({"target": args.target, "draft": args.draft, "tokenizer": args.tokenizer})
-    if args.medusa:
-        engine["medusa"] = args.medusa
+    for key, path in _checkpoint_flags(args).items():
+        if key == "medusa":
+            engine["medusa"] = path
+        elif key != "draft":
+            engine.setdefault("checkpoints", {})[key] = path
     data["engine"] = engine
     for key in ("host", "port", "model_name"):
         if getattr(args, key) is not None:
@@ -151,9 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate one completion")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--method", default="draft", help="none | draft | ngram | medusa (default: draft)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--max-matching-ngram-size", type=int, default=2)
+    p.add_argument("--method", default="draft", help="a registered method: none, draft, ngram, medusa, ... (default: draft)")
+    p.add_argument("--speculation", default=None, help="the method's options as JSON (flags below override)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -162,10 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--target", default=None, help="target checkpoint dir (default: demo pair)")
     p.add_argument("--draft", default=None, help="draft checkpoint dir")
-    p.add_argument("--medusa", default=None, help="Medusa heads dir (public layout) for --method medusa")
-    p.add_argument("--tree", default=None, help="Medusa: a named tree (default: the heads' own, else trtllm_example)")
+    _add_checkpoint_flags(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print text, token_ids and metrics as JSON")
+    _add_speculation_flags(p)
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("serve", help="serve an OpenAI-compatible API (default: the demo pair)")
@@ -173,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None)
     p.add_argument("--draft", default=None)
     p.add_argument("--tokenizer", default=None)
-    p.add_argument("--medusa", default=None, help="Medusa heads dir, enabling method 'medusa'")
+    _add_checkpoint_flags(p)
     p.add_argument("--model-name", dest="model_name", default=None)
     p.add_argument("--host", default=None, help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default 8000")

@@ -10,8 +10,8 @@ Input: one JSON object per line (blank lines are ignored)::
     {"prompt": [1, 2, 3]}
 
 ``prompt`` is a string or a list of token ids; ``sampling`` holds ``SamplingParams``
-fields (default: ``SamplingParams()``), ``speculation`` ``SpeculationParams`` fields
-(default: the config's ``default_speculation``). Every line is validated before anything
+fields (default: ``SamplingParams()``), ``speculation`` the options of its ``method``
+(default: the config's ``default_speculation``), checked by the method's own ``validate``. Every line is validated before anything
 is generated; bad lines are reported with their line numbers (exit code 2).
 
 Output: one JSON object per input record, in input order::
@@ -45,9 +45,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from specray.cluster.config import SpecrayConfig
+from specray.actors.config import SpecrayConfig
 from specray.engine.metrics import SpecMetrics
-from specray.engine.params import SamplingParams, SpeculationParams
+from specray.engine.params import SamplingParams, Speculation
+from specray.policies.registry import Limits, validate_speculation
 
 log = logging.getLogger("specray.jobs")
 
@@ -67,7 +68,7 @@ class JobLine(BaseModel):
     prompt: str | list[StrictInt] = Field(..., description="Text, or token ids.")
     id: str | StrictInt | None = Field(None, description="Copied to the output line.")
     sampling: SamplingParams | None = None
-    speculation: SpeculationParams | None = None
+    speculation: Speculation | None = None
 
 
 # -- config and input ----------------------------------------------------------------------
@@ -125,14 +126,14 @@ def _model_facts(config: SpecrayConfig) -> tuple[int | None, bool | None]:
 
 def read_input(path: str, config: SpecrayConfig) -> list[JobLine]:
     """Parse and validate every line; UsageError listing all bad lines (1-based numbers)."""
-    from specray.engine.scheduler import check_method_name
-
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read input {path}: {exc}") from None
     vocab, has_tokenizer = _model_facts(config)
-    has_draft = config.draft is not None or config.target is None  # the demo pair has one
+    # What the workers would report, read from the files: context unknown here (the
+    # coordinator checks prompt lengths), vocabulary from the target's config.
+    limits = Limits(capacity=2**31, vocab_size=vocab or 2**31, methods=config.method_facts())
     records, errors = [], []
     # split on newlines only: str.splitlines() would also break at U+2028 etc. inside strings
     for lineno, line in enumerate(text.split("\n"), start=1):
@@ -151,7 +152,7 @@ def read_input(path: str, config: SpecrayConfig) -> list[JobLine]:
         except ValidationError as exc:
             errors.extend(f"line {lineno}: {e}" for e in _format_errors(exc).splitlines())
             continue
-        problem = _check_record(rec, config, vocab, has_tokenizer, has_draft, check_method_name)
+        problem = _check_record(rec, config, vocab, has_tokenizer, limits)
         if problem:
             errors.append(f"line {lineno}: {problem}")
             continue
@@ -166,7 +167,7 @@ def read_input(path: str, config: SpecrayConfig) -> list[JobLine]:
     return records
 
 
-def _check_record(rec: JobLine, config, vocab, has_tokenizer, has_draft, check_method_name) -> str | None:
+def _check_record(rec: JobLine, config, vocab, has_tokenizer, limits: Limits) -> str | None:
     if isinstance(rec.prompt, str):
         if not rec.prompt:
             return "prompt: the prompt is empty"
@@ -177,32 +178,10 @@ def _check_record(rec: JobLine, config, vocab, has_tokenizer, has_draft, check_m
             return "prompt: the prompt is empty"
         if vocab is not None and (min(rec.prompt) < 0 or max(rec.prompt) >= vocab):
             return f"prompt: token ids must lie in [0, {vocab})"
-    spec = rec.speculation or config.default_speculation
     try:
-        check_method_name(spec.method)
+        validate_speculation(rec.speculation or config.default_speculation, limits)
     except ValueError as exc:
-        return f"speculation.method: {exc}"
-    if spec.method == "draft" and not has_draft:
-        return "speculation.method: 'draft' needs a draft model (config 'draft')"
-    if spec.method == "medusa":
-        return _check_medusa(spec, config)
-    return None
-
-
-def _check_medusa(spec, config) -> str | None:
-    """Heads configured, and the request's tree no deeper than they are (read from their config)."""
-    from specray.policies.medusa import resolve_tree
-
-    if config.medusa is None:
-        return "speculation.method: 'medusa' needs Medusa heads (config 'medusa'; `specray train medusa`)"
-    try:
-        num_heads = int(json.loads((Path(config.medusa) / "config.json").read_text())["medusa_num_heads"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # the workers report a bad heads directory when they load it
-    try:
-        resolve_tree(spec.model_dump(), num_heads)
-    except ValueError as exc:
-        return f"speculation.medusa_choices: {exc}"
+        return f"speculation: {exc}"
     return None
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 
-from specray.engine.params import SpeculationParams
+from specray.policies.registry import MethodOptions, PlainOptions
 from specray.policies.spec_length import SpeculationLengthPolicy
 
 log = logging.getLogger(__name__)
@@ -18,19 +19,14 @@ DEFAULT_CONTEXT_CAP = 4096
 
 
 @dataclass(frozen=True)
-class ModelPaths:
-    target: str
-    draft: str | None
-    tokenizer: str | None
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     """Which models, where, and how many sequences at once.
 
     target/draft/tokenizer: Hugging Face checkpoint directories (or hub ids when online).
+        The entry points (CLI, Serve builder, jobs, the Coordinator's config) put the
+        built-in demo pair here when no target is given; the engine itself builds nothing.
     medusa: a Medusa heads directory (public layout) for method 'medusa'.
-        With no target, the built-in demo pair is used (built on first use, cached).
+    checkpoints: weights of other methods, by their spec's checkpoint key (e.g. "eagle").
     max_num_seqs: rows of the batch (KV cache slots).
     max_model_len: context per sequence; default min(model max positions, 4096).
     default_speculation: for requests that do not say.
@@ -42,11 +38,12 @@ class EngineConfig:
     draft: str | None = None
     tokenizer: str | None = None
     medusa: str | None = None
+    checkpoints: Mapping[str, str] = field(default_factory=dict)
     dtype: str = "float32"
     device: str = "cpu"
     max_num_seqs: int = 8
     max_model_len: int | None = None
-    default_speculation: SpeculationParams = field(default_factory=SpeculationParams)
+    default_speculation: MethodOptions = field(default_factory=PlainOptions)
     speculation_length: SpeculationLengthPolicy = field(default_factory=SpeculationLengthPolicy)
 
     def __post_init__(self):
@@ -57,13 +54,15 @@ class EngineConfig:
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"unknown dtype {self.dtype!r} (e.g. float32, bfloat16, float16)")
 
-    def resolved_paths(self) -> ModelPaths:
-        if self.target is not None:
-            return ModelPaths(self.target, self.draft, self.tokenizer or self.target)
-        from specray.demo import load_or_build_demo_pair
+    def require_target(self) -> str:
+        if self.target is None:
+            raise ValueError("EngineConfig.target is required (the built-in demo pair: "
+                             "specray.demo.load_or_build_demo_pair().target)")
+        return self.target
 
-        pair = load_or_build_demo_pair()
-        return ModelPaths(pair.target, self.draft or pair.draft, self.tokenizer or pair.tokenizer)
+    def checkpoint(self, key: str) -> str | None:
+        """The directory of a method's weights (``MethodSpec.checkpoint``), if configured."""
+        return {"draft": self.draft, "medusa": self.medusa, **self.checkpoints}.get(key)
 
     def load_model(self, path: str):
         from specray.engine.runner import load_model

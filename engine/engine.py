@@ -1,73 +1,101 @@
 """The single-process speculative engine with continuous batching.
 
-    engine = LLMEngine(EngineConfig())                 # the built-in demo pair
+    engine = LLMEngine(EngineConfig(target=DIR, draft=DIR))
     engine.add_request("def fib(n):", SamplingParams(max_tokens=32, temperature=0),
                        SpeculationParams(method="draft", num_speculative_tokens=4))
     while engine.has_unfinished():
         for out in engine.step(): ...
 
-Each ``step`` admits waiting requests (a batched prefill that samples their first
-token), then runs one speculative step over the running batch:
-propose -> verify -> accept -> commit (``_speculate``; the pieces are in
-``specray.engine.step`` and shared with the Ray coordinator). Requests join and leave
-between steps; a row's tokens never depend on the other rows.
+Each ``step`` runs the step driver (``engine/driver.py``): admit waiting requests (a
+batched prefill that samples their first token), then one speculative step over the
+running batch: propose -> verify -> accept -> commit. Requests join and leave between
+steps; a row's tokens never depend on the other rows. The Ray engine worker runs the same
+driver with the same executor, some of its proposers being proxies to other actors.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
-from specray.engine import step as S
 from specray.engine.config import EngineConfig, load_tokenizer
-from specray.engine.params import SamplingParams, SpeculationParams
+from specray.engine.driver import LocalExecutor, ProposerTable, StepDriver, run_sync
+from specray.engine.params import SamplingParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
-from specray.engine.scheduler import ModelLimits, Scheduler
-from specray.policies.base import proposer_factory
+from specray.engine.scheduler import Scheduler
+from specray.policies.registry import Limits, MethodOptions, ProposerContext, method_spec, registered_methods
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """Target model + proposers + request queue. Not thread-safe; actors wrap it."""
+    """Target model + proposers + request queue. Not thread-safe; actors wrap it.
+
+    In-memory models (tests, embedding) may be passed instead of checkpoints:
+    ``target_model``, ``draft_model``, ``medusa_heads``, or any method's loaded resource in
+    ``resources`` (method name -> what its spec's ``load`` returns). ``proposers`` maps
+    methods served elsewhere (Ray proxies to workers of their own) to a factory called with
+    this engine's ``ProposerContext``; ``proposer_facts`` are their validation facts.
+    """
 
     def __init__(
-        self, config: EngineConfig | None = None, *, target_model=None, draft_model=None, tokenizer=None, medusa_heads=None
+        self,
+        config: EngineConfig | None = None,
+        *,
+        target_model=None,
+        draft_model=None,
+        tokenizer=None,
+        medusa_heads=None,
+        resources: Mapping[str, object] | None = None,
+        proposers: Mapping[str, object] | None = None,
+        proposer_facts: Mapping[str, dict] | None = None,
     ):
         self.config = config = config or EngineConfig()
         if target_model is None:  # from checkpoints (in-memory models are for tests/embedding)
-            paths = config.resolved_paths()
-            target_model = config.load_model(paths.target)
-            if draft_model is None and paths.draft is not None:
-                draft_model = config.load_model(paths.draft)
+            target_model = config.load_model(config.require_target())
             if tokenizer is None:
-                tokenizer = load_tokenizer(paths.tokenizer)
+                tokenizer = load_tokenizer(config.tokenizer or config.target)
         self.tokenizer = tokenizer
         self.capacity = config.context_length(target_model.config)
         self.target = ModelRunner(target_model, config.max_num_seqs, self.capacity)
-        self.draft_model = draft_model
-        if medusa_heads is None and config.medusa is not None:
-            from specray.policies.medusa import MedusaHeads
-
-            medusa_heads = MedusaHeads.load(config.medusa, hidden_size=target_model.config.hidden_size)
-        self.medusa_heads = medusa_heads
-        self.limits = ModelLimits(
+        context = ProposerContext(
+            vocab_size=self.target.vocab_size, max_num_seqs=config.max_num_seqs, capacity=self.capacity,
+            device=str(self.target.device), dtype=config.dtype, target=self.target, runner_for=self._runner_for,
+        )
+        given = dict(resources or {})
+        if draft_model is not None:
+            given["draft"] = ModelRunner(draft_model, config.max_num_seqs, self.capacity)
+        if medusa_heads is not None:
+            given["medusa"] = medusa_heads
+        proposers = dict(proposers or {})
+        self.resources = load_resources(config, context, given, skip=set(proposers))
+        facts = {m: {} for m in proposers} | dict(proposer_facts or {})
+        self.limits = Limits(
             capacity=self.capacity,
             vocab_size=self.target.vocab_size,
             eos_ids=eos_ids(target_model, tokenizer),
-            has_draft=draft_model is not None,
-            medusa_heads=medusa_heads.num_heads if medusa_heads is not None else 0,
+            methods=available_methods(self.resources, facts),
         )
+        self.proposers = ProposerTable(context, self.resources, {m: make(context) for m, make in proposers.items()})
         self.scheduler = Scheduler(config.max_num_seqs, self.limits, tokenizer, config.default_speculation)
-        self._proposers: dict[str, object] = {}
+        self.executor = LocalExecutor(self.target, self.proposers)
+        self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, config.speculation_length)
+
+    def _runner_for(self, path: str) -> ModelRunner:
+        model = self.config.load_model(path)
+        return ModelRunner(model, self.config.max_num_seqs, self.capacity)
+
+    @property
+    def medusa_heads(self):
+        return self.resources.get("medusa")
 
     # -- requests ----------------------------------------------------------------------
     def add_request(
         self,
         prompt: str | Sequence[int],
         sampling: SamplingParams | None = None,
-        speculation: SpeculationParams | None = None,
+        speculation: MethodOptions | None = None,
         request_id: str | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); returns its request id."""
@@ -75,7 +103,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its last output (finish_reason 'abort') if it existed."""
-        return self.scheduler.abort(request_id, self._release)
+        return self.scheduler.abort(request_id, self.driver.release)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -88,65 +116,18 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, then one speculative step; outputs of rows that moved."""
-        joining = self.scheduler.admit()
-        outputs = self._prefill(joining) if joining else []
-        fresh = {r.request_id for r in joining}
-        batch = [r for r in self.scheduler.running.values() if r.request_id not in fresh]
-        if batch:
-            outputs += self._speculate(batch)
-        return outputs
+        return run_sync(self.driver.step())
 
-    def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
-        plan = S.plan_proposals(batch, self.capacity, self.config.speculation_length)
-        parts = {m: self._proposer(m).propose(rows) for m, (_, rows) in plan.rows.items()}
-        draft, has_probs = S.merge_drafts(batch, plan, parts, self.target.vocab_size)
-        out = self.target.forward(
-            [r.slot for r in batch],
-            S.verify_tokens(batch, draft),
-            S.logits_window(len(batch), draft),
-            tree=S.tree_inputs(draft),
-        )  # logits [B, K+1, V], hidden [B, K+1, H]
-        result = S.accept(batch, draft, has_probs, S.TargetScores.from_logits(out.logits, S.sampled_rows(batch)))
-        return self._apply(S.commit_step(batch, draft, result, self.capacity, self.tokenizer, out.hidden))
-
-    def _prefill(self, joining: list[Request]) -> list[RequestOutput]:
-        for r in joining:
-            self.target.reset(r.slot)
-        out = self.target.forward([r.slot for r in joining], [r.prompt_ids for r in joining])
-        tokens = S.first_tokens(joining, S.TargetScores.from_logits(out.logits[:, :1], S.sampled_rows(joining)))
-        return self._apply(S.commit_prefill(joining, tokens, self.capacity, self.tokenizer, out.hidden[:, 0]))
-
-    def _apply(self, commit: S.Commit) -> list[RequestOutput]:
-        for slot, length in commit.target_lengths:
-            self.target.set_length(slot, length)
-        if commit.target_paths:
-            self.target.compact(*zip(*commit.target_paths))
-        for method, (slots, counts) in commit.proposer_commits.items():
-            self._proposer(method).commit(slots, counts)
-        for r in commit.finished:
-            self._release(r)
-        return commit.outputs
-
-    def _release(self, r: Request) -> None:
-        if self.scheduler.release(r):
-            self.target.reset(r.slot)
-            for proposer in self._proposers.values():
-                proposer.release(r.slot)
-
-    def _proposer(self, method: str):
-        if method not in self._proposers:
-            resources = {"vocab_size": self.target.vocab_size, "medusa_heads": self.medusa_heads}
-            if method == "draft" and self.draft_model is not None:
-                resources["draft_runner"] = ModelRunner(self.draft_model, self.config.max_num_seqs, self.capacity)
-            self._proposers[method] = proposer_factory(method)(**resources)
-        return self._proposers[method]
+    async def step_async(self) -> list[RequestOutput]:
+        """The same step inside an event loop (where proposers may be remote)."""
+        return await self.driver.step()
 
     # -- convenience -------------------------------------------------------------------
     def generate(
         self,
         prompts: Iterable[str | Sequence[int]],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-        speculation: SpeculationParams | Sequence[SpeculationParams] | None = None,
+        speculation: MethodOptions | Sequence[MethodOptions] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run prompts to completion (continuous batching); outputs in prompt order."""
@@ -169,6 +150,33 @@ class LLMEngine:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+def load_resources(config: EngineConfig, context: ProposerContext, given: Mapping[str, object],
+                   skip: set[str] = frozenset()) -> dict[str, object]:
+    """Each method's loaded checkpoint (``spec.load``), for the checkpoints configured here;
+    ``given`` (in-memory) ones win, ``skip`` (served elsewhere) are not loaded."""
+    resources = dict(given)
+    for name in registered_methods():
+        spec = method_spec(name)
+        path = config.checkpoint(spec.checkpoint) if spec.checkpoint else None
+        if path and name not in resources and name not in skip:
+            resources[name] = spec.load(path, context)
+    return resources
+
+
+def available_methods(resources: Mapping[str, object], remote_facts: Mapping[str, dict] | None = None) -> dict:
+    """Validation facts of every method this engine can run (``Limits.methods``)."""
+    facts = {}
+    for name in registered_methods():
+        spec = method_spec(name)
+        if remote_facts and name in remote_facts:
+            facts[name] = dict(remote_facts[name])
+        elif spec.checkpoint is None:
+            facts[name] = {}
+        elif name in resources:
+            facts[name] = spec.facts(resources[name]) if spec.facts else {}
+    return facts
 
 
 def _per_prompt(value, n: int) -> list:

@@ -7,7 +7,7 @@ the *mean accepted length* is 1 + accepted / drafts (the bonus token included).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass
@@ -49,6 +49,11 @@ class SpecMetrics:
             self.accepted_per_pos.extend([0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos)))
         for i, n in enumerate(other.accepted_per_pos):
             self.accepted_per_pos[i] += n
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecMetrics":
+        """The counters of a ``to_dict()`` (derived fields ignored)."""
+        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     def to_dict(self) -> dict:
         d = asdict(self)

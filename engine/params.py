@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema, field_validator
+
+import specray.policies  # noqa: F401  (registers every method)
+from specray.policies.registry import MethodOptions, parse_speculation
 
 
 class SamplingParams(BaseModel):
@@ -48,49 +51,21 @@ class SamplingParams(BaseModel):
         return max(self.top_k, 0)
 
 
-class SpeculationParams(BaseModel):
-    """Per-request speculation: which proposer and how many tokens it guesses per step.
+def SpeculationParams(**fields) -> MethodOptions:  # noqa: N802 (reads like the model it builds)
+    """Per-request speculation: the options model of ``fields["method"]`` (default ``none``).
 
-    ``method`` names a registered proposer (``specray.policies``): ``none``, ``draft``,
-    ``ngram`` (prompt lookup), ...
+    Each registered method has its own options (``specray.policies``); unknown fields of
+    that method are errors. ``SpeculationParams(method="draft", num_speculative_tokens=4)``
+    is a ``DraftOptions``.
     """
+    return parse_speculation(fields)
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    method: str = Field("none", description="Proposer name, or 'none' for plain decoding.")
-    num_speculative_tokens: int = Field(
-        4, ge=1, le=64, description="Draft tokens per step (k); prompt_lookup_num_tokens for ngram."
-    )
-    max_matching_ngram_size: int = Field(
-        2, ge=1, le=16, description="Prompt lookup: longest tail n-gram matched first."
-    )
-    medusa_choices: list[list[int]] | None = Field(
-        None, description="Medusa tree: every candidate, or only the unique paths (TensorRT-LLM's two forms)."
-    )
-    tree: str | None = Field(None, description="Medusa: a named tree (chain, trtllm_example, wide).")
-    acceptance: Literal["exact", "typical"] = Field(
-        "exact",
-        description="exact: token match / rejection sampling (lossless). typical: Medusa's typical "
-        "acceptance for tree methods at temperature > 0 (LOSSY, faster).",
-    )
-    posterior_threshold: float = Field(0.09, gt=0, le=1, description="Typical acceptance: hard threshold.")
-    posterior_alpha: float = Field(0.3, gt=0, le=1, description="Typical acceptance: entropy factor.")
-
-    @field_validator("medusa_choices")
-    @classmethod
-    def _valid_tree(cls, v):
-        if v is not None:
-            from specray.kernels.tree import normalize_choices
-
-            normalize_choices(v)  # TreeError (a ValueError) names what is wrong
-        return v
-
-    @field_validator("tree")
-    @classmethod
-    def _known_tree(cls, v):
-        from specray.kernels.tree import NAMED_TREES
-
-        if v is not None and v not in NAMED_TREES:
-            raise ValueError(f"unknown tree {v!r}; named trees: {sorted(NAMED_TREES)}")
-        return v
-
+Speculation = Annotated[
+    MethodOptions,
+    PlainValidator(parse_speculation),
+    PlainSerializer(lambda v: v.model_dump(), return_type=dict),
+    WithJsonSchema({"type": "object", "description": "speculation options, discriminated by 'method'"}),
+]
+"""A pydantic field type for a request's ``speculation``: a discriminated union on ``method``
+over the registered methods' options models (methods registered later join it)."""

@@ -13,13 +13,8 @@ from typing import Sequence
 import torch
 
 from specray.engine.metrics import SpecMetrics
-from specray.engine.params import SamplingParams, SpeculationParams
-
-# Proposers that draft from the target's last hidden state (Medusa heads; EAGLE later).
-HIDDEN_STATE_METHODS = frozenset({"medusa"})
-# Methods that draft a token tree: its node count, not num_speculative_tokens, sizes the
-# draft, and the proposer cuts the tree to the room the step leaves (ProposalRow.num_tokens).
-TREE_METHODS = frozenset({"medusa"})
+from specray.engine.params import SamplingParams
+from specray.policies.registry import MethodOptions
 
 
 @dataclass(frozen=True)
@@ -41,7 +36,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     sampling: SamplingParams
-    speculation: SpeculationParams
+    speculation: MethodOptions
     stop_ids: frozenset[int]
     generator: torch.Generator | None = None
     slot: int = -1
@@ -49,11 +44,10 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
-    last_hidden: torch.Tensor | None = None  # [H], for proposers that read the target's state
 
     @property
-    def needs_hidden(self) -> bool:
-        return self.speculation.method in HIDDEN_STATE_METHODS
+    def method(self) -> str:
+        return self.speculation.method
 
     @property
     def token_ids(self) -> list[int]:

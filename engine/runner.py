@@ -25,10 +25,13 @@ DIRECT_LAYER_LOOP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    """logits: [B, m, V] float32 at the requested positions; hidden: [B, m, H] (final norm)."""
+    """logits: [B, m, V] float32 at the requested positions; hidden: [B, m, H] (final norm)
+    at the same positions; features: [B, q, H] final-norm hidden states of every new token
+    (only when asked for: feature-level drafters read them)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
+    features: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -62,6 +65,7 @@ class ModelRunner:
             values=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
         )
         self.lengths = [0] * num_slots  # cached tokens per slot (host-side ints)
+        self.hidden_size = text_config.hidden_size
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
         self.vocab_size = self.lm_head.weight.shape[0]
         self._direct = text_config.model_type in DIRECT_LAYER_LOOP and all(
@@ -84,17 +88,22 @@ class ModelRunner:
         slots: Sequence[int],
         tokens: Sequence[Sequence[int]],
         logits_at: torch.Tensor | None = None,
-        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+        layout: tuple[torch.Tensor, torch.Tensor] | None = None,
+        features: bool = False,
     ) -> ForwardOutput:
         """Append ``tokens[i]`` to ``slots[i]``'s cache and run the model.
 
         logits_at: [B, m] int64 indices into each row's new tokens (clamped to the row);
                    None = the last new token of each row (m = 1).
-        tree:      (mask [B, q, q] bool, depth [B, q] int64) when the new tokens form a
-                   token tree per row (row padded with self-only nodes): node j attends to
-                   its ancestors and sits at position length + depth[j]. After
-                   acceptance, ``compact`` moves the kept path into consecutive slots.
-        Lengths advance by len(tokens[i]); callers roll back with ``set_length``.
+        layout:    (mask [B, q, q] bool, offsets [B, q] int64) for any per-row structure
+                   of the new tokens — a tree, beams, a lookahead window beside candidate
+                   n-grams (rows padded with self-only nodes): new token j attends to new
+                   token i iff mask[b, j, i] (and to the whole cached prefix), and sits at
+                   position length + offsets[b, j]. None = a chain (causal). After
+                   acceptance, ``keep`` moves the accepted path into consecutive slots; the
+                   rest (rejected nodes, window tokens) is never kept.
+        features:  also return every new token's final hidden state ([B, q, H]).
+        Lengths advance by len(tokens[i]); callers roll back with ``set_length``/``keep``.
         """
         q_lens = [len(t) for t in tokens]
         q = max(q_lens)
@@ -104,7 +113,7 @@ class ModelRunner:
         for s, n, L in zip(slots, q_lens, lengths):
             if L + n > self.capacity:
                 raise ValueError(f"slot {s}: {L} cached + {n} new tokens exceeds capacity {self.capacity}")
-        ctx, ids, pos_ids = self._batch(slots, tokens, q_lens, q, lengths, tree)
+        ctx, ids, pos_ids = self._batch(slots, tokens, q_lens, q, lengths, layout)
         hidden = self._run_decoder(ids, pos_ids, ctx)  # [B, q, H]
         for s, n in zip(slots, q_lens):
             self.lengths[s] += n
@@ -116,9 +125,9 @@ class ModelRunner:
         logits = self.lm_head(picked).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return ForwardOutput(logits=logits, hidden=picked)
+        return ForwardOutput(logits=logits, hidden=picked, features=hidden if features else None)
 
-    def _batch(self, slots, tokens, q_lens, q, lengths, tree=None):
+    def _batch(self, slots, tokens, q_lens, q, lengths, layout=None):
         """Attention context, input ids [B, q] and position ids [B, q] for one forward."""
         batch = len(slots)
         uniform = min(q_lens) == q
@@ -138,9 +147,9 @@ class ModelRunner:
             pos_ids = torch.minimum(positions, (lens_t + q_t - 1)[:, None])
         kv_len = max(L + n for L, n in zip(lengths, q_lens))
         tree_mask = None
-        if tree is not None:  # small index tensors: built on the CPU, moved once below
-            tree_mask, depth = tree[0].cpu(), tree[1].cpu()
-            pos_ids = lens_t[:, None] + depth
+        if layout is not None:  # small index tensors: built on the CPU, moved once below
+            tree_mask, offsets = layout[0].cpu(), layout[1].cpu()
+            pos_ids = lens_t[:, None] + offsets
         if q == 1 and min(lengths) == max(lengths):
             mask = None  # every row sees all kv_len keys
         else:
@@ -172,6 +181,18 @@ class ModelRunner:
         return dec.norm(hidden)
 
 
+    def keep(self, kept: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        """After verification: for each (slot, base, path) keep only the accepted path.
+
+        base is the cache length before the verify forward (where its root was written);
+        path the kept node indices, root first. A chain's path 0..n is already in place (a
+        length change); a tree's or window's path is compacted. Rollback of everything else
+        is the length: later writes overwrite it.
+        """
+        for slot, base, path in kept:
+            self.set_length(slot, base)
+            self.compact([slot], [path])
+
     @torch.inference_mode()
     def compact(self, slots: Sequence[int], kept: Sequence[Sequence[int]]) -> None:
         """Keep an accepted tree path: move its nodes' KV into consecutive slots.
@@ -183,7 +204,7 @@ class ModelRunner:
         """
         for slot, nodes in zip(slots, kept):
             base = self.lengths[slot]
-            if list(nodes) != list(range(len(nodes))):  # else the path already sits in place
+            if any(n != i for i, n in enumerate(nodes)):  # else the path already sits in place
                 src = torch.tensor([base + n for n in nodes], device=self.device)
                 dst = torch.arange(base, base + len(nodes), device=self.device)
                 for buf in (*self.cache.keys, *self.cache.values):

@@ -8,70 +8,39 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from specray.engine.metrics import SpecMetrics
-from specray.engine.params import SamplingParams, SpeculationParams
+from specray.engine.params import SamplingParams
 from specray.engine.request import Request, RequestOutput
-from specray.policies.base import registered_methods
-
-PLAIN = "none"
-
-
-def check_method_name(method: str) -> None:
-    """Raise ValueError unless ``method`` is 'none' or a registered proposer."""
-    if method != PLAIN and method not in registered_methods():
-        raise ValueError(f"unknown speculation method {method!r}; known: {[PLAIN] + registered_methods()}")
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What validation needs to know about the target (and whether a draft exists)."""
-
-    capacity: int  # tokens per sequence (context)
-    vocab_size: int
-    eos_ids: frozenset[int]
-    has_draft: bool
-    medusa_heads: int = 0  # 0 = no Medusa heads loaded
+from specray.policies.registry import Limits, MethodOptions, PlainOptions, validate_speculation
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, limits: ModelLimits, tokenizer=None,
-                 default_speculation: SpeculationParams | None = None):
+    def __init__(self, num_slots: int, limits: Limits, tokenizer=None,
+                 default_speculation: MethodOptions | None = None):
         self.limits = limits
         self.tokenizer = tokenizer
-        self.default_speculation = default_speculation or SpeculationParams()
+        self.default_speculation = default_speculation or PlainOptions()
         self.free_slots = list(range(num_slots))
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.totals = SpecMetrics()
         self._ids = itertools.count()
 
-    def check_method(self, method: str) -> None:
-        check_method_name(method)
-        if method == "draft" and not self.limits.has_draft:
-            raise ValueError("method 'draft' needs a draft model (EngineConfig.draft)")
-        if method == "medusa" and not self.limits.medusa_heads:
-            raise ValueError("method 'medusa' needs Medusa heads (EngineConfig.medusa; `specray train medusa`)")
-
     def make_request(
         self,
         prompt: str | Sequence[int],
         sampling: SamplingParams | None = None,
-        speculation: SpeculationParams | None = None,
+        speculation: MethodOptions | None = None,
         request_id: str | None = None,
     ) -> Request:
         """Validate and build a request (ValueError with a clear message if bad)."""
         sampling = sampling or SamplingParams()
         speculation = speculation or self.default_speculation
-        self.check_method(speculation.method)
-        if speculation.method == "medusa":
-            from specray.policies.medusa import resolve_tree
-
-            resolve_tree(speculation.model_dump(), self.limits.medusa_heads)  # depth vs heads
+        validate_speculation(speculation, self.limits)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids instead")

@@ -1,15 +1,15 @@
-"""The pieces of one speculative step, shared by the local engine and the coordinator.
+"""The pure pieces of one speculative step (no models, no devices): the driver
+(``engine/driver.py``) calls them in order.
 
-    plan = plan_proposals(batch, capacity)        # who drafts, how many tokens
-    parts = {m: proposer[m].propose(rows) ...}    # local call or remote ObjectRef
-    draft, has_probs = merge_drafts(batch, plan, parts, vocab)
-    logits = target.forward(slots, verify_tokens(batch, draft), logits_window(draft))
-    result = accept(batch, draft, has_probs, logits)
-    commit = commit_step(batch, draft, result, capacity, tokenizer)
+    plan    = plan_proposals(batch, capacity, policy)   # who drafts, at most how many nodes
+    drafts  = merge_drafts(batch, plan, parts)          # one DraftRow per row
+    inputs  = verify_inputs(batch, drafts)              # tokens, layout, scored positions
+    result  = accept(batch, drafts, scores)             # engine/verify.py
+    commit  = commit_step(batch, drafts, result, ...)   # requests advance; what workers must do
 
-``commit_step`` updates the requests and says what the target's cache lengths and each
-proposer's rollbacks must become; the caller applies them to its (local or remote)
-workers. Nothing here touches a model.
+``Commit`` says what the target keeps (a path per row: one mechanism for chains, trees and
+windows), what each proposer is told (``CommitRow``/``PrefillRow``; the executor that ran
+the target adds the features for methods that need them) and which requests finished.
 """
 
 from __future__ import annotations
@@ -19,19 +19,16 @@ from typing import Mapping, Sequence
 
 import torch
 
-from specray.engine.request import TREE_METHODS, Request, RequestOutput
-from specray.engine.scheduler import PLAIN
-from specray.engine.verify import (  # noqa: F401 (re-exported)
-    StepResult, TargetScores, accept, sampled_rows, sampling_tensors, tree_inputs,
-)
-from specray.kernels.sampling import probs_from_logits, sample
-from specray.policies.base import Draft, ProposalRow, SamplingView
+from specray.engine.request import Request, RequestOutput
+from specray.engine.verify import StepResult
+from specray.policies.base import EMPTY, CommitRow, Draft, DraftRow, PrefillRow, ProposalRow, SamplingView
+from specray.policies.registry import PLAIN
 from specray.policies.spec_length import SpeculationLengthPolicy
 
 
 @dataclass(frozen=True)
 class ProposalPlan:
-    """ks[i]: draft tokens row i may take; rows[method]: (batch indices, ProposalRows)."""
+    """ks[i]: draft nodes row i may have accepted; rows[method]: (batch indices, ProposalRows)."""
 
     ks: list[int]
     rows: dict[str, tuple[list[int], list[ProposalRow]]]
@@ -43,22 +40,24 @@ def plan_proposals(
     ks, rows = [], {}
     cap = policy.cap(len(batch)) if policy is not None else None
     for i, r in enumerate(batch):
-        # Never draft past max_tokens or the context: k <= remaining - 1, and the target
-        # must fit the last token + k drafts.
-        k = max(0, min(r.remaining - 1, capacity - r.num_tokens))
-        if r.speculation.method not in TREE_METHODS:
-            k = min(k, r.speculation.num_speculative_tokens)
+        # Never draft past max_tokens or the context: at most remaining - 1 accepted nodes,
+        # and the target must fit the root + the nodes it verifies.
+        room = capacity - r.num_tokens
+        k = max(0, min(r.remaining - 1, room))
+        budget = r.speculation.budget  # None: the method sizes its own draft (a tree)
+        if budget is not None:
+            k = min(k, budget)
         if cap is not None:
             k = min(k, cap)
         ks.append(k)
-        if r.speculation.method != PLAIN and k > 0:
-            idx, lst = rows.setdefault(r.speculation.method, ([], []))
+        if r.method != PLAIN and k > 0:
+            idx, lst = rows.setdefault(r.method, ([], []))
             idx.append(i)
-            lst.append(proposal_row(r, k))
+            lst.append(proposal_row(r, k, room))
     return ProposalPlan(ks, rows)
 
 
-def proposal_row(r: Request, k: int) -> ProposalRow:
+def proposal_row(r: Request, k: int, room: int) -> ProposalRow:
     s = r.sampling
     return ProposalRow(
         slot=r.slot,
@@ -66,89 +65,93 @@ def proposal_row(r: Request, k: int) -> ProposalRow:
         num_tokens=k,
         sampling=SamplingView(s.temperature, s.top_p, s.effective_top_k),
         generator=r.generator,
-        options={
-            "max_matching_ngram_size": r.speculation.max_matching_ngram_size,
-            "medusa_choices": r.speculation.medusa_choices,
-            "tree": r.speculation.tree,
-        },
-        hidden=r.last_hidden,
+        options=r.speculation,
+        width=room,
+        seed=s.seed,
     )
 
 
-def merge_drafts(
-    batch: Sequence[Request], plan: ProposalPlan, parts: Mapping[str, Draft | None], vocab_size: int
-) -> tuple[Draft, list[bool]]:
-    """One Draft [B, K] for the batch from each method's part (None = proposer failed)."""
-    token_lists: list[list[int]] = [[] for _ in batch]
-    probs_rows: dict[int, torch.Tensor] = {}
-    trees: list = [None] * len(batch)
+def merge_drafts(batch: Sequence[Request], plan: ProposalPlan, parts: Mapping[str, Draft | None]) -> list[DraftRow]:
+    """One DraftRow per batch row from each method's part (None = that proposer is down:
+    its rows decode plainly this step). Chains are cut to the plan; trees come cut by their
+    proposer; greedy rows drop draft probabilities (token match does not read them)."""
+    drafts = [EMPTY] * len(batch)
     for method, (idx, _) in plan.rows.items():
         part = parts.get(method)
         if part is None:
-            continue  # that proposer is down: its rows decode plainly this step
-        for n, i in enumerate(idx):
-            if part.trees is not None and part.trees[n] is not None:  # a tree keeps all its nodes
-                trees[i] = part.trees[n]
-                token_lists[i] = part.tokens[n, : int(part.lengths[n])].tolist()
-                continue
-            length = min(int(part.lengths[n]), plan.ks[i])
-            token_lists[i] = part.tokens[n, :length].tolist()
-            if part.probs is not None and not batch[i].sampling.greedy:
-                probs_rows[i] = part.probs[n, :length]
-    draft = Draft.from_lists(token_lists)
-    has_probs = [i in probs_rows for i in range(len(batch))]
-    probs = None
-    if probs_rows:
-        probs = torch.zeros(len(batch), draft.max_len, vocab_size)
-        for i, p in probs_rows.items():
-            probs[i, : p.shape[0]] = p[:, :vocab_size]
-    tree_rows = trees if any(t is not None for t in trees) else None
-    return Draft(draft.tokens, draft.lengths, probs, trees=tree_rows), has_probs
+            continue
+        for row, i in zip(part.rows, idx):
+            row = row.cut(plan.ks[i])
+            if row.probs is not None and batch[i].sampling.greedy:
+                row = DraftRow(row.tokens, row.tree, None, row.extra)
+            drafts[i] = row
+    return drafts
 
 
-def verify_tokens(batch: Sequence[Request], draft: Draft) -> list[list[int]]:
-    """Per row: the last committed token (not yet in the target's cache) + its draft."""
-    return [[r.output_ids[-1]] + draft.tokens[i, : int(draft.lengths[i])].tolist() for i, r in enumerate(batch)]
+@dataclass(frozen=True)
+class VerifyInput:
+    """What the target runs: per row the root + its nodes (+ extra nodes).
+
+    tokens:    [B][q_i] new tokens per row
+    layout:    (mask [B, q, q] bool, offsets [B, q]) when any row is not a chain, else None
+    logits_at: [B, q] every new position is scored (acceptance walks any of them)
+    """
+
+    tokens: list[list[int]]
+    layout: tuple[torch.Tensor, torch.Tensor] | None
+    logits_at: torch.Tensor
 
 
-def logits_window(batch_size: int, draft: Draft) -> torch.Tensor:  # [B, K+1]
-    return torch.arange(draft.max_len + 1)[None].expand(batch_size, -1)
+def verify_inputs(batch: Sequence[Request], drafts: Sequence[DraftRow]) -> VerifyInput:
+    tokens = []
+    for r, d in zip(batch, drafts):
+        row = [r.output_ids[-1]] + d.tokens
+        if d.extra is not None:
+            row += d.extra.tokens
+        tokens.append(row)
+    q = max(map(len, tokens))
+    layout = None
+    if any(not d.is_chain or d.extra is not None for d in drafts):
+        mask = torch.eye(q, dtype=torch.bool).repeat(len(batch), 1, 1)  # padding nodes see themselves
+        offsets = torch.arange(q).repeat(len(batch), 1)
+        for i, d in enumerate(drafts):
+            t = d.structure
+            mask[i, : t.size, : t.size] = t.mask
+            offsets[i, : t.size] = t.depth
+            if d.extra is not None:
+                m, width = len(d.extra.tokens), t.size + len(d.extra.tokens)
+                mask[i, t.size : width, :width] = d.extra.sees
+                offsets[i, t.size : width] = torch.tensor(d.extra.positions)
+        layout = (mask, offsets)
+    return VerifyInput(tokens, layout, torch.arange(q)[None].expand(len(batch), -1))
 
 
 @dataclass
 class Commit:
     """What the workers must do after a step, and what the step produced.
 
-    target_lengths: (slot, length) to roll the target back to; target_paths: (slot,
-    kept tree nodes) to compact after that (tree rows).
+    target_keep:  (slot, base, path): roll the target back to base, keep the path's nodes
+    proposer_rows: method -> [(batch index, CommitRow | PrefillRow)]; the executor that ran
+                  the target fills in features for methods that need them
     """
 
-    target_lengths: list[tuple[int, int]] = field(default_factory=list)
-    target_paths: list[tuple[int, list[int]]] = field(default_factory=list)
-    proposer_commits: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    target_keep: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    proposer_rows: dict[str, list[tuple[int, CommitRow | PrefillRow]]] = field(default_factory=dict)
     outputs: list[RequestOutput] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
 
 
 def commit_step(
-    batch: Sequence[Request], draft: Draft, result: StepResult, capacity: int, tokenizer, hidden=None
+    batch: Sequence[Request], drafts: Sequence[DraftRow], result: StepResult, capacity: int, tokenizer
 ) -> Commit:
-    """hidden: [B, K+1, H] target hidden states of the verify positions (methods that need them)."""
     commit = Commit()
     for i, r in enumerate(batch):
-        n = result.num_accepted[i]
-        drafted = int(draft.lengths[i])
-        if i in result.paths:  # tree: keep the root + accepted path, compacted after the root
-            commit.target_lengths.append((r.slot, r.num_tokens - 1))
-            commit.target_paths.append((r.slot, result.paths[i]))
-        else:  # the cache now holds the last committed token + the n accepted drafts
-            commit.target_lengths.append((r.slot, r.num_tokens + n))
-        if hidden is not None and r.needs_hidden:
-            r.last_hidden = hidden[i, result.hidden_at[i]]
-        if drafted:
-            slots, counts = commit.proposer_commits.setdefault(r.speculation.method, ([], []))
-            slots.append(r.slot)
-            counts.append(n)
+        n, path = result.num_accepted[i], result.paths[i]
+        # The cache holds the root (at num_tokens - 1) and every verified node after it.
+        commit.target_keep.append((r.slot, r.num_tokens - 1, path))
+        drafted = drafts[i].size
+        if r.method != PLAIN:  # also when it drafted nothing: feature methods track every step
+            commit.proposer_rows.setdefault(r.method, []).append((i, CommitRow(r.slot, result.emitted[i], path)))
         r.metrics.record_draft(drafted, n)
         r.metrics.target_forward_passes += 1
         kept = r.append(result.emitted[i], capacity, tokenizer)
@@ -158,22 +161,12 @@ def commit_step(
     return commit
 
 
-def first_tokens(reqs: Sequence[Request], scores: TargetScores) -> list[int]:
-    """Each admitted request's first token, from the target's scores at its last prompt token."""
-    tokens = [row[0] for row in scores.best]
-    if scores.sampled:
-        probs = scores.probs(reqs)[:, 0]
-        for i, tok in zip(scores.sampled, sample(probs, [reqs[i].generator for i in scores.sampled]).tolist()):
-            tokens[i] = tok
-    return tokens
-
-
-def commit_prefill(reqs: Sequence[Request], tokens: Sequence[int], capacity: int, tokenizer, hidden=None) -> Commit:
-    """hidden: [B, H] target hidden states at the last prompt token."""
+def commit_prefill(reqs: Sequence[Request], tokens: Sequence[int], capacity: int, tokenizer) -> Commit:
+    """The first token of each admitted request (its prompt is now in the target's cache)."""
     commit = Commit()
     for i, (r, tok) in enumerate(zip(reqs, tokens)):
-        if hidden is not None and r.needs_hidden:
-            r.last_hidden = hidden[i]
+        if r.method != PLAIN:
+            commit.proposer_rows.setdefault(r.method, []).append((i, PrefillRow(r.slot, r.prompt_ids, tok)))
         r.metrics.target_forward_passes += 1
         kept = r.append([tok], capacity, tokenizer)
         commit.outputs.append(r.output(kept))

@@ -17,35 +17,17 @@ import torch
 from specray.kernels.acceptance import greedy_accept, rejection_accept
 from specray.kernels.sampling import probs_from_logits
 from specray.kernels.tree_acceptance import tree_greedy_accept, tree_rejection_accept, tree_typical_accept
-from specray.policies.base import Draft
+from specray.policies.base import Draft, DraftRow
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """Per row: accepted count, emitted tokens, the verify position whose hidden state
-    produced the final token, and (tree rows) the kept node path, root first."""
+    """Per row: accepted node count, emitted tokens (accepted nodes + the final token) and the
+    kept path (node indices, root first; a chain's is 0..n)."""
 
     num_accepted: list[int]
     emitted: list[list[int]]
-    hidden_at: list[int]
-    paths: dict[int, list[int]]
-
-
-def tree_inputs(draft: Draft) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(mask [B, q, q] bool, depth [B, q]) when any row is a tree; chains elsewhere."""
-    if not draft.trees or all(t is None for t in draft.trees):
-        return None
-    b, q = draft.tokens.shape[0], draft.max_len + 1
-    mask = torch.eye(q, dtype=torch.bool).repeat(b, 1, 1)  # padding nodes see themselves
-    depth = torch.arange(q).repeat(b, 1)
-    for i, tree in enumerate(draft.trees):
-        if tree is None:
-            n = int(draft.lengths[i]) + 1
-            mask[i, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
-        else:
-            mask[i, : tree.size, : tree.size] = tree.mask
-            depth[i, : tree.size] = tree.depth
-    return mask, depth
+    paths: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -93,49 +75,53 @@ def sampling_tensors(reqs: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.
     )
 
 
-def accept(reqs: Sequence, draft: Draft, has_probs: Sequence[bool], scores: TargetScores) -> StepResult:
-    """scores: the target at the last committed token and each draft token ([B, K+1])."""
+def accept(reqs: Sequence, drafts: Sequence[DraftRow], scores: TargetScores) -> StepResult:
+    """scores: the target at the root and at every node of each row."""
     b = len(reqs)
-    trees = draft.trees or [None] * b
-    drafts, lengths = draft.tokens.tolist(), draft.lengths.tolist()
-    accepted, emitted = [0] * b, [[] for _ in range(b)]
-    greedy = [i for i in range(b) if trees[i] is None and reqs[i].sampling.greedy]
+    accepted, emitted, paths = [0] * b, [[] for _ in range(b)], [[0]] * b
+    chains = [i for i in range(b) if drafts[i].is_chain]
+    greedy = [i for i in chains if reqs[i].sampling.greedy]
     if greedy:
-        counts, tokens = greedy_accept([drafts[i][: lengths[i]] for i in greedy], [scores.best[i] for i in greedy])
+        counts, tokens = greedy_accept([drafts[i].tokens for i in greedy], [scores.best[i] for i in greedy])
         for i, n, toks in zip(greedy, counts, tokens):
             accepted[i], emitted[i] = n, toks
-    probs = scores.probs(reqs)  # one call for every sampled row, linear or tree
+    probs = scores.probs(reqs)  # one call for every sampled row, chain or tree
     where = {row: n for n, row in enumerate(scores.sampled)}
     groups = {"probs": [], "onehot": []}
-    for i, r in enumerate(reqs):
-        if trees[i] is None and not r.sampling.greedy:
-            groups["probs" if has_probs[i] else "onehot"].append(i)
+    for i in chains:
+        if not reqs[i].sampling.greedy:
+            groups["probs" if drafts[i].probs is not None else "onehot"].append(i)
     for key, idx in groups.items():
         if not idx:
             continue
-        at = torch.tensor(idx)
-        d_probs = draft.probs[at] if key == "probs" else None
-        part = rejection_accept(draft.tokens[at], draft.lengths[at], d_probs, probs[[where[i] for i in idx]],
-                                [reqs[i].generator for i in idx])
+        part_draft = Draft([drafts[i] for i in idx])
+        k = part_draft.max_len
+        d_probs = part_draft.probs if key == "probs" else None
+        part = rejection_accept(part_draft.tokens, part_draft.lengths, d_probs,
+                                probs[[where[i] for i in idx], : k + 1], [reqs[i].generator for i in idx])
         for j, i in enumerate(idx):
             accepted[i], emitted[i] = int(part.num_accepted[j]), part.emitted(j)
-    hidden_at = list(accepted)  # linear rows: position n produced the final token
-    paths = {}
-    for i, tree in enumerate(trees):
-        if tree is not None:
-            node_probs = probs[where[i], : tree.size] if i in where else None
-            res = _accept_tree(reqs[i], tree, draft, i, scores.best[i][: tree.size], node_probs)
-            accepted[i], emitted[i], hidden_at[i], paths[i] = res.num_accepted, res.emitted, res.path[-1], res.path
-    return StepResult(accepted, emitted, hidden_at, paths)
+    for i in chains:
+        paths[i] = list(range(accepted[i] + 1))
+    for i in range(b):
+        if not drafts[i].is_chain:
+            node_probs = probs[where[i], : drafts[i].size + 1] if i in where else None
+            res = _accept_tree(reqs[i], drafts[i], scores.best[i][: drafts[i].size + 1], node_probs)
+            accepted[i], emitted[i], paths[i] = res.num_accepted, res.emitted, res.path
+    return StepResult(accepted, emitted, paths)
 
 
-def _accept_tree(req, tree, draft: Draft, row: int, best: list[int], probs: torch.Tensor | None):
+def _accept_tree(req, draft: DraftRow, best: list[int], probs: torch.Tensor | None):
     """best: [T] argmax per node; probs: [T, V] target distributions (sampled rows)."""
-    node_tokens = [int(req.output_ids[-1])] + draft.tokens[row, : tree.size - 1].tolist()
+    tree = draft.tree
+    node_tokens = [int(req.output_ids[-1])] + draft.tokens
     spec = req.speculation
     if req.sampling.greedy:
         return tree_greedy_accept(tree, node_tokens, best)
-    if spec.acceptance == "typical":
+    if getattr(spec, "acceptance", "exact") == "typical":
         return tree_typical_accept(tree, node_tokens, probs, spec.posterior_threshold, spec.posterior_alpha,
                                    req.generator)
-    return tree_rejection_accept(tree, node_tokens, probs, req.generator)
+    q = None
+    if draft.probs is not None:  # node i + 1 was drawn from draft.probs[i]; row 0 (root) unused
+        q = torch.cat([torch.zeros_like(draft.probs[:1]), draft.probs]).to(probs.device)
+    return tree_rejection_accept(tree, node_tokens, probs, req.generator, q)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Literal, Sequence
 
+import numpy as np
 import torch
 
 logging.getLogger("xformers").setLevel(logging.ERROR)  # "can't load C++/CUDA extensions" on CPU
@@ -66,22 +67,21 @@ def normalize_choices(choices: Sequence[Sequence[int]], form: Form = "auto", max
 
 @dataclass(frozen=True)
 class TokenTree:
-    """One tree's structure (CPU tensors; the root is node 0).
+    """One tree's structure (CPU tensors; the root is node 0; a parent precedes its children).
 
-    choices:      candidates, node i >= 1 is choices[i - 1]
+    parents:      [T] int64, parent node of each node (root: -1)
     mask:         [T, T] bool, node j attends to node i (its ancestors and itself)
     depth:        [T] int64, 0 for the root (added to the row's length for position ids)
-    parents:      [T] int64, parent node of each node (root: -1)
-    paths:        [P, D+1] int64, root-to-leaf node indices, padded with -1
-    topk:         [D] int64, candidates each head must provide (max index + 1 per level)
+    choices:      Medusa-style rank paths, node i >= 1 is choices[i - 1] (None for trees
+                  built from parents, e.g. EAGLE-2's dynamic trees)
+    topk:         [D] candidates each head must provide (max index + 1 per level; choices only)
     """
 
-    choices: tuple
+    parents: torch.Tensor
     mask: torch.Tensor
     depth: torch.Tensor
-    parents: torch.Tensor
-    paths: torch.Tensor
-    topk: tuple[int, ...]
+    choices: tuple | None = None
+    topk: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -91,8 +91,17 @@ class TokenTree:
     def max_depth(self) -> int:
         return int(self.depth.max())
 
+    @staticmethod
+    def from_parents(parents: Sequence[int]) -> "TokenTree":
+        """The tree whose node i + 1 hangs under node ``parents[i]`` (0 = the root).
+
+        Parents must precede their children. Cached per distinct shape: static trees cost
+        nothing per step, and a dynamic one costs one pass over its nodes.
+        """
+        return _from_parents(tuple(int(p) for p in parents))
+
     def candidate_tokens(self, head_topk: torch.Tensor) -> torch.Tensor:
-        """Tokens of the non-root nodes from each head's ranked candidates.
+        """Tokens of the non-root nodes from each head's ranked candidates (choices trees).
 
         head_topk: [B, D, K] int64, head d's top-K tokens (K >= max(topk))
         returns:   [B, T-1] int64, the token of node i (i >= 1) at column i - 1
@@ -101,20 +110,52 @@ class TokenTree:
         return head_topk[:, level, rank]
 
     # Per-tree constants that proposing and accepting read every step; trees are cached
-    # (``build_tree``), so these are computed once per distinct tree.
+    # (``build_tree``, ``from_parents``), so these are computed once per distinct tree.
     @cached_property
     def _level_rank(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.tensor([len(c) - 1 for c in self.choices]), torch.tensor([c[-1] for c in self.choices])
 
     @cached_property
     def children(self) -> list[list[int]]:
-        """Each node's children in rank order (the candidate index at the child's level)."""
+        """Each node's children in node order (for choices trees, that is rank order)."""
         kids: list[list[int]] = [[] for _ in range(self.size)]
-        for node in range(1, self.size):
-            kids[int(self.parents[node])].append(node)
-        for k in kids:
-            k.sort(key=lambda n: self.choices[n - 1][-1])
+        for node, parent in enumerate(self.parents.tolist()[1:], start=1):
+            kids[parent].append(node)
         return kids
+
+    @cached_property
+    def paths(self) -> torch.Tensor:
+        """[P, D+1] int64 root-to-leaf node indices, padded with -1 (one row per leaf)."""
+        parents = self.parents.tolist()
+        leaves = [n for n in range(self.size) if not self.children[n]]
+        rows = []
+        for leaf in leaves:
+            path = [leaf]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            rows.append(path[::-1])
+        width = max(map(len, rows))
+        return torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.long)
+
+
+@lru_cache(maxsize=1024)
+def _from_parents(parents: tuple) -> TokenTree:
+    n = len(parents) + 1
+    par = np.full(n, -1, dtype=np.int64)
+    par[1:] = parents
+    if n > 1 and ((par[1:] < 0) | (par[1:] >= np.arange(1, n))).any():
+        raise TreeError(f"every node's parent must be an earlier node (0 = root), got parents {list(parents)}")
+    mask = np.eye(n, dtype=bool)
+    depth = np.zeros(n, dtype=np.int64)
+    for node in range(1, n):
+        mask[node] |= mask[par[node]]
+        depth[node] = depth[par[node]] + 1
+    return TokenTree(parents=torch.from_numpy(par), mask=torch.from_numpy(mask), depth=torch.from_numpy(depth))
+
+
+def chain_tree(length: int) -> TokenTree:
+    """A chain of ``length`` nodes below the root."""
+    return _from_parents(tuple(range(length)))
 
 
 @lru_cache(maxsize=64)
@@ -125,17 +166,9 @@ def _build(choices: tuple) -> TokenTree:
     mask = meta.attention_bias == 0  # [T, T], 0 = attend
     # xformers lists the parents of the non-root nodes, as root-inclusive node indices.
     parents = torch.cat([torch.tensor([-1]), meta.parent_node_indices.long()])
-    paths = meta.retrieval_indices.long()
     depth_levels = max(len(c) for c in choices)
     topk = tuple(max(c[level] for c in choices if len(c) > level) + 1 for level in range(depth_levels))
-    return TokenTree(
-        choices=choices,
-        mask=mask,
-        depth=meta.tree_seq_position_ids.long(),
-        parents=parents,
-        paths=paths,
-        topk=topk,
-    )
+    return TokenTree(parents=parents, mask=mask, depth=meta.tree_seq_position_ids.long(), choices=choices, topk=topk)
 
 
 def build_tree(choices: Sequence[Sequence[int]], form: Form = "auto", max_depth: int | None = None) -> TokenTree:

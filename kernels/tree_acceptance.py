@@ -5,14 +5,17 @@ then one recovered or bonus token. Per row (trees are small; a row loop over dep
 
 * greedy (lossless): from the root, follow the child whose token equals the target's
   argmax; stop at a node with no such child and emit that argmax.
-* exact sampling (lossless, any temperature/top-p/top-k): at each node, try the
-  children in rank order as one-hot proposals against the running residual r (start
-  r = p): accept child c with probability r(c)/sum(r); on rejection zero r(c) and try the
-  next sibling; if all are rejected, emit a token sampled from r; at a leaf, emit the
-  bonus token from p. Each sibling test is the one-hot case of speculative sampling,
-  so the emitted tokens are distributed exactly as the target's (cf. SpecInfer's
-  multi-step speculative sampling, EAGLE's tree sampling). This needs candidates that
-  are a fixed function of the prefix (Medusa's top-k are).
+* exact sampling (lossless, any temperature/top-p/top-k): recursive rejection over
+  siblings (SpecInfer's multi-step speculative sampling; EAGLE's tree sampling). At a
+  node, start from the residual r = p (the target's distribution there) and try its
+  children in order; child c carries the distribution q_c it was drawn from (given the
+  siblings drawn before it), or is a deterministic proposal (q_c one-hot). Accept c with
+  probability min(1, r(x_c) / q_c(x_c)); on rejection set r = norm(max(0, r - q_c)) and try
+  the next sibling; if all are rejected, emit a token sampled from r; at a leaf, emit the
+  bonus token from p. Each sibling test is one step of speculative sampling against the
+  current residual, so the emitted tokens are distributed exactly as the target's. For
+  one-hot q the update is "zero r(x_c)", which is Medusa's case (top-k candidates are a
+  fixed function of the prefix).
 * typical acceptance (Medusa; LOSSY, opt-in): a child is acceptable when
   p(c) > min(posterior_threshold, posterior_alpha * exp(-H(p))); follow the most likely
   acceptable child; emit a sample from p at the end (greedy rows use the greedy rule).
@@ -53,22 +56,37 @@ def tree_greedy_accept(tree: TokenTree, tokens: Sequence[int], best: Sequence[in
 
 
 def tree_rejection_accept(
-    tree: TokenTree, tokens: Sequence[int], probs: torch.Tensor, generator: torch.Generator | None
+    tree: TokenTree,
+    tokens: Sequence[int],
+    probs: torch.Tensor,
+    generator: torch.Generator | None,
+    draft_probs: torch.Tensor | None = None,
 ) -> TreeAcceptance:
-    """probs: [T, V] target distributions per node (after temperature/top-k/top-p)."""
+    """probs: [T, V] target distributions per node (after temperature/top-k/top-p);
+    draft_probs: [T, V] the distribution each node was drawn from (row 0 unused), or None
+    for deterministic nodes (one-hot q)."""
     kids = tree.children
     node, path = 0, [0]
     while True:
-        residual = probs[node].double().clone()
+        residual = probs[node].double().clone()  # unnormalized: its sum is the mass left
         accepted = None
         for c in kids[node]:
             tok = tokens[c]
             mass = residual.sum()
             u = torch.rand((), generator=generator, dtype=torch.float64)
-            if mass > 0 and u * mass < residual[tok]:
+            if draft_probs is None:  # one-hot q: accept with r(x)/|r|, else zero r(x)
+                if mass > 0 and u * mass < residual[tok]:
+                    accepted = c
+                    break
+                residual[tok] = 0.0
+                continue
+            q = draft_probs[c].double()
+            # accept iff u < (r(x)/|r|) / q(x), i.e. u * q(x) * |r| < r(x)
+            if mass > 0 and u * q[tok] * mass < residual[tok]:
                 accepted = c
                 break
-            residual[tok] = 0.0
+            if mass > 0:
+                residual = (residual / mass - q).clamp_min(0.0)
         if accepted is None:
             if residual.sum() <= 0:  # float corner: fall back to the target itself
                 residual = probs[node].double()

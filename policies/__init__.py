@@ -1,7 +1,7 @@
-"""Decisions: proposers (one file each), acceptance rules, speculation length.
+"""Decisions: proposers (one file each, with their method spec), acceptance rules, speculation length.
 
-Importing the package registers every proposer by name (``policies.base`` registry), so
+Importing the package registers every method (``policies.registry``), so
 ``registered_methods()`` is complete wherever a policy is used.
 """
 
-from specray.policies import draft_model, medusa, prompt_lookup  # noqa: F401  (registration)
+from specray.policies import draft_model, medusa, prompt_lookup, registry  # noqa: F401  (registration)

@@ -1,17 +1,35 @@
-"""The proposer interface and the typed boundary between proposing and verifying.
+"""The typed boundaries between proposing, verifying and committing, and the proposer interface.
 
-A proposer guesses up to ``k`` next tokens for each row of a batch. The engine core
-feeds them to the target for verification; the acceptance rule keeps the longest
-correct prefix; ``commit`` then tells the proposer how many of its tokens survived so it
-can roll its own state back (an integer per row, never a recomputation).
+One step, per row of the batch (the *root* is the row's last committed token, sampled but
+not yet in the target's KV cache):
+
+    ProposalRow  -> Proposer.propose -> DraftRow     what to verify: nodes 1..n below the root
+    DraftRow     -> runner verifies root + nodes (+ extra nodes) in one forward
+    acceptance   -> CommitRow -> Proposer.commit      what was kept, and the target's features
+
+A ``DraftRow`` is a *token tree*: each node has a parent (node 0 is the root), so a chain
+(draft model, prompt lookup) is the special case ``parents = 0, 1, 2, ...``, Medusa/EAGLE-1
+a static tree, EAGLE-2/ReDrafter a tree built per row and step. Optional per-node draft
+probabilities make tree rejection sampling exact for sampled nodes. ``extra`` nodes
+(a lookahead window) are verified in the same forward but are never accepted and never
+kept in the cache.
+
+A ``CommitRow`` tells the proposer, per row, the emitted tokens, the accepted path (node
+indices, root first) and — for methods that declare ``needs_features`` — the target's
+final hidden states at the root and each accepted node, the positions whose outputs
+produced the emitted tokens. Prefill hands the same features for the prompt
+(``PrefillRow``). Rollback stays an integer per row.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Protocol, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol, Sequence
 
 import torch
+
+from specray.kernels.tree import TokenTree, chain_tree
 
 
 @dataclass(frozen=True)
@@ -31,9 +49,13 @@ class SamplingView:
 class ProposalRow:
     """One row to draft for.
 
-    ``token_ids`` are all committed tokens (prompt + output so far); the last one has
-    been sampled but not yet run through the target. ``options`` carries the request's
-    method-specific settings (e.g. ``max_matching_ngram_size`` for prompt lookup).
+    token_ids:  all committed tokens (prompt + output so far); the last is the root.
+    num_tokens: most draft nodes that can be accepted this step (max_tokens, the context,
+                the request's k and the speculation-length cap all applied).
+    width:      most new nodes the row may feed the target (KV room), extra nodes included.
+    options:    the request's typed method options (``MethodOptions`` of its method).
+    seed:       the request's seed, for proposers in other processes (they keep their own
+                generators; the request's own generator never leaves the engine).
     """
 
     slot: int
@@ -41,83 +63,172 @@ class ProposalRow:
     num_tokens: int
     sampling: SamplingView = SamplingView()
     generator: torch.Generator | None = None
-    options: Mapping[str, object] = field(default_factory=dict)
-    hidden: torch.Tensor | None = None  # [H] target hidden state that produced the last token
+    options: object = None
+    width: int | None = None
+    seed: int | None = None
+
+    def option(self, name: str, default=None):
+        return getattr(self.options, name, default) if self.options is not None else default
 
 
 @dataclass(frozen=True)
-class Draft:
-    """Draft tokens for a batch of rows (linear chains).
+class ExtraNodes:
+    """Nodes verified beside the tree but never accepted nor kept (a lookahead window).
 
-    tokens:  [B, K] int64, right-padded with 0 past ``lengths``
-    lengths: [B] int64, valid draft tokens per row (0 = no proposal)
-    probs:   [B, K, V] float32 or None. The distribution each draft token was sampled
-             from; None means deterministic proposals (n-gram), which the rejection
-             sampler treats as one-hot — still exact.
-    trees:   per row a ``TokenTree`` or None (a chain). For a tree row, tokens[i] are
-             its non-root nodes in node order and lengths[i] = tree size - 1.
+    tokens:    [m] token ids
+    positions: [m] position offsets from the root (root = 0)
+    sees:      [m, 1 + n + m] bool: extra node j attends to root/tree node i (column i) or
+               to extra node k (column 1 + n + k); the committed prefix is always visible.
     """
 
-    tokens: torch.Tensor
-    lengths: torch.Tensor
+    tokens: list[int]
+    positions: list[int]
+    sees: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """One row's draft: nodes 1..n below the root.
+
+    tokens: [n] node tokens (node i + 1 is tokens[i])
+    tree:   the node structure (``TokenTree``, root = node 0); None = a chain
+    probs:  [n, V] the distribution each node was sampled from, or None for deterministic
+            proposals (one-hot q, still exact for rejection sampling)
+    extra:  nodes verified alongside but never accepted (None for most methods)
+    """
+
+    tokens: list[int]
+    tree: TokenTree | None = None
     probs: torch.Tensor | None = None
-    trees: list | None = None
+    extra: ExtraNodes | None = None
 
     @property
-    def max_len(self) -> int:
-        return int(self.tokens.shape[1])
+    def size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.tree is None
+
+    @cached_property
+    def structure(self) -> TokenTree:
+        """The tree, a chain's included (for code that walks any row the same way)."""
+        return self.tree if self.tree is not None else chain_tree(len(self.tokens))
+
+    def cut(self, n: int) -> "DraftRow":
+        """A chain's first ``n`` nodes (trees are cut by their proposer, which knows its order)."""
+        if self.tree is not None or n >= len(self.tokens):
+            return self
+        return DraftRow(self.tokens[:n], None, self.probs[:n] if self.probs is not None else None, self.extra)
+
+
+EMPTY = DraftRow([])
+
+
+class Draft:
+    """A batch of ``DraftRow``s, with the padded tensor view code and tests read.
+
+    tokens:  [B, K] int64, right-padded with 0 past ``lengths``
+    lengths: [B] int64 nodes per row (0 = no proposal)
+    probs:   [B, K, V] float32 or None (None when no row carries probabilities)
+    """
+
+    def __init__(self, rows: Sequence[DraftRow]):
+        self.rows = list(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @staticmethod
+    def from_lists(token_lists: Sequence[Sequence[int]], probs: torch.Tensor | None = None) -> "Draft":
+        """Chains from ragged token lists; ``probs`` [B, K, V] (row i's first len_i used)."""
+        rows = []
+        for i, t in enumerate(token_lists):
+            p = probs[i, : len(t)] if probs is not None and len(t) else None
+            rows.append(DraftRow([int(x) for x in t], None, p))
+        return Draft(rows)
 
     @staticmethod
     def empty(batch: int) -> "Draft":
-        return Draft(torch.zeros(batch, 0, dtype=torch.long), torch.zeros(batch, dtype=torch.long))
+        return Draft([EMPTY] * batch)
 
-    @staticmethod
-    def from_lists(token_lists: Sequence[Sequence[int]]) -> "Draft":
-        """A probability-free draft from ragged token lists."""
-        k = max((len(t) for t in token_lists), default=0)
-        tokens = torch.zeros(len(token_lists), k, dtype=torch.long)
-        for i, t in enumerate(token_lists):
-            if len(t):
-                tokens[i, : len(t)] = torch.as_tensor(list(t), dtype=torch.long)
-        lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
-        return Draft(tokens, lengths)
+    @property
+    def max_len(self) -> int:
+        return max((r.size for r in self.rows), default=0)
+
+    @cached_property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([r.size for r in self.rows], dtype=torch.long)
+
+    @cached_property
+    def tokens(self) -> torch.Tensor:
+        out = torch.zeros(len(self.rows), self.max_len, dtype=torch.long)
+        for i, r in enumerate(self.rows):
+            if r.size:
+                out[i, : r.size] = torch.tensor(r.tokens, dtype=torch.long)
+        return out
+
+    @cached_property
+    def probs(self) -> torch.Tensor | None:
+        with_probs = [(i, r.probs) for i, r in enumerate(self.rows) if r.probs is not None and r.size]
+        if not with_probs:
+            return None
+        vocab = with_probs[0][1].shape[-1]
+        out = torch.zeros(len(self.rows), self.max_len, vocab)
+        for i, p in with_probs:
+            out[i, : p.shape[0]] = p.to(out.device, out.dtype)
+        return out
+
+
+@dataclass(frozen=True)
+class CommitRow:
+    """What one row kept this step.
+
+    tokens:   emitted tokens: the accepted nodes' tokens, then the recovered/bonus token
+              (the new root, not yet in the target's cache)
+    path:     kept node indices, root first (a chain: 0 .. num_accepted)
+    features: [len(path), H] the target's final hidden states at the path's nodes (the
+              outputs that produced ``tokens``), for methods that need features; else None
+    extra_best: the target's argmax at each extra node (lookahead windows), else None
+    """
+
+    slot: int
+    tokens: list[int]
+    path: list[int]
+    features: torch.Tensor | None = None
+    extra_best: list[int] | None = None
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path) - 1
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    """A request entered the batch: its prompt went through the target.
+
+    features: [len(token_ids), H] the target's final hidden states at the prompt tokens
+              (methods that need features), else None; ``first_token`` is the new root.
+    """
+
+    slot: int
+    token_ids: Sequence[int]
+    first_token: int
+    features: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
     """The smallest drafting interface (cf. HF ``CandidateGenerator``).
 
     Slots are the engine's row ids: a request keeps its slot from admission to finish.
+    ``prefill`` is optional (proposers that need the prompt's features define it).
     """
 
     def propose(self, rows: Sequence[ProposalRow]) -> Draft:
-        """Draft up to ``row.num_tokens`` tokens for each row."""
+        """Draft at most ``row.num_tokens`` acceptable nodes for each row."""
 
-    def commit(self, slots: Sequence[int], num_accepted: Sequence[int]) -> None:
-        """After verification: ``num_accepted[i]`` of row i's draft were kept."""
+    def commit(self, rows: Sequence[CommitRow]) -> None:
+        """After verification: what each row kept (roll back to it)."""
 
     def release(self, slot: int) -> None:
         """The request in ``slot`` finished or was aborted."""
-
-
-ProposerFactory = Callable[..., Proposer]
-_REGISTRY: dict[str, ProposerFactory] = {}
-
-
-def register_proposer(name: str) -> Callable[[ProposerFactory], ProposerFactory]:
-    """Class decorator: make a proposer selectable by ``method=name``."""
-
-    def wrap(factory: ProposerFactory) -> ProposerFactory:
-        _REGISTRY[name] = factory
-        return factory
-
-    return wrap
-
-
-def proposer_factory(name: str) -> ProposerFactory:
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown speculation method {name!r}; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]
-
-
-def registered_methods() -> list[str]:
-    return sorted(_REGISTRY)

@@ -16,12 +16,13 @@ sampler.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Literal, Protocol, Sequence
 
 import torch
 
 from specray.kernels.sampling import probs_from_logits, sample
-from specray.policies.base import Draft, ProposalRow, register_proposer
+from specray.policies.base import CommitRow, Draft, ProposalRow
+from specray.policies.registry import LinearOptions, MethodSpec, register_method
 
 # Rows with more pending tokens than this catch up in a forward of their own, so one
 # freshly admitted long prompt doesn't pad every other row of the first draft forward.
@@ -41,7 +42,12 @@ class Runner(Protocol):
     def reset(self, slot: int) -> None: ...
 
 
-@register_proposer("draft")
+class DraftOptions(LinearOptions):
+    """A smaller causal LM drafts ``num_speculative_tokens`` tokens autoregressively."""
+
+    method: Literal["draft"] = "draft"
+
+
 class DraftModelProposer:
     def __init__(self, draft_runner: Runner, vocab_size: int | None = None, **_ignored):
         self.runner = draft_runner
@@ -100,8 +106,7 @@ class DraftModelProposer:
         for r in rows:
             self._base[r.slot] = len(r.token_ids)
             self._k[r.slot] = r.num_tokens
-        draft = Draft.from_lists(tokens)
-        return Draft(tokens=draft.tokens, lengths=draft.lengths, probs=probs)
+        return Draft.from_lists(tokens, probs)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [b, V_draft] -> [b, V]
         v = logits.shape[-1]
@@ -112,11 +117,24 @@ class DraftModelProposer:
         pad = torch.full((logits.shape[0], self.vocab_size - v), float("-inf"), device=logits.device)
         return torch.cat([logits, pad], dim=-1)
 
-    def commit(self, slots: Sequence[int], num_accepted: Sequence[int]) -> None:
-        for slot, n in zip(slots, num_accepted):
-            self.runner.set_length(slot, self._base[slot] + min(int(n), self._k[slot] - 1))
+    def commit(self, rows: Sequence[CommitRow]) -> None:
+        for row in rows:
+            base = self._base.pop(row.slot, None)
+            if base is not None:  # rows it did not draft for this step keep their cache
+                self.runner.set_length(row.slot, base + min(row.num_accepted, self._k.pop(row.slot) - 1))
 
     def release(self, slot: int) -> None:
         self.runner.reset(slot)
         self._base.pop(slot, None)
         self._k.pop(slot, None)
+
+
+register_method(MethodSpec(
+    name="draft",
+    options=DraftOptions,
+    build=lambda ctx: DraftModelProposer(ctx.resource, ctx.vocab_size),
+    placement="worker",
+    checkpoint="draft",
+    requirement="a draft model (EngineConfig.draft)",
+    load=lambda path, ctx: ctx.runner_for(path),
+))

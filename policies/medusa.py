@@ -15,16 +15,42 @@ from __future__ import annotations
 
 import json
 import pathlib
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
+from pydantic import Field, field_validator
 from torch import nn
 
-from specray.kernels.tree import NAMED_TREES, TokenTree, TreeError, build_tree
-from specray.policies.base import Draft, ProposalRow, register_proposer
+from specray.kernels.tree import NAMED_TREES, TokenTree, TreeError, build_tree, normalize_choices
+from specray.policies.base import CommitRow, Draft, DraftRow, PrefillRow, ProposalRow
+from specray.policies.registry import MethodSpec, TreeAcceptanceOptions, register_method
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 DEFAULT_TREE = "trtllm_example"
+
+
+class MedusaOptions(TreeAcceptanceOptions):
+    """Medusa heads' top-k placed on a tree (``medusa_choices``, or a named ``tree``)."""
+
+    method: Literal["medusa"] = "medusa"
+    medusa_choices: list[list[int]] | None = Field(
+        None, description="The tree: every candidate, or only the unique paths (TensorRT-LLM's two forms)."
+    )
+    tree: str | None = Field(None, description="A named tree (chain, trtllm_example, wide).")
+
+    @field_validator("medusa_choices")
+    @classmethod
+    def _valid_tree(cls, v):
+        if v is not None:
+            normalize_choices(v)  # TreeError (a ValueError) names what is wrong
+        return v
+
+    @field_validator("tree")
+    @classmethod
+    def _known_tree(cls, v):
+        if v is not None and v not in NAMED_TREES:
+            raise ValueError(f"unknown tree {v!r}; named trees: {sorted(NAMED_TREES)}")
+        return v
 
 
 class ResBlock(nn.Module):
@@ -121,11 +147,11 @@ class MedusaHeads(nn.Module):
         return heads.eval()
 
 
-def resolve_tree(options, num_heads: int, heads_choices=None) -> TokenTree:
+def resolve_tree(options: MedusaOptions, num_heads: int, heads_choices=None) -> TokenTree:
     """The row's tree: explicit ``medusa_choices``, a named tree, the heads' own tree, or the default."""
-    choices = options.get("medusa_choices")
-    if choices is None and options.get("tree"):
-        choices = NAMED_TREES[options["tree"]]
+    choices = options.medusa_choices
+    if choices is None and options.tree:
+        choices = NAMED_TREES[options.tree]
     if choices is None and heads_choices is not None:
         choices = heads_choices
     if choices is None:  # the default tree, cut to the heads there are
@@ -140,30 +166,60 @@ def _fit(tree: TokenTree, room: int) -> TokenTree:
     return tree if tree.size - 1 <= room else build_tree(tree.choices[:room], form="explicit")
 
 
-@register_proposer("medusa")
 class MedusaProposer:
-    """Needs the target's hidden state (``ProposalRow.hidden``) at the last emitted position."""
-
-    needs_hidden = True
+    """Drafts from the target's final hidden state at the row's last emitted position,
+    which each commit (and prefill) hands it as the last of the row's features."""
 
     def __init__(self, medusa_heads: MedusaHeads, **_ignored):
         self.heads = medusa_heads
+        self._last: dict[int, torch.Tensor] = {}  # slot -> [H]
+
+    def prefill(self, rows: Sequence[PrefillRow]) -> None:
+        for row in rows:
+            self._last[row.slot] = row.features[-1]
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[ProposalRow]) -> Draft:
-        if any(r.hidden is None for r in rows):
-            raise ValueError("medusa needs the target's hidden state for every row")
+        if any(r.slot not in self._last for r in rows):
+            raise ValueError("medusa needs the target's hidden state for every row (prefill/commit features)")
         trees = [_fit(resolve_tree(r.options, self.heads.num_heads, self.heads.choices), r.num_tokens) for r in rows]
-        hidden = torch.stack([r.hidden for r in rows]).to(next(self.heads.parameters()).dtype)
+        hidden = torch.stack([self._last[r.slot] for r in rows]).to(next(self.heads.parameters()).dtype)
         logits = self.heads(hidden)  # [B, K, V]
         k = max(max(t.topk) for t in trees)
         topk = logits.topk(k, dim=-1).indices.cpu()  # [B, K, k]
-        node_tokens = [t.candidate_tokens(topk[i : i + 1, : t.max_depth])[0].tolist() for i, t in enumerate(trees)]
-        draft = Draft.from_lists(node_tokens)
-        return Draft(draft.tokens, draft.lengths, None, trees=trees)
+        return Draft([
+            DraftRow(t.candidate_tokens(topk[i : i + 1, : t.max_depth])[0].tolist(), t) for i, t in enumerate(trees)
+        ])
 
-    def commit(self, slots: Sequence[int], num_accepted: Sequence[int]) -> None:
-        """Stateless: the next round starts from the target's hidden state."""
+    def commit(self, rows: Sequence[CommitRow]) -> None:
+        for row in rows:
+            self._last[row.slot] = row.features[-1]
 
     def release(self, slot: int) -> None:
-        pass
+        self._last.pop(slot, None)
+
+
+def _check(options: MedusaOptions, facts: dict, limits) -> None:
+    resolve_tree(options, facts["num_heads"])  # the tree no deeper than the heads
+
+
+def _offline_facts(path: str) -> dict:
+    """Head count from the checkpoint's config.json (without loading weights)."""
+    cfg = json.loads((pathlib.Path(path) / "config.json").read_text())
+    return {"num_heads": int(cfg["medusa_num_heads"])}
+
+
+register_method(MethodSpec(
+    name="medusa",
+    options=MedusaOptions,
+    build=lambda ctx: MedusaProposer(ctx.resource),
+    needs_features=True,
+    drafts_trees=True,
+    placement="target",
+    checkpoint="medusa",
+    requirement="Medusa heads (EngineConfig.medusa; `specray train medusa`)",
+    load=lambda path, ctx: MedusaHeads.load(path, hidden_size=ctx.target.hidden_size).to(ctx.device),
+    facts=lambda heads: {"num_heads": heads.num_heads},
+    offline_facts=_offline_facts,
+    check=_check,
+))

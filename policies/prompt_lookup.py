@@ -13,9 +13,12 @@ so rejected drafts need no rollback.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Literal, Sequence
 
-from .base import Draft, ProposalRow, register_proposer
+from pydantic import Field
+
+from specray.policies.base import CommitRow, Draft, ProposalRow
+from specray.policies.registry import LinearOptions, MethodSpec, register_method
 
 # Positions compared to tell "the same sequence, grown" from "a new sequence in a
 # reused slot" without reading the whole sequence: start, middle and last seen token.
@@ -98,7 +101,13 @@ class NgramIndex:
         return []
 
 
-@register_proposer("ngram")
+class NgramOptions(LinearOptions):
+    """Prompt lookup: ``num_speculative_tokens`` is TensorRT-LLM's prompt_lookup_num_tokens."""
+
+    method: Literal["ngram"] = "ngram"
+    max_matching_ngram_size: int = Field(2, ge=1, le=16, description="Longest tail n-gram matched first.")
+
+
 class PromptLookupProposer:
     """Proposer drafting by prompt lookup; ``row.num_tokens`` is prompt_lookup_num_tokens.
 
@@ -125,12 +134,21 @@ class PromptLookupProposer:
             if row.num_tokens == 0:
                 drafts.append([])
                 continue
-            max_ngram = row.options.get("max_matching_ngram_size", self.max_matching_ngram_size)
+            max_ngram = row.option("max_matching_ngram_size", self.max_matching_ngram_size)
             drafts.append(index.propose(row.token_ids, row.num_tokens, max_ngram))
         return Draft.from_lists(drafts)
 
-    def commit(self, slots: Sequence[int], num_accepted: Sequence[int]) -> None:
+    def commit(self, rows: Sequence[CommitRow]) -> None:
         """Nothing to roll back: the index holds committed tokens only."""
 
     def release(self, slot: int) -> None:
         self._indices.pop(slot, None)
+
+
+register_method(MethodSpec(
+    name="ngram",
+    options=NgramOptions,
+    build=lambda ctx: PromptLookupProposer(),
+    placement="worker",
+    requirement="nothing (always available)",
+))

@@ -10,7 +10,7 @@ import os
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from specray.cluster.config import SpecrayConfig
+from specray.actors.config import SpecrayConfig
 
 
 class AutoscalingSpec(BaseModel):

@@ -32,7 +32,7 @@ def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
 
 def _error_status(exc: Exception) -> HTTPError:
     """Map an engine-side exception (possibly wrapped by Ray) to an HTTP error."""
-    from specray.actors.backends import WorkerLostError
+    from specray.actors.coordinator import WorkerLostError
     from specray.serve.engine import Overloaded
 
     cause = getattr(exc, "cause", None) or exc

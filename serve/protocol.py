@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specray.engine.params import SamplingParams, SpeculationParams
+from specray.engine.params import SamplingParams, Speculation
 
 
 class StreamOptions(BaseModel):
@@ -43,8 +43,8 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
-    speculation: SpeculationParams | None = Field(
-        None, description="specray extension: per-request method and number of speculative tokens"
+    speculation: Speculation | None = Field(
+        None, description="specray extension: per-request speculation, the options of its 'method'"
     )
 
     @model_validator(mode="after")

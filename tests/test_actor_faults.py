@@ -5,9 +5,9 @@ import time
 import pytest
 import ray
 
-from specray.actors.backends import WorkerLostError
+from specray.actors.coordinator import WorkerLostError
 from specray.actors.coordinator import Coordinator
-from specray.cluster.placement import PlacementError
+from specray.actors.placement import PlacementError
 from tests.test_actors import GREEDY, PROMPTS, references, shutdown  # noqa: F401
 
 

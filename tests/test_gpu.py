@@ -44,6 +44,6 @@ def test_tree_verification_on_gpu_matches_cpu():
         runner = ModelRunner(copy.deepcopy(model).to(device), num_slots=1, capacity=64)
         runner.forward([0], [[1, 2, 3, 4, 5]])
         out = runner.forward([0], tokens, logits_at=torch.arange(tree.size)[None],
-                             tree=(tree.mask[None].to(device), tree.depth[None].to(device)))
+                             layout=(tree.mask[None].to(device), tree.depth[None].to(device)))
         outs.append(out.logits.cpu())
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)

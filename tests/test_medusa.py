@@ -11,7 +11,7 @@ from specray.engine.config import EngineConfig
 from specray.engine.engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.kernels.tree import NAMED_TREES
-from specray.policies.medusa import MedusaHeads
+from specray.policies.medusa import MedusaHeads, MedusaOptions
 from tests.conftest import hf_greedy, tiny_llama
 from tests.test_engine import GREEDY, ragged_prompts
 
@@ -121,7 +121,7 @@ def test_typical_acceptance_runs_and_is_labelled_lossy(tiny_pair):
     spec = SpeculationParams(method="medusa", acceptance="typical", posterior_threshold=0.09, posterior_alpha=0.3)
     outs = engine.generate(ragged_prompts(4), SamplingParams(max_tokens=16, temperature=0.7, seed=1), spec)
     assert all(len(o.token_ids) == 16 for o in outs)
-    assert "LOSSY" in SpeculationParams.model_fields["acceptance"].description
+    assert "LOSSY" in MedusaOptions.model_fields["acceptance"].description
 
 
 def random_prompts(split, n, seed):

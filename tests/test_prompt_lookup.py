@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from specray.policies.base import ProposalRow, proposer_factory
+from specray.policies.base import CommitRow, ProposalRow
+from specray.policies.registry import ProposerContext, method_spec
 from specray.policies.prompt_lookup import NgramIndex, PromptLookupProposer
 
 
@@ -97,7 +98,7 @@ def _row(slot, tokens, num_tokens=4):
 
 
 def test_proposer_batch_draft():
-    proposer = proposer_factory("ngram")(max_matching_ngram_size=2, some_other_option=1)
+    proposer = method_spec("ngram").build(ProposerContext(vocab_size=64, max_num_seqs=4, capacity=64))
     assert isinstance(proposer, PromptLookupProposer)
     draft = proposer.propose(
         [_row(0, [10, 3, 4, 5, 6, 7, 8, 11, 3, 4]), _row(1, [1, 2, 3]), _row(2, [3, 4, 9, 3, 4], num_tokens=2)]
@@ -121,7 +122,7 @@ def test_proposer_follows_committed_tokens_only():
         assert draft.tokens[0, : int(draft.lengths[0])].tolist() == brute_force(tokens, 3, 3)
         # The target accepts a random prefix of the draft, then emits its own token.
         accepted = rng.randint(0, int(draft.lengths[0]))
-        proposer.commit([7], [accepted])
+        proposer.commit([CommitRow(7, [], list(range(accepted + 1)))])
         tokens = tokens + draft.tokens[0, :accepted].tolist() + [rng.randrange(3)]
 
 

@@ -67,7 +67,7 @@ def test_tree_verification_equals_sequential_paths():
         mask[i, : t.size, : t.size] = t.mask
         depth[i, : t.size] = t.depth
         tokens.append([p[-1]] + torch.randint(0, 64, (t.size - 1,), generator=g).tolist())
-    out = runner.forward(slots, tokens, logits_at=torch.arange(q)[None].expand(2, -1), tree=(mask, depth))
+    out = runner.forward(slots, tokens, logits_at=torch.arange(q)[None].expand(2, -1), layout=(mask, depth))
     for i, (t, p) in enumerate(zip(trees, prefixes)):
         for j in range(t.size):
             path, node = [], j
@@ -88,7 +88,7 @@ def test_compact_keeps_a_path_as_if_decoded_sequentially():
     runner.forward([0], [prefix[:-1]])
     base = runner.lengths[0]
     tokens = [prefix[-1]] + list(range(10, 10 + tree.size - 1))
-    runner.forward([0], [tokens], tree=(tree.mask[None], tree.depth[None]))
+    runner.forward([0], [tokens], layout=(tree.mask[None], tree.depth[None]))
     path = [0, 2, 5]  # root -> (1,) -> (1, 1)
     runner.set_length(0, base)
     runner.compact([0], [path])

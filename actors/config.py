@@ -1,0 +1,124 @@
+"""The user-facing configuration of a specray deployment (pydantic; YAML/JSON/CLI edge).
+
+    SpecrayConfig(target="/ckpt/llama-8b", draft="/ckpt/llama-1b",
+                  placement={"mode": "separate", "strategy": "SPREAD"})
+
+``engine_config()`` turns it into the engine's frozen dataclass. It lives with the actors
+that use it (the Coordinator builds its workers from it); Serve and the CLI build on it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specray.engine.config import EngineConfig
+from specray.engine.params import Speculation
+from specray.policies.registry import PlainOptions, method_spec, registered_methods
+from specray.policies.spec_length import SpeculationLengthPolicy
+
+
+class ModelPlacement(BaseModel):
+    """Resources of one model's worker (one placement-group bundle)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_gpus: float | None = Field(
+        None, ge=0, description="GPUs for this model; None = 1 if the cluster has GPUs, else 0. "
+        "Values > 1 reserve GPUs for tensor parallelism."
+    )
+    num_cpus: float = Field(
+        0.5, gt=0, description="CPUs reserved for the worker (a scheduling share: workers run one torch "
+        "thread each), small enough that target, draft and n-gram pool fit a 2-core laptop."
+    )
+
+
+class PlacementConfig(BaseModel):
+    """Where each model runs (cf. TensorRT-LLM's draft/target_model_device_list).
+
+    separate: target and draft in actors of their own, each bundle on its own GPU(s);
+    colocated: one actor holds both (no hop per step).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["separate", "colocated"] = Field("separate", description="separate actors or one actor")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy for the bundles (SPREAD: different nodes)."
+    )
+    target: ModelPlacement = Field(default_factory=ModelPlacement)
+    draft: ModelPlacement = Field(default_factory=ModelPlacement)
+    ngram_cpus: float = Field(0.25, gt=0, description="CPUs reserved for the n-gram pool actor.")
+    timeout_s: float = Field(30.0, gt=0, description="How long to wait for the placement group.")
+
+
+class SpecrayConfig(BaseModel):
+    """Models, batch limits, default speculation and placement of one coordinator."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target: str | None = Field(None, description="Target checkpoint dir; None = the demo pair.")
+    draft: str | None = Field(None, description="Draft checkpoint dir (method 'draft').")
+    tokenizer: str | None = Field(None, description="Tokenizer dir; default: the target's.")
+    medusa: str | None = Field(None, description="Medusa heads dir (public layout) for method 'medusa'.")
+    checkpoints: dict[str, str] = Field(
+        default_factory=dict, description="Weights of other methods by their checkpoint key (e.g. eagle: DIR)."
+    )
+    dtype: str = Field("float32", description="float32 | bfloat16 | float16")
+    max_num_seqs: int = Field(8, ge=1, description="Sequences batched at once (KV-cache rows).")
+    max_model_len: int | None = Field(None, ge=2, description="Context per sequence.")
+    default_speculation: Speculation = Field(default_factory=PlainOptions)
+    speculation_off_above_batch: int | None = Field(
+        None, ge=1, description="Running batch larger than this: plain decoding for everyone (never slower)."
+    )
+    speculation_k_caps: list[tuple[int, int]] = Field(
+        default_factory=list, description="(min_batch, max_k) pairs capping k as the batch grows."
+    )
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+
+    def engine_config(self, device: str = "cpu") -> EngineConfig:
+        return EngineConfig(
+            target=self.target,
+            draft=self.draft,
+            tokenizer=self.tokenizer,
+            medusa=self.medusa,
+            checkpoints=dict(self.checkpoints),
+            dtype=self.dtype,
+            device=device,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            default_speculation=self.default_speculation,
+            speculation_length=SpeculationLengthPolicy(
+                self.speculation_off_above_batch, tuple(tuple(p) for p in self.speculation_k_caps)
+            ),
+        )
+
+    def method_facts(self) -> dict[str, dict | None]:
+        """Each method these checkpoints enable, with the facts validation needs, read from the
+        files without loading any weights (``Limits.methods``; None where a file is unreadable)."""
+        config, facts = self.engine_config(), {}
+        for name in registered_methods():
+            spec = method_spec(name)
+            if spec.checkpoint is None:
+                facts[name] = {}
+                continue
+            path = config.checkpoint(spec.checkpoint)
+            if path is None and not (self.target is None and spec.checkpoint == "draft"):  # the demo pair has one
+                continue
+            try:
+                facts[name] = spec.offline_facts(path) if spec.offline_facts and path else {}
+            except (OSError, ValueError, KeyError, TypeError):
+                facts[name] = None
+        return facts
+
+    def resolved(self) -> "SpecrayConfig":
+        """Fill in the demo pair's paths when no target is given (built once, cached): the
+        entry points (Coordinator, Serve builder, jobs, CLI) call this; the engine never does."""
+        if self.target is not None:
+            return self
+        from specray.demo import load_or_build_demo_pair
+
+        pair = load_or_build_demo_pair()
+        return self.model_copy(update={"target": pair.target, "draft": self.draft or pair.draft,
+                                       "tokenizer": self.tokenizer or pair.tokenizer})

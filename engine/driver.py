@@ -1,0 +1,199 @@
+"""The one step driver: admit -> prefill -> plan -> propose -> verify -> accept -> commit.
+
+Every layout runs this code: the in-process ``LLMEngine`` and the Ray engine worker (which
+holds the target) differ only in their ``Executor`` — where the target and each proposer
+run. The driver is a coroutine so that an executor may wait on remote proposers (Ray
+ObjectRefs) without blocking its actor; an in-process executor never suspends, and
+``run_sync`` drives it without an event loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import replace
+from typing import Mapping, Protocol, Sequence
+
+from specray.engine import step as S
+from specray.engine.request import Request, RequestOutput
+from specray.engine.scheduler import Scheduler
+from specray.engine.verify import TargetScores, accept, sampled_rows
+from specray.kernels.sampling import sample
+from specray.policies.base import Draft, PrefillRow
+from specray.policies.registry import method_spec
+from specray.policies.spec_length import SpeculationLengthPolicy
+
+log = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    """Where a step's work runs (the target and each method's proposer)."""
+
+    async def prefill(self, reqs: Sequence[Request], sampled: Sequence[int]) -> TargetScores:
+        """Run the admitted prompts through the target: scores at each last prompt token."""
+
+    async def propose(self, plan: S.ProposalPlan) -> Mapping[str, Draft | None]:
+        """Each method's draft for its rows (None: that proposer is unavailable this step)."""
+
+    async def verify(self, reqs: Sequence[Request], inputs: S.VerifyInput, sampled: Sequence[int]) -> TargetScores:
+        """One target forward over every row's root + nodes: scores at every new position."""
+
+    def apply(self, commit: S.Commit) -> None:
+        """Keep each row's accepted path in the target; tell proposers what was kept."""
+
+    def release(self, slots: Sequence[int]) -> None:
+        """These slots' requests are gone."""
+
+
+class StepDriver:
+    """Continuous batching over an executor: requests join and leave between steps."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, capacity: int, tokenizer=None,
+                 length_policy: SpeculationLengthPolicy | None = None):
+        self.scheduler, self.executor = scheduler, executor
+        self.capacity, self.tokenizer, self.length_policy = capacity, tokenizer, length_policy
+
+    async def step(self) -> list[RequestOutput]:
+        """Admit waiting requests (one ragged prefill), then one speculative step over the rest."""
+        joining = self.scheduler.admit()
+        outputs = await self._prefill(joining) if joining else []
+        fresh = {r.request_id for r in joining}
+        batch = [r for r in self.scheduler.running.values() if r.request_id not in fresh]
+        if batch:
+            outputs += await self._speculate(batch)
+        return outputs
+
+    async def _prefill(self, reqs: list[Request]) -> list[RequestOutput]:
+        scores = await self.executor.prefill(reqs, sampled_rows(reqs))
+        return self._apply(S.commit_prefill(reqs, first_tokens(reqs, scores), self.capacity, self.tokenizer))
+
+    async def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
+        plan = S.plan_proposals(batch, self.capacity, self.length_policy)
+        drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
+        scores = await self.executor.verify(batch, S.verify_inputs(batch, drafts), sampled_rows(batch))
+        result = accept(batch, drafts, scores)
+        return self._apply(S.commit_step(batch, drafts, result, self.capacity, self.tokenizer))
+
+    def _apply(self, commit: S.Commit) -> list[RequestOutput]:
+        self.executor.apply(commit)
+        for r in commit.finished:
+            self.release(r)
+        return commit.outputs
+
+    def release(self, r: Request) -> None:
+        """Free a finished or aborted request's slot and its workers' state."""
+        if self.scheduler.release(r):
+            self.executor.release([r.slot])
+
+
+def first_tokens(reqs: Sequence[Request], scores: TargetScores) -> list[int]:
+    """Each admitted request's first token, from the target's scores at its last prompt token."""
+    tokens = [row[0] for row in scores.best]
+    if scores.sampled:
+        probs = scores.probs(reqs)[:, 0]
+        for i, tok in zip(scores.sampled, sample(probs, [reqs[i].generator for i in scores.sampled]).tolist()):
+            tokens[i] = tok
+    return tokens
+
+
+def run_sync(coro):
+    """Run a coroutine that never suspends (an in-process executor) to completion."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise RuntimeError("the step waited on a remote worker: run it in an event loop (an async actor)")
+
+
+class LocalExecutor:
+    """The target's runner in this process, and each method's proposer (local objects, or
+    remote proxies whose ``propose`` returns an awaitable). Proposers that read features sit
+    here, beside the target: the hidden states of the last forward never leave the device."""
+
+    def __init__(self, target, proposers: "ProposerTable"):
+        self.target = target
+        self.proposers = proposers
+        self._features = None  # [B, q, H] of the last forward, when a row's method reads them
+
+    async def prefill(self, reqs, sampled):
+        for r in reqs:
+            self.target.reset(r.slot)
+        out = self.target.forward([r.slot for r in reqs], [r.prompt_ids for r in reqs],
+                                  features=self._wants_features(reqs))
+        self._features = out.features
+        return TargetScores.from_logits(out.logits, sampled)
+
+    async def propose(self, plan):
+        pending, parts = {}, {}
+        for method, (_, rows) in plan.rows.items():  # remote proposers start first, then local ones run
+            proposer = self.proposers.get(method)
+            parts[method] = proposer.propose(rows) if proposer is not None else None
+            if inspect.isawaitable(parts[method]):
+                pending[method] = parts.pop(method)
+        for method, awaitable in pending.items():
+            parts[method] = await awaitable  # a remote proxy answers None when its worker is down
+        return parts
+
+    async def verify(self, reqs, inputs, sampled):
+        out = self.target.forward([r.slot for r in reqs], inputs.tokens, inputs.logits_at, inputs.layout,
+                                  features=self._wants_features(reqs))
+        self._features = out.features
+        return TargetScores.from_logits(out.logits, sampled)
+
+    def apply(self, commit):
+        self.target.keep(commit.target_keep)
+        for method, rows in commit.proposer_rows.items():
+            proposer = self.proposers.get(method)
+            if proposer is None:
+                continue
+            if method_spec(method).needs_features:
+                rows = [(i, _with_features(row, self._features[i])) for i, row in rows]
+            prefill = [row for _, row in rows if isinstance(row, PrefillRow)]
+            commits = [row for _, row in rows if not isinstance(row, PrefillRow)]
+            if prefill and hasattr(proposer, "prefill"):
+                proposer.prefill(prefill)
+            if commits:
+                proposer.commit(commits)
+        self._features = None
+
+    def release(self, slots):
+        for s in slots:
+            self.target.reset(s)
+        self.proposers.release(slots)
+
+    @staticmethod
+    def _wants_features(reqs) -> bool:
+        return any(method_spec(r.method).needs_features for r in reqs)
+
+
+def _with_features(row, feats):  # feats: [q, H] the row's new positions
+    if isinstance(row, PrefillRow):
+        return replace(row, features=feats[: len(row.token_ids)])
+    return replace(row, features=feats[row.path])
+
+
+class ProposerTable:
+    """Each method's proposer in this engine, built on first use from its spec.
+
+    ``overrides`` are proposers supplied from outside (Ray proxies to workers of their own).
+    """
+
+    def __init__(self, context, resources: Mapping[str, object], overrides: Mapping[str, object] | None = None):
+        self.context, self.resources = context, dict(resources)
+        self._built: dict[str, object] = dict(overrides or {})
+
+    def get(self, method: str):
+        if method not in self._built:
+            spec = method_spec(method)
+            if spec.build is None:
+                return None
+            if spec.checkpoint is not None and method not in self.resources:
+                return None
+            self._built[method] = spec.build(replace(self.context, resource=self.resources.get(method)))
+        return self._built[method]
+
+    def release(self, slots: Sequence[int]) -> None:
+        for proposer in self._built.values():
+            for s in slots:
+                proposer.release(s)
