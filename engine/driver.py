@@ -72,7 +72,7 @@ class StepDriver:
         drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
         scores = await self.executor.verify(batch, S.verify_inputs(batch, drafts), sampled_rows(batch))
         result = accept(batch, drafts, scores)
-        return self._apply(S.commit_step(batch, drafts, result, self.capacity, self.tokenizer))
+        return self._apply(S.commit_step(batch, drafts, result, self.capacity, self.tokenizer, scores))
 
     def _apply(self, commit: S.Commit) -> list[RequestOutput]:
         self.executor.apply(commit)

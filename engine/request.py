@@ -29,6 +29,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     metrics: dict
+    step: dict | None = None  # what this step's speculation did (``speculation_event``)
 
 
 @dataclass
@@ -106,7 +107,7 @@ class Request:
         self.text = text
         return kept
 
-    def output(self, new_tokens: list[int]) -> RequestOutput:
+    def output(self, new_tokens: list[int], step: dict | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_ids,
@@ -116,4 +117,29 @@ class Request:
             finished=self.finished,
             finish_reason=self.finish_reason,
             metrics=self.metrics.to_dict(),
+            step=step,
         )
+
+
+def speculation_event(method: str, drafted: list[int], rejected: list[int], num_accepted: int,
+                      kept: list[int], num_drafted: int) -> dict:
+    """One step of one request, for people watching speculation (streams, the playground).
+
+    drafted:  the draft's main line (a chain; for a tree, its accepted path then the
+              top-ranked continuation below it); num_drafted counts every node verified
+    accepted: the draft tokens the target kept (as emitted: stop conditions may cut them)
+    rejected: the drafted tokens after the last accepted one on the main line
+    bonus:    the target's own token this step (recovered at a mismatch, or the bonus after
+              a fully accepted draft); None if a stop condition cut it
+    """
+    accepted = kept[:num_accepted]
+    bonus = kept[num_accepted] if len(kept) > num_accepted else None
+    return {
+        "method": method,
+        "num_drafted": num_drafted,
+        "drafted": drafted,
+        "accepted": accepted,
+        "rejected": rejected,
+        "bonus": bonus,
+        "recovered": bool(rejected),
+    }

@@ -19,8 +19,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from specray.engine.request import Request, RequestOutput
-from specray.engine.verify import StepResult
+from specray.engine.request import Request, RequestOutput, speculation_event
+from specray.engine.verify import StepResult, TargetScores
 from specray.policies.base import EMPTY, CommitRow, Draft, DraftRow, PrefillRow, ProposalRow, SamplingView
 from specray.policies.registry import PLAIN
 from specray.policies.spec_length import SpeculationLengthPolicy
@@ -142,23 +142,41 @@ class Commit:
 
 
 def commit_step(
-    batch: Sequence[Request], drafts: Sequence[DraftRow], result: StepResult, capacity: int, tokenizer
+    batch: Sequence[Request], drafts: Sequence[DraftRow], result: StepResult, capacity: int, tokenizer,
+    scores: TargetScores | None = None,
 ) -> Commit:
+    """scores: the target's, to hand rows with extra nodes the target's argmax there."""
     commit = Commit()
     for i, r in enumerate(batch):
-        n, path = result.num_accepted[i], result.paths[i]
+        n, path, d = result.num_accepted[i], result.paths[i], drafts[i]
         # The cache holds the root (at num_tokens - 1) and every verified node after it.
         commit.target_keep.append((r.slot, r.num_tokens - 1, path))
-        drafted = drafts[i].size
         if r.method != PLAIN:  # also when it drafted nothing: feature methods track every step
-            commit.proposer_rows.setdefault(r.method, []).append((i, CommitRow(r.slot, result.emitted[i], path)))
-        r.metrics.record_draft(drafted, n)
+            extra_best = None
+            if d.extra is not None and scores is not None:
+                extra_best = scores.best[i][d.size + 1 : d.size + 1 + len(d.extra.tokens)]
+            commit.proposer_rows.setdefault(r.method, []).append(
+                (i, CommitRow(r.slot, result.emitted[i], path, extra_best=extra_best)))
+        r.metrics.record_draft(d.size, n)
         r.metrics.target_forward_passes += 1
         kept = r.append(result.emitted[i], capacity, tokenizer)
-        commit.outputs.append(r.output(kept))
+        line, rejected = main_line(d, path)
+        commit.outputs.append(r.output(kept, speculation_event(r.method, line, rejected, n, kept, d.size)))
         if r.finished:
             commit.finished.append(r)
     return commit
+
+
+def main_line(draft: DraftRow, path: list[int]) -> tuple[list[int], list[int]]:
+    """(the draft's main line, its rejected tail): the accepted path, then the first-ranked
+    child chain below its last node (for a chain: the whole draft, and what follows n)."""
+    if draft.is_chain:
+        return draft.tokens, draft.tokens[len(path) - 1 :]
+    kids, node, tail = draft.tree.children, path[-1], []
+    while kids[node]:
+        node = kids[node][0]
+        tail.append(draft.tokens[node - 1])
+    return [draft.tokens[p - 1] for p in path[1:]] + tail, tail
 
 
 def commit_prefill(reqs: Sequence[Request], tokens: Sequence[int], capacity: int, tokenizer) -> Commit:
@@ -169,7 +187,7 @@ def commit_prefill(reqs: Sequence[Request], tokens: Sequence[int], capacity: int
             commit.proposer_rows.setdefault(r.method, []).append((i, PrefillRow(r.slot, r.prompt_ids, tok)))
         r.metrics.target_forward_passes += 1
         kept = r.append([tok], capacity, tokenizer)
-        commit.outputs.append(r.output(kept))
+        commit.outputs.append(r.output(kept, speculation_event(r.method, [], [], 0, kept, 0)))
         if r.finished:
             commit.finished.append(r)
     return commit
