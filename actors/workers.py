@@ -151,6 +151,13 @@ class EngineWorker(_Placed):
         async with self._lock:
             return await self.engine.step_async()
 
+    def describe(self) -> dict:
+        """Which driver, executor and proposer classes this worker runs (tests, operations)."""
+        name = lambda obj: f"{type(obj).__module__}.{type(obj).__qualname__}"  # noqa: E731
+        proposers = {m: name(self.engine.proposers.get(m)) for m in self.engine.limits.methods
+                     if self.engine.proposers.get(m) is not None}
+        return {"driver": name(self.engine.driver), "executor": name(self.engine.executor), "proposers": proposers}
+
     def proposer_handles(self) -> dict:
         return {m: p.handle for m, p in self.remote.items()}
 

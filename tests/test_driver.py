@@ -1,0 +1,168 @@
+"""The one step driver: every layout runs it, a fake executor sees its protocol, and a new
+method is its own file plus a spec (here: a toy method defined in this test alone)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal
+
+import pytest
+import ray
+import torch
+
+from specray.engine.config import EngineConfig
+from specray.engine.driver import StepDriver, run_sync
+from specray.engine.engine import LLMEngine
+from specray.engine.params import SamplingParams, SpeculationParams
+from specray.engine.scheduler import Scheduler
+from specray.engine.verify import TargetScores
+from specray.policies.base import Draft, DraftRow
+from specray.policies.registry import Limits, LinearOptions, MethodSpec, register_method
+from tests.conftest import hf_greedy
+from tests.test_engine import GREEDY, ragged_prompts
+
+VOCAB = 16
+
+
+class FakeExecutor:
+    """A 'target' that always continues with (last token + 1) % V; a 'proposer' that
+    guesses that rule for the first two nodes and then a wrong token."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.kept: list = []
+        self.proposer_rows: dict = {}
+
+    async def prefill(self, reqs, sampled):
+        self.calls.append("prefill")
+        return TargetScores([[(r.prompt_ids[-1] + 1) % VOCAB] for r in reqs], [], None)
+
+    async def propose(self, plan):
+        self.calls.append("propose")
+        parts = {}
+        for method, (_, rows) in plan.rows.items():
+            drafts = []
+            for row in rows:
+                last = row.token_ids[-1]
+                guess = [(last + 1) % VOCAB, (last + 2) % VOCAB, (last + 7) % VOCAB][: row.num_tokens]
+                drafts.append(DraftRow(guess))
+            parts[method] = Draft(drafts)
+        return parts
+
+    async def verify(self, reqs, inputs, sampled):
+        self.calls.append("verify")
+        return TargetScores([[(t + 1) % VOCAB for t in row] for row in inputs.tokens], [], None)
+
+    def apply(self, commit):
+        self.calls.append("apply")
+        self.kept += commit.target_keep
+        for method, rows in commit.proposer_rows.items():
+            self.proposer_rows.setdefault(method, []).extend(row for _, row in rows)
+
+    def release(self, slots):
+        self.calls.append("release")
+
+
+def test_driver_protocol_with_a_fake_executor():
+    limits = Limits(capacity=64, vocab_size=VOCAB, methods={"none": {}, "ngram": {}})
+    scheduler = Scheduler(2, limits)
+    executor = FakeExecutor()
+    driver = StepDriver(scheduler, executor, capacity=64)
+    spec = SpeculationParams(method="ngram", num_speculative_tokens=3)
+    scheduler.add(scheduler.make_request([1, 2, 3], SamplingParams(max_tokens=7, temperature=0), spec))
+    outputs = []
+    while scheduler.has_unfinished():
+        outputs += run_sync(driver.step())
+    tokens = sum((o.new_token_ids for o in outputs), [])
+    assert tokens == [4, 5, 6, 7, 8, 9, 10]  # the target's rule, whatever the drafts
+    assert executor.calls[:5] == ["prefill", "apply", "propose", "verify", "apply"]
+    assert executor.calls[-1] == "release"
+    # Two of three drafted nodes accepted each full step: paths 0..2, kept from the root.
+    assert executor.kept[0] == (0, 3, [0, 1, 2])
+    commits = executor.proposer_rows["ngram"]
+    assert commits[0].slot == 0 and commits[1].num_accepted == 2 and commits[1].tokens == [5, 6, 7]
+    assert outputs[1].step["accepted"] == [5, 6] and outputs[1].step["rejected"] == [11]
+
+
+# -- a toy method: this file and its spec are all it takes ------------------------------------
+class RepeatOptions(LinearOptions):
+    """Guess that the last token repeats."""
+
+    method: Literal["toy_repeat"] = "toy_repeat"
+    max_run: int = 8
+
+
+class RepeatProposer:
+    def propose(self, rows):
+        return Draft([DraftRow([row.token_ids[-1]] * min(row.num_tokens, row.options.max_run)) for row in rows])
+
+    def commit(self, rows):
+        pass
+
+    def release(self, slot):
+        pass
+
+
+def _check(options, facts, limits):
+    if options.max_run > limits.capacity:
+        raise ValueError("speculation.max_run: longer than the context")
+
+
+@pytest.fixture(scope="module")
+def toy_method():
+    register_method(MethodSpec("toy_repeat", RepeatOptions, build=lambda ctx: RepeatProposer(), check=_check))
+
+
+def test_a_toy_method_is_one_spec(toy_method, tiny_pair):
+    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4), target_model=copy.deepcopy(tiny_pair[0]))
+    prompts = ragged_prompts(6) + [[5, 5, 5, 5, 5]]
+    spec = SpeculationParams(method="toy_repeat", num_speculative_tokens=3)
+    outs = engine.generate(prompts, GREEDY, spec)
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny_pair[0], p, GREEDY.max_tokens) for p in prompts]
+    assert engine.totals.num_drafts > 0
+    with pytest.raises(ValueError, match="max_run: longer than the context"):
+        engine.add_request([1, 2], GREEDY, SpeculationParams(method="toy_repeat", max_run=10**6))
+    with pytest.raises(ValueError, match="max_run"):
+        SpeculationParams(method="toy_repeat", max_run="many")
+
+
+def test_every_layout_runs_the_same_driver(ray_session, tiny_checkpoints):
+    """In-process, colocated and separate: the engine worker holds an LLMEngine whose
+    step is StepDriver.step; in the separate layout the draft is a proxy to its own actor."""
+    from specray.actors.coordinator import Coordinator
+    from tests.test_actors import shutdown
+
+    engine = LLMEngine(EngineConfig(target=tiny_checkpoints["target"], draft=tiny_checkpoints["draft"]))
+    assert type(engine.driver) is StepDriver
+    for mode in ("separate", "colocated"):
+        c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 2, "placement": {"mode": mode}})
+        try:
+            workers = ray.get(c.workers.remote())
+            worker = workers["target" if mode == "separate" else "engine"]
+            out = ray.get(c.generate.remote([[1, 2, 3]], {"max_tokens": 8, "temperature": 0},
+                                            {"method": "draft", "num_speculative_tokens": 2}))[0]
+            assert out["metrics"]["num_drafts"] > 0
+            described = ray.get(worker.describe.remote())
+            assert described["driver"] == "specray.engine.driver.StepDriver"
+            assert described["executor"] == "specray.engine.driver.LocalExecutor"
+            expected = "specray.actors.remote.RemoteProposer" if mode == "separate" else \
+                "specray.policies.draft_model.DraftModelProposer"
+            assert described["proposers"]["draft"] == expected
+        finally:
+            shutdown(c)
+
+
+def test_run_sync_refuses_a_step_that_waits():
+    async def waits():
+        import asyncio
+
+        await asyncio.sleep(0.01)
+
+    with pytest.raises(RuntimeError, match="event loop"):
+        run_sync(waits())
+
+
+def test_tensor_view_of_a_draft():
+    d = Draft([DraftRow([1, 2]), DraftRow([]), DraftRow([3], probs=torch.ones(1, 4) / 4)])
+    assert d.tokens.tolist() == [[1, 2], [0, 0], [3, 0]] and d.lengths.tolist() == [2, 0, 1]
+    assert d.probs.shape == (3, 2, 4) and float(d.probs[2, 0].sum()) == pytest.approx(1.0)
