@@ -90,6 +90,7 @@ class ModelRunner:
         logits_at: torch.Tensor | None = None,
         layout: tuple[torch.Tensor, torch.Tensor] | None = None,
         features: bool = False,
+        embeds: Sequence[torch.Tensor] | None = None,
     ) -> ForwardOutput:
         """Append ``tokens[i]`` to ``slots[i]``'s cache and run the model.
 
@@ -103,6 +104,9 @@ class ModelRunner:
                    acceptance, ``keep`` moves the accepted path into consecutive slots; the
                    rest (rejected nodes, window tokens) is never kept.
         features:  also return every new token's final hidden state ([B, q, H]).
+        embeds:    [B][q_i, H] input embeddings to use instead of the token ids' (a
+                   feature-level drafter feeding fused features); ``tokens`` then only
+                   give the rows' lengths.
         Lengths advance by len(tokens[i]); callers roll back with ``set_length``/``keep``.
         """
         q_lens = [len(t) for t in tokens]
@@ -114,7 +118,12 @@ class ModelRunner:
             if L + n > self.capacity:
                 raise ValueError(f"slot {s}: {L} cached + {n} new tokens exceeds capacity {self.capacity}")
         ctx, ids, pos_ids = self._batch(slots, tokens, q_lens, q, lengths, layout)
-        hidden = self._run_decoder(ids, pos_ids, ctx)  # [B, q, H]
+        inputs = None
+        if embeds is not None:  # right-padded [B, q, H], like the ids
+            inputs = torch.zeros(len(slots), q, embeds[0].shape[-1], dtype=self.dtype, device=self.device)
+            for i, e in enumerate(embeds):
+                inputs[i, : e.shape[0]] = e
+        hidden = self._run_decoder(ids, pos_ids, ctx, inputs)  # [B, q, H]
         for s, n in zip(slots, q_lens):
             self.lengths[s] += n
 
@@ -164,7 +173,7 @@ class ModelRunner:
         )
         return ctx, ids.to(self.device), pos_ids.to(self.device)
 
-    def _run_decoder(self, ids, pos_ids, ctx) -> torch.Tensor:
+    def _run_decoder(self, ids, pos_ids, ctx, inputs=None) -> torch.Tensor:
         """Final-norm hidden states [B, q, H].
 
         For architectures whose decoder forward is exactly embed -> rotary -> layers ->
@@ -172,9 +181,10 @@ class ModelRunner:
         output capturing) costs as much as a layer of these small models per step.
         """
         if not self._direct:
-            return self.decoder(input_ids=ids, position_ids=pos_ids, use_cache=False, specray_batch=ctx).last_hidden_state
+            given = {"inputs_embeds": inputs} if inputs is not None else {"input_ids": ids}
+            return self.decoder(**given, position_ids=pos_ids, use_cache=False, specray_batch=ctx).last_hidden_state
         dec = self.decoder
-        hidden = dec.embed_tokens(ids)
+        hidden = dec.embed_tokens(ids) if inputs is None else inputs
         rope = dec.rotary_emb(hidden, position_ids=pos_ids)
         for layer in dec.layers:
             hidden = layer(hidden, attention_mask=None, position_embeddings=rope, position_ids=pos_ids, specray_batch=ctx)
