@@ -70,8 +70,9 @@ class ProposerWorker(_Placed):
         config = _on_this_device(config)
         spec = method_spec(method)
 
-        def runner_for(path: str) -> ModelRunner:
-            return ModelRunner(config.load_model(path), config.max_num_seqs, capacity)
+        def runner_for(model, extra_capacity: int = 0) -> ModelRunner:
+            model = config.load_model(model) if isinstance(model, str) else model
+            return ModelRunner(model, config.max_num_seqs, capacity + extra_capacity)
 
         ctx = ProposerContext(vocab_size=vocab_size, max_num_seqs=config.max_num_seqs, capacity=capacity,
                               device=config.device, dtype=config.dtype, runner_for=runner_for)

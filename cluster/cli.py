@@ -201,11 +201,11 @@ def _load_config(path: str) -> dict:
 
 
 def _train(args) -> int:
-    if args.what != "medusa":
-        raise ValueError(f"unknown training target {args.what!r}; known: medusa")
-    from specray.cluster.train_medusa import main as train_main
+    from specray.cluster.training import main as train_main, recipes
 
-    return train_main(args.rest)
+    if args.what not in recipes():
+        raise ValueError(f"unknown training target {args.what!r}; known: {sorted(recipes())}")
+    return train_main([args.what, *args.rest])
 
 
 def _bench(args) -> int:
@@ -256,8 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--once", metavar="PROMPT", default=None, help="answer one completion for PROMPT, then exit")
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("train", help="train proposer weights: `specray train medusa --out DIR [--target DIR]`")
-    p.add_argument("what", help="medusa")
+    p = sub.add_parser("train", help="train draft heads: `specray train medusa|eagle --out DIR [--target DIR]`")
+    p.add_argument("what", help="medusa | eagle")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_train)
 

@@ -82,9 +82,10 @@ class LLMEngine:
         self.executor = LocalExecutor(self.target, self.proposers)
         self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, config.speculation_length)
 
-    def _runner_for(self, path: str) -> ModelRunner:
-        model = self.config.load_model(path)
-        return ModelRunner(model, self.config.max_num_seqs, self.capacity)
+    def _runner_for(self, model, extra_capacity: int = 0) -> ModelRunner:
+        if isinstance(model, str):
+            model = self.config.load_model(model)
+        return ModelRunner(model, self.config.max_num_seqs, self.capacity + extra_capacity)
 
     @property
     def medusa_heads(self):

@@ -133,8 +133,10 @@ class ProposerContext:
 
     target: the target's ModelRunner (for methods beside the target: its embeddings, LM head);
     resource: what ``spec.load`` made of the method's checkpoint (a draft ModelRunner, heads);
-    runner_for: loads a causal-LM checkpoint as a ModelRunner with the engine's slots and
-        context on this device (given by the engine core, which owns the runner).
+    runner_for: ``runner_for(path_or_model, extra_capacity=0)`` wraps a causal-LM checkpoint
+        dir (or an in-memory model with the HF decoder surface) in a ModelRunner with the
+        engine's slots and context (+ extra positions) on this device (given by the engine
+        core, which owns the runner).
     """
 
     vocab_size: int
@@ -144,7 +146,7 @@ class ProposerContext:
     dtype: str = "float32"
     target: Any = None
     resource: Any = None
-    runner_for: Callable[[str], Any] | None = None
+    runner_for: Callable[..., Any] | None = None
 
 
 _METHODS: dict[str, MethodSpec] = {}

@@ -1,0 +1,230 @@
+"""One home for training draft heads on a frozen target (``specray train <method>``).
+
+Written once here: the data — the target's own greedy continuations of corpus prompts
+(what greedy decoding will ask a head to guess), the target's final-norm features at every
+position cached once, a held-out split from other prompts — the optimisation loop with its
+progress bar, and fitting a default tree to a head's measured ranks. A method's recipe
+(``train_medusa.py``, ``train_eagle.py``, ``train_redrafter.py``) is its head, its loss,
+its rank measurement and its checkpoint.
+
+    data = distill_data(target_dir, tokenizer_dir, sequences=1024, gen_len=128)
+    loss = optimise(head.parameters(), lambda step: my_loss(head, data.train.sample(...)), steps=1500)
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PromptSource = Callable[[str, int, int], list[list[int]]]
+
+
+def demo_corpus_prompts(tokenizer_dir: str) -> PromptSource:
+    """Prompts cut from the demo corpus at line boundaries; the held-out ones use another
+    seed than the benchmarks' ``held_out_prompts``, so fitting a tree does not see them."""
+    from transformers import AutoTokenizer
+
+    from specray.demo import corpus_prompts
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def source(split: str, n: int, seed: int) -> list[list[int]]:
+        texts = corpus_prompts(n, tokenizer_dir, split, seed=seed, distinct_lengths=False)
+        return [tok.encode(t, add_special_tokens=False) for t in texts]
+
+    return source
+
+
+@dataclass
+class SequenceSet:
+    """Prompts + the target's greedy continuations, with the target's features.
+
+    tokens:   [N, T] int64, right-padded with 0
+    features: [N, T, H] float32, the target's final-norm hidden state at each position
+    lengths:  [N] tokens per sequence; prompt_lens: [N] of which prompt
+    A position t "predicts" token t + 1; continuation positions (t >= prompt_len - 1) are
+    the ones whose next token the target chose itself.
+    """
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    lengths: torch.Tensor
+    prompt_lens: torch.Tensor
+
+    def positions(self, ahead: int) -> torch.Tensor:
+        """[P, 2] (sequence, t) of continuation positions with ``ahead`` known tokens after t."""
+        rows = []
+        for i, (n, p) in enumerate(zip(self.lengths.tolist(), self.prompt_lens.tolist())):
+            t = torch.arange(max(p - 1, 0), n - ahead)
+            rows.append(torch.stack([torch.full_like(t, i), t], dim=1))
+        return torch.cat(rows)
+
+
+@dataclass
+class DistillData:
+    """The two splits, the target's LM head weight [V, H] and token embedding [V, H]."""
+
+    train: SequenceSet
+    held_out: SequenceSet
+    lm_head: torch.Tensor
+    embed: torch.Tensor
+    seconds: float
+
+
+def greedy_continuations(engine, prompts: list[list[int]], gen_len: int) -> list[list[int]]:
+    """Each prompt followed by the target's own greedy continuation (EOS not special)."""
+    from specray.engine import SamplingParams, SpeculationParams
+
+    sampling = SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True)
+    outputs = engine.generate(prompts, sampling, SpeculationParams(method="none"))
+    return [p + list(o.token_ids) for p, o in zip(prompts, outputs)]
+
+
+@torch.no_grad()
+def target_features(model, seqs: list[list[int]], batch_size: int = 16) -> torch.Tensor:
+    """[N, T, H] final-norm hidden states of right-padded sequences (a causal model does not
+    see the padding)."""
+    decoder, pad = model.get_decoder(), model.config.pad_token_id or 0
+    width = max(map(len, seqs))
+    out = torch.zeros(len(seqs), width, model.config.hidden_size)
+    for lo in range(0, len(seqs), batch_size):
+        chunk = seqs[lo : lo + batch_size]
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk])
+        out[lo : lo + len(chunk)] = decoder(input_ids=ids).last_hidden_state.float()
+    return out
+
+
+def distill_data(target: str, tokenizer: str | None = None, sequences: int = 1024, gen_len: int = 128,
+                 seed: int = 0, prompts: PromptSource | None = None, context: int = 512) -> DistillData:
+    """Greedy continuations of ``sequences`` training prompts and ``sequences // 8`` held-out
+    ones (another seed), with the target's features cached."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from specray.engine import EngineConfig, LLMEngine
+
+    start = time.time()
+    prompts = prompts or demo_corpus_prompts(tokenizer or target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    context = min(context, model.config.max_position_embeddings)
+    engine = LLMEngine(EngineConfig(target=target, tokenizer=tokenizer, max_num_seqs=64, max_model_len=context))
+    sets = []
+    with tqdm(total=2, desc="target continuations", unit="split") as bar:
+        for split, num, split_seed in (("train", sequences, seed), ("held_out", max(sequences // 8, 16), seed + 1)):
+            ids = [p[: context - gen_len] for p in prompts(split, num, split_seed)]
+            seqs = greedy_continuations(engine, ids, gen_len)
+            width = max(map(len, seqs))
+            tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+            sets.append(SequenceSet(tokens, target_features(model, seqs), torch.tensor([len(s) for s in seqs]),
+                                    torch.tensor([len(p) for p in ids])))
+            bar.update()
+    lm_head = model.get_output_embeddings().weight.detach()
+    embed = model.get_input_embeddings().weight.detach()
+    return DistillData(sets[0], sets[1], lm_head, embed, time.time() - start)
+
+
+def optimise(params: Iterable[torch.nn.Parameter], loss_at: Callable[[int], torch.Tensor], steps: int, lr: float,
+             desc: str, weight_decay: float = 0.0, clip: float | None = None) -> float:
+    """AdamW with a one-cycle schedule over ``loss_at(step)``; returns the last loss."""
+    from tqdm import tqdm
+
+    params = [p for p in params if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+    bar = tqdm(range(steps), desc=desc, unit="step")
+    loss = torch.tensor(float("nan"))
+    for step in bar:
+        loss = loss_at(step)
+        opt.zero_grad()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        sched.step()
+        if step % 50 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+    return float(loss.item())
+
+
+def fit_tree(ranks: torch.Tensor, size: int, max_children: int) -> tuple[list[list[int]], float]:
+    """The ``size`` rank paths most often fully right, and the expected accepted length
+    ``1 + sum(values)``. ``ranks[n, d]``: where the head ranked the true token at depth d
+    of example n (``-1`` if not in its top ``max_children``). A node's value is the measured
+    fraction of examples whose next tokens sit at exactly its ranks (Medusa's sparse-tree
+    idea, without assuming the depths independent); a prefix is never worth less than its
+    extension, so the chosen nodes form a tree."""
+    n, depth = ranks.shape
+    heap: list = []  # max-heap of (-value, path, mask of examples matching the path so far)
+    everyone = torch.ones(n, dtype=torch.bool)
+
+    def push(path: tuple[int, ...], parent_mask: torch.Tensor) -> None:
+        mask = parent_mask & (ranks[:, len(path) - 1] == path[-1])
+        value = mask.sum().item() / n
+        if value > 0:
+            heapq.heappush(heap, (-value, path, mask))
+
+    for r in range(max_children):
+        push((r,), everyone)
+    chosen, total = [], 0.0
+    while heap and len(chosen) < size:
+        neg, path, mask = heapq.heappop(heap)
+        chosen.append(list(path))
+        total -= neg
+        if len(path) < depth:
+            for r in range(max_children):
+                push(path + (r,), mask)
+    return chosen, 1.0 + total
+
+
+def ranks_of(logits: torch.Tensor, labels: torch.Tensor, top: int) -> torch.Tensor:
+    """Rank of each label among the ``top`` largest logits (-1 when outside): [..., V] -> [...]."""
+    topk = logits.topk(top, dim=-1).indices
+    hit = topk == labels[..., None]
+    return torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(labels, -1))
+
+
+# -- the command ----------------------------------------------------------------------------
+def recipes() -> dict[str, Callable[[list[str]], int]]:
+    from specray.cluster import train_eagle, train_medusa
+
+    return {"medusa": train_medusa.main, "eagle": train_eagle.main}
+
+
+def main(argv: list[str] | None = None) -> int:
+    known = recipes()
+    p = argparse.ArgumentParser(prog="specray train", description="Train a draft head on a frozen target.")
+    p.add_argument("method", choices=sorted(known))
+    args, rest = p.parse_known_args(argv)
+    return known[args.method](rest)
+
+
+def resolve_target(target: str | None, tokenizer: str | None) -> tuple[str, str]:
+    """The target and tokenizer dirs (default: the demo pair's target)."""
+    if target is None:
+        from specray.demo import load_or_build_demo_pair
+
+        pair = load_or_build_demo_pair()
+        return pair.target, tokenizer or pair.tokenizer
+    return target, tokenizer or target
+
+
+def add_common_args(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
+    p.add_argument("--target", default=None, help="target checkpoint dir (default: the demo target)")
+    p.add_argument("--tokenizer", default=None, help="default: the target dir, or the demo tokenizer")
+    p.add_argument("--out", required=True, help="output dir (the method's public layout)")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--sequences", type=int, default=1024, help="greedy continuations to train on")
+    p.add_argument("--gen-len", type=int, default=128, help="tokens per continuation")
+    p.add_argument("--tree-size", type=int, default=16, help="nodes in the fitted default tree")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-eval", action="store_true", help="skip measuring the mean accepted length")

@@ -1,0 +1,495 @@
+"""EAGLE-1 and EAGLE-2: a feature-level draft head that runs autoregressively on the
+target's features, expanding a token tree level by level.
+
+The head (EAGLE; Li et al. 2024): ``f̂_{t+1} = layer(fc([embed(x_{t+1}); f_t]))`` — the
+target's frozen token embedding, a projection 2H -> H, one Llama decoder layer without its
+input norm — and logits ``lm_head(f̂)`` through the target's frozen LM head. ``f_t`` is the
+target's final-norm hidden state at position t (the input of its LM head).
+
+The head has its own KV cache per slot (a ``ModelRunner`` over the head, same slots as the
+target): position t holds the pair (f_t, x_{t+1}) for every committed token, built from
+the target's *true* features, which every commit hands over for every accepted token
+(``CommitRow.features``; prompt features come with ``PrefillRow``). A step:
+
+1. catch up: the pairs committed since the last step go through the head in one ragged
+   forward; the output at the last one, f̂ of the new root, gives the first level;
+2. expand: level by level, the nodes chosen for expansion are fed with their parent's
+   predicted feature under a tree mask (one head forward per depth; the head's cache is
+   rolled back to the committed pairs after each, an integer), and each proposes children:
+   * EAGLE-1 (``dynamic_tree: false``): a static tree (``eagle_choices``/``tree``, default
+     the tree saved with the head): the children of a node are the head's top-ranked
+     tokens (greedy rows) or draws without replacement from the head's distribution under
+     the request's sampling settings (sampled rows; each node then carries the q it was
+     drawn from, so tree rejection sampling uses the head's probabilities);
+   * EAGLE-2 (``dynamic_tree: true``): each expanded node proposes its ``top_k`` children,
+     scored by the product of the head's probabilities along the path; the global ``top_k``
+     of each level are expanded next, ``depth`` times; the ``total_tokens - 1`` best
+     nodes form the tree (a child never scores above its parent, so parents come along).
+     Candidates are chosen by confidence, so they are deterministic proposals (one-hot q)
+     — the exact rule for any selection (EAGLE-2's own).
+3. the target verifies the tree in one forward; the accepted path's true features are the
+   next commit.
+
+Checkpoints use the public EAGLE layout (SafeAILab/EAGLE, read by vLLM and SGLang):
+``config.json`` of a one-layer Llama (plus ``bias`` for fc), weights ``fc.weight``,
+``fc.bias``, ``layers.0.self_attn.*``, ``layers.0.mlp.*``,
+``layers.0.post_attention_layernorm.weight`` (and ``embed_tokens.weight``, which specray
+does not use: the target's embedding is), in ``model.safetensors`` or
+``pytorch_model.bin``. specray adds ``eagle_choices`` (a fitted default tree) to config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+from pydantic import Field, field_validator, model_validator
+from torch import nn
+
+from specray.kernels.sampling import probs_from_logits
+from specray.kernels.tree import NAMED_TREES, TokenTree, build_tree, normalize_choices
+from specray.policies.base import CommitRow, Draft, DraftRow, PrefillRow, ProposalRow
+from specray.policies.registry import MethodSpec, TreeAcceptanceOptions, register_method
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# EAGLE's own default static tree (SafeAILab/EAGLE choices.py, mc_sim_7b_63): 25 nodes, depth 5.
+MC_SIM_7B_63 = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0], [0, 0, 0],
+                [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0], [0, 0, 0, 0],
+                [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
+EAGLE_TREES = {**NAMED_TREES, "mc_sim_7b_63": MC_SIM_7B_63}
+DEFAULT_TREE = "mc_sim_7b_63"
+MAX_DEPTH = 16
+
+
+class EagleOptions(TreeAcceptanceOptions):
+    """EAGLE-1 (a static tree) or EAGLE-2 (``dynamic_tree``: a tree per row and step)."""
+
+    method: Literal["eagle"] = "eagle"
+    dynamic_tree: bool = Field(False, description="EAGLE-2: expand by the head's confidence (top_k, depth, total_tokens).")
+    eagle_choices: list[list[int]] | None = Field(
+        None, description="EAGLE-1's static tree: every candidate, or only the unique paths (as medusa_choices)."
+    )
+    tree: str | None = Field(None, description=f"EAGLE-1: a named tree ({', '.join(EAGLE_TREES)}).")
+    top_k: int = Field(8, ge=1, le=32, description="EAGLE-2: children per expanded node, and nodes expanded per depth.")
+    depth: int = Field(5, ge=1, le=MAX_DEPTH, description="EAGLE-2: expansion depth.")
+    total_tokens: int = Field(24, ge=2, le=256, description="EAGLE-2: tokens verified per step (root included).")
+
+    @field_validator("eagle_choices")
+    @classmethod
+    def _valid_tree(cls, v):
+        if v is not None:
+            normalize_choices(v, max_depth=MAX_DEPTH)
+        return v
+
+    @field_validator("tree")
+    @classmethod
+    def _known_tree(cls, v):
+        if v is not None and v not in EAGLE_TREES:
+            raise ValueError(f"unknown tree {v!r}; named trees: {sorted(EAGLE_TREES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        if self.dynamic_tree and (self.eagle_choices is not None or self.tree is not None):
+            raise ValueError("dynamic_tree builds its own tree: give eagle_choices/tree only with dynamic_tree false")
+        return self
+
+
+# -- the head ------------------------------------------------------------------------------
+class EagleHead(nn.Module):
+    """fc + one decoder layer; the target's embedding and LM head are bound, not owned.
+
+    It presents the decoder surface a ``ModelRunner`` drives (``get_decoder``: embed_tokens,
+    rotary_emb, layers, norm; ``get_output_embeddings``), so the head gets a slot-indexed KV
+    cache, tree masks and integer rollback from the same runner the target uses.
+    """
+
+    def __init__(self, config, bias: bool = True):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=bias)
+        layer = LlamaDecoderLayer(config, 0)
+        layer.input_layernorm = nn.Identity()  # EAGLE's first layer has no input norm
+        self.layers = nn.ModuleList([layer])
+        self.rotary_emb = LlamaRotaryEmbedding(config)
+        self.norm = nn.Identity()  # f̂ is compared with the target's final-norm features
+        self.choices: list[list[int]] | None = None
+        self._target = ()  # (embed_tokens, lm_head) of the target: bound, not parameters
+
+    # The decoder surface a ModelRunner reads.
+    @property
+    def embed_tokens(self):
+        return self._target[0]
+
+    @property
+    def lm_head(self):
+        return self._target[1]
+
+    def get_decoder(self):
+        return self
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_attn_implementation(self, name: str) -> None:
+        self.config._attn_implementation = name
+
+    def bind(self, embed_tokens: nn.Module, lm_head: nn.Module) -> "EagleHead":
+        """Use the target's (frozen) token embedding and LM head."""
+        if embed_tokens.weight.shape[1] != self.config.hidden_size:
+            raise ValueError(f"the EAGLE head has hidden size {self.config.hidden_size}, "
+                             f"the target {embed_tokens.weight.shape[1]}")
+        self._target = (embed_tokens, lm_head)
+        return self
+
+    def fuse(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """fc([embed(tokens); features]): [..., H] head inputs."""
+        emb = self.embed_tokens(tokens).to(features.dtype)
+        return self.fc(torch.cat([emb, features], dim=-1))
+
+    def forward_sequence(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Training/eval: f̂ [B, T, H] for pairs (features[:, t], tokens[:, t]) (causal, no cache)."""
+        hidden = self.fuse(tokens, features)
+        pos = torch.arange(tokens.shape[1], device=tokens.device)[None].expand(tokens.shape[0], -1)
+        rope = self.rotary_emb(hidden, position_ids=pos)
+        impl = self.config._attn_implementation
+        self.config._attn_implementation = "sdpa"
+        try:
+            mask = torch.full((tokens.shape[1],) * 2, float("-inf"), device=hidden.device).triu(1)
+            for layer in self.layers:
+                hidden = layer(hidden, attention_mask=mask[None, None].to(hidden.dtype), position_embeddings=rope,
+                               position_ids=pos)
+        finally:
+            self.config._attn_implementation = impl
+        return hidden
+
+    # -- the public checkpoint layout --------------------------------------------------------
+    def save(self, directory: str | pathlib.Path, base_model: str | None = None) -> None:
+        from safetensors.torch import save_file
+
+        out = pathlib.Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg = self.config.to_dict()
+        cfg.update({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "bias": self.fc.bias is not None,
+                    "base_model_name_or_path": base_model})
+        cfg.pop("_attn_implementation", None)
+        if self.choices is not None:
+            cfg["eagle_choices"] = self.choices
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        state = {k: v.contiguous() for k, v in self.state_dict().items()}
+        if self._target:  # the public layout carries the embedding; specray reads the target's
+            state["embed_tokens.weight"] = self.embed_tokens.weight.detach().contiguous()
+        save_file(state, str(out / WEIGHT_FILES[0]))
+
+    @classmethod
+    def load(cls, directory: str | pathlib.Path, hidden_size: int | None = None) -> "EagleHead":
+        from transformers import LlamaConfig
+
+        path = pathlib.Path(directory)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"{cfg_file} not found: not an EAGLE head directory")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from None
+        missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in raw]
+        if missing:
+            raise ValueError(f"{cfg_file} lacks {missing}: not a Llama-layer EAGLE config")
+        if hidden_size is not None and raw["hidden_size"] != hidden_size:
+            raise ValueError(f"the EAGLE head expects hidden size {raw['hidden_size']}, the target has {hidden_size}")
+        weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
+        if weights is None:
+            raise FileNotFoundError(f"no {' or '.join(WEIGHT_FILES)} in {path}")
+        if weights.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(weights))
+        else:
+            state = torch.load(weights, map_location="cpu", weights_only=True)
+        state = {k.removeprefix("model."): v for k, v in state.items() if k not in ("embed_tokens.weight",
+                                                                                      "model.embed_tokens.weight")}
+        config = LlamaConfig(**{**{k: v for k, v in raw.items() if k not in ("eagle_choices", "bias")},
+                                "num_hidden_layers": 1})
+        head = cls(config, bias=bool(raw.get("bias", "fc.bias" in state)))
+        try:
+            head.load_state_dict(state)
+        except RuntimeError as exc:
+            raise ValueError(f"{weights} does not match a one-layer EAGLE head of {cfg_file}: {exc}") from None
+        if raw.get("eagle_choices") is not None:
+            try:
+                build_tree(raw["eagle_choices"], max_depth=MAX_DEPTH)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{cfg_file}: bad eagle_choices: {exc}") from None
+            head.choices = raw["eagle_choices"]
+        return head.eval()
+
+
+# -- drafting ------------------------------------------------------------------------------
+def resolve_tree(options: EagleOptions, head_choices=None) -> TokenTree:
+    """EAGLE-1's tree: explicit choices, a named tree, the head's own, else mc_sim_7b_63."""
+    choices = options.eagle_choices
+    if choices is None and options.tree:
+        choices = EAGLE_TREES[options.tree]
+    if choices is None:
+        choices = head_choices if head_choices is not None else EAGLE_TREES[DEFAULT_TREE]
+    return build_tree(choices, max_depth=MAX_DEPTH)
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index into the row's node list; -1 = the root
+    depth: int
+    score: float  # log of the product of the head's probabilities along the path
+    q: torch.Tensor | None = None  # [V] the distribution it was drawn from (sampled static rows)
+    rank: tuple = ()  # static trees: the rank path (a choice)
+    feature: torch.Tensor | None = None  # f̂ the head predicted at this node (once fed)
+
+
+class _RowPlan:
+    """One row's tree under construction."""
+
+    def __init__(self, row: ProposalRow, tree: TokenTree | None, room: int):
+        self.row, self.tree, self.room = row, tree, room
+        self.nodes: list[_Node] = []
+        self.frontier: list[int] = []  # nodes to expand at the next level
+        self.root_feature: torch.Tensor | None = None  # f̂ at the root (from the catch-up)
+        depth = tree.max_depth if tree is not None else row.options.depth
+        self.depth = min(depth, room)  # deeper nodes could never be kept
+        self.sampled = tree is not None and not row.sampling.greedy
+
+
+class EagleProposer:
+    def __init__(self, head: EagleHead, runner, vocab_size: int):
+        self.head, self.runner, self.vocab_size = head, runner, vocab_size
+        self._pending: dict[int, tuple[list[torch.Tensor], list[int]]] = {}  # slot -> (features, next tokens)
+
+    # -- what the target tells us ------------------------------------------------------------
+    def prefill(self, rows: Sequence[PrefillRow]) -> None:
+        for row in rows:
+            self.runner.reset(row.slot)
+            self._pending[row.slot] = ([row.features], list(row.token_ids[1:]) + [row.first_token])
+
+    def commit(self, rows: Sequence[CommitRow]) -> None:
+        for row in rows:
+            feats, toks = self._pending.setdefault(row.slot, ([], []))
+            feats.append(row.features)
+            toks.extend(row.tokens)
+
+    def release(self, slot: int) -> None:
+        self.runner.reset(slot)
+        self._pending.pop(slot, None)
+
+    # -- drafting ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, rows: Sequence[ProposalRow]) -> Draft:
+        if not rows:
+            return Draft([])
+        root_feature, root_logits = self._catch_up(rows)  # [B, H], [B, V]
+        plans = []
+        for i, row in enumerate(rows):
+            tree = None if row.options.dynamic_tree else resolve_tree(row.options, self.head.choices)
+            plans.append(_RowPlan(row, tree, row.num_tokens))
+            plans[-1].root_feature = root_feature[i]
+        for level in range(1, max(p.depth for p in plans) + 1):
+            if level == 1:
+                parents, logits = [[-1] for _ in plans], [root_logits[i : i + 1] for i in range(len(plans))]
+            else:
+                parents, logits = self._expand(plans)
+            for plan, par, lg in zip(plans, parents, logits):
+                if level <= plan.depth and par:
+                    self._children(plan, level, par, lg)
+        return Draft([self._finish(p) for p in plans])
+
+    def _catch_up(self, rows):
+        """Feed each row's committed pairs; f̂ and logits at its last one (the new root)."""
+        slots, embeds, tokens = [], [], []
+        for row in rows:
+            feats, toks = self._pending.pop(row.slot, ([], []))
+            if not toks:
+                raise ValueError(f"eagle: no committed features for slot {row.slot} (missing prefill/commit)")
+            f = torch.cat(feats).to(self.runner.dtype)
+            t = torch.tensor(toks, device=f.device)
+            slots.append(row.slot)
+            embeds.append(self.head.fuse(t, f))
+            tokens.append(toks)
+        out = self.runner.forward(slots, tokens, embeds=embeds)
+        return out.hidden[:, 0], out.logits[:, 0]
+
+    def _children(self, plan: _RowPlan, level: int, parents: list[int], logits: torch.Tensor) -> None:
+        """Add level ``level``'s nodes below ``parents`` (their logits [len(parents), V])."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        new: list[int] = []
+        if plan.tree is not None:  # static: each parent's children are given by the tree's ranks
+            for p, lp, lg in zip(parents, logp, logits):
+                ranks = [c for c in plan.tree.choices if len(c) == level and c[:-1] == self._rank(plan, p)]
+                if not ranks:
+                    continue
+                width = max(c[-1] for c in ranks) + 1
+                picks, qs = self._pick(plan.row, lg, width) if plan.sampled else (lp.topk(width).indices.tolist(), None)
+                base = plan.nodes[p].score if p >= 0 else 0.0
+                for c in ranks:
+                    tok = picks[c[-1]]
+                    plan.nodes.append(_Node(tok, p, level, base + float(lp[tok]), qs[c[-1]] if qs else None, c))
+                    new.append(len(plan.nodes) - 1)
+            # a static tree expands every node that has children in it
+            plan.frontier = [n for n in new if any(len(c) == level + 1 and c[:-1] == plan.nodes[n].rank
+                                                   for c in plan.tree.choices)]
+            if level >= plan.depth:
+                plan.frontier = []
+        else:  # dynamic: top_k children per expanded node, the best top_k are expanded next
+            k = plan.row.options.top_k
+            for p, lp in zip(parents, logp):
+                base = plan.nodes[p].score if p >= 0 else 0.0
+                top = lp.topk(k)
+                for tok, val in zip(top.indices.tolist(), top.values.tolist()):
+                    plan.nodes.append(_Node(tok, p, level, base + val))
+                    new.append(len(plan.nodes) - 1)
+            plan.frontier = sorted(new, key=lambda n: -plan.nodes[n].score)[:k] if level < plan.depth else []
+
+    @staticmethod
+    def _rank(plan: _RowPlan, node: int) -> tuple:
+        return plan.nodes[node].rank if node >= 0 else ()
+
+    @staticmethod
+    def _pick(row: ProposalRow, logits: torch.Tensor, width: int):
+        """``width`` draws without replacement from the row's sampling distribution (Gumbel
+        top-k), with the distribution each one was drawn from given the ones before it."""
+        s = row.sampling
+        q = probs_from_logits(logits[None].float(), torch.tensor([s.temperature]), torch.tensor([s.top_k]),
+                              torch.tensor([s.top_p]))[0]
+        width = min(width, int((q > 0).sum()))
+        u = torch.rand(q.shape, generator=row.generator, device=q.device).clamp_(1e-12, 1 - 1e-12)
+        keys = torch.where(q > 0, torch.log(q) - torch.log(-torch.log(u)), torch.full_like(q, -math.inf))
+        picks = keys.topk(width).indices.tolist()
+        qs, left = [], q.clone()
+        for tok in picks:
+            qs.append(left / left.sum())
+            left[tok] = 0
+        return picks, qs
+
+    def _expand(self, plans: list[_RowPlan]):
+        """One head forward over every row's expanded nodes (re-fed each level, under their
+        ancestor mask); returns per row the frontier and its logits [len(frontier), V]."""
+        fed = [sorted({a for n in plan.frontier for a in self._ancestors(plan, n)}) for plan in plans]
+        active = [i for i, f in enumerate(fed) if f]
+        if not active:
+            return [[] for _ in plans], [None for _ in plans]
+        slots, embeds, tokens, masks, offsets = [], [], [], [], []
+        q = max(len(fed[i]) for i in active)
+        for i in active:
+            plan, nodes = plans[i], fed[i]
+            where = {n: j for j, n in enumerate(nodes)}
+            toks = torch.tensor([plan.nodes[n].token for n in nodes], device=self.runner.device)
+            parent_feats = torch.stack([self._parent_feature(plan, n) for n in nodes])
+            mask = torch.eye(q, dtype=torch.bool)
+            for j, n in enumerate(nodes):
+                for a in self._ancestors(plan, n):
+                    mask[j, where[a]] = True
+            off = torch.arange(q)
+            off[: len(nodes)] = torch.tensor([plan.nodes[n].depth - 1 for n in nodes])
+            slots.append(plan.row.slot)
+            embeds.append(self.head.fuse(toks, parent_feats.to(self.runner.dtype)))
+            tokens.append([plan.nodes[n].token for n in nodes])
+            masks.append(mask)
+            offsets.append(off)
+        base = [self.runner.lengths[s] for s in slots]
+        out = self.runner.forward(slots, tokens, torch.arange(q)[None].expand(len(slots), -1),
+                                  layout=(torch.stack(masks), torch.stack(offsets)), embeds=embeds)
+        for s, b in zip(slots, base):
+            self.runner.set_length(s, b)  # the tree's head KV is never kept
+        parents, logits = [[] for _ in plans], [None for _ in plans]
+        for j, i in enumerate(active):
+            plan, nodes = plans[i], fed[i]
+            for col, n in enumerate(nodes):
+                plan.nodes[n].feature = out.hidden[j, col]
+            cols = [nodes.index(n) for n in plan.frontier]
+            parents[i] = list(plan.frontier)
+            logits[i] = out.logits[j, cols]
+        return parents, logits
+
+    @staticmethod
+    def _ancestors(plan: _RowPlan, node: int) -> list[int]:
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = plan.nodes[node].parent
+        return out
+
+    def _parent_feature(self, plan: _RowPlan, node: int) -> torch.Tensor:
+        parent = plan.nodes[node].parent
+        return plan.root_feature if parent < 0 else plan.nodes[parent].feature
+
+    def _finish(self, plan: _RowPlan) -> DraftRow:
+        """Order the chosen nodes parents-first, siblings by rank; cut to the room."""
+        nodes = plan.nodes
+        if plan.tree is not None:
+            chosen = list(range(len(nodes)))  # static trees already list nodes in choice order
+            chosen.sort(key=lambda n: (nodes[n].depth, nodes[n].rank))
+        else:
+            budget = plan.row.options.total_tokens - 1
+            chosen = sorted(range(len(nodes)), key=lambda n: (-nodes[n].score, nodes[n].depth))[:budget]
+            chosen.sort(key=lambda n: (nodes[n].depth, -nodes[n].score))
+        chosen = chosen[: plan.room]  # depth-ordered: every kept node's parent is kept
+        index = {n: i + 1 for i, n in enumerate(chosen)}
+        parents = [index.get(nodes[n].parent, 0) if nodes[n].parent >= 0 else 0 for n in chosen]
+        tokens = [nodes[n].token for n in chosen]
+        probs = torch.stack([nodes[n].q for n in chosen]) if plan.sampled and chosen else None
+        return DraftRow(tokens, TokenTree.from_parents(parents), probs)
+
+
+def _load(path: str, ctx) -> tuple[EagleHead, object]:
+    head = EagleHead.load(path, hidden_size=ctx.target.hidden_size)
+    return _bind(head, ctx)
+
+
+def _bind(head: EagleHead, ctx):
+    decoder = ctx.target.decoder
+    head = head.bind(decoder.embed_tokens, ctx.target.lm_head).to(ctx.device)
+    return head
+
+
+def _build(ctx) -> EagleProposer:
+    head = ctx.resource
+    if not head._target:
+        head = _bind(head, ctx)
+    # The head's cache holds the committed pairs plus one step's expanded nodes.
+    runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256)
+    return EagleProposer(head, runner, ctx.vocab_size)
+
+
+def _check(options: EagleOptions, facts: dict, limits) -> None:
+    if options.dynamic_tree:
+        if options.total_tokens > limits.capacity:
+            raise ValueError(f"speculation.total_tokens: {options.total_tokens} exceeds the context ({limits.capacity})")
+    else:
+        resolve_tree(options, facts.get("choices"))
+
+
+def _offline_facts(path: str) -> dict:
+    cfg = json.loads((pathlib.Path(path) / "config.json").read_text())
+    return {"hidden_size": int(cfg["hidden_size"]), "choices": cfg.get("eagle_choices")}
+
+
+register_method(MethodSpec(
+    name="eagle",
+    options=EagleOptions,
+    build=_build,
+    needs_features=True,
+    drafts_trees=True,
+    placement="target",
+    checkpoint="eagle",
+    requirement="an EAGLE head (EngineConfig.checkpoints['eagle'] / --eagle DIR; `specray train eagle`)",
+    load=lambda path, ctx: _load(path, ctx),
+    facts=lambda head: {"hidden_size": head.config.hidden_size, "choices": head.choices},
+    offline_facts=_offline_facts,
+    check=_check,
+))
