@@ -1,0 +1,260 @@
+"""EAGLE-1/EAGLE-2: public head layout, lossless greedy on static and dynamic trees, exact
+tree sampling, the head's cache, training, and the coordinator."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from specray.engine.config import EngineConfig
+from specray.engine.engine import LLMEngine
+from specray.engine.params import SamplingParams, SpeculationParams
+from specray.policies.eagle import EAGLE_TREES, EagleHead
+from tests.conftest import hf_greedy, tiny_llama
+from tests.test_engine import GREEDY, ragged_prompts
+
+
+def head_config(target):
+    from transformers import LlamaConfig
+
+    c = target.config
+    return LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                       num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                       max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size, num_hidden_layers=1)
+
+
+def random_head(target, seed=0, std=0.3):
+    torch.manual_seed(seed)
+    head = EagleHead(head_config(target))
+    for p in head.parameters():  # every weight non-zero, so loading is really tested
+        torch.nn.init.normal_(p, std=std)
+    return head.eval()
+
+
+def self_head(target):
+    """A head that copies the target's last layer and reads its features directly: fc passes
+    the feature half through, so it often drafts what the target would."""
+    head = random_head(target, std=0.0)
+    h = target.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, h:] = torch.eye(h)
+        head.fc.bias.zero_()
+    return head
+
+
+def eagle_engine(target, head, max_num_seqs=4, **kw):
+    return LLMEngine(EngineConfig(target="x", max_num_seqs=max_num_seqs, **kw), target_model=copy.deepcopy(target),
+                     resources={"eagle": copy.deepcopy(head)})
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return tiny_pair[0]
+
+
+@pytest.fixture(scope="module")
+def references(target):
+    return [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(8)]
+
+
+SPECS = {
+    "eagle-1 default tree": {},
+    "eagle-1 chain": {"tree": "chain"},
+    "eagle-1 explicit": {"eagle_choices": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]},
+    "eagle-2": {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12},
+    "eagle-2 wide": {"dynamic_tree": True, "top_k": 8, "depth": 6, "total_tokens": 40},
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_eagle_equals_hf_generate(target, references, name, batch):
+    engine = eagle_engine(target, random_head(target), max_num_seqs=batch)
+    prompts = ragged_prompts(8 if batch > 1 else 3)  # 8 prompts on 4 slots: requests join mid-run
+    outs = engine.generate(prompts, GREEDY, SpeculationParams(method="eagle", **SPECS[name]))
+    assert [o.token_ids for o in outs] == references[: len(prompts)]
+    assert engine.totals.num_drafts > 0
+
+
+def test_a_good_head_is_accepted_and_mixes_with_other_methods(tiny_pair, references):
+    target, draft = tiny_pair
+    head = self_head(target)
+    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4), target_model=copy.deepcopy(target),
+                       draft_model=copy.deepcopy(draft), resources={"eagle": head})
+    specs = [SpeculationParams(method="eagle", dynamic_tree=i % 2 == 0) if i % 4 < 2 else
+             SpeculationParams(method=["draft", "ngram"][i % 2]) for i in range(8)]
+    outs = engine.generate(ragged_prompts(8), GREEDY, specs)
+    assert [o.token_ids for o in outs] == references
+    eagle = [o.metrics for o, s in zip(outs, specs) if s.method == "eagle"]
+    assert sum(m["num_accepted_tokens"] for m in eagle) > 0
+
+
+def test_the_heads_cache_equals_recomputing_it(target):
+    """After several steps, each slot's head KV equals a fresh head run over the committed
+    pairs built from the target's true features."""
+    engine = eagle_engine(target, random_head(target), max_num_seqs=2)
+    prompts = [ragged_prompts(2)[0], ragged_prompts(2)[1]]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                              SpeculationParams(method="eagle", dynamic_tree=True, top_k=3, depth=3, total_tokens=8))
+           for p in prompts]
+    for _ in range(4):
+        engine.step()
+    proposer = engine.proposers.get("eagle")
+    runner = proposer.runner
+    for rid in ids:
+        req = engine.scheduler.find(rid)
+        n = runner.lengths[req.slot]
+        assert n > len(req.prompt_ids)
+        seq = req.token_ids  # pairs (f_t, x_{t+1}) for t < n
+        with torch.no_grad():
+            feats = target.model(torch.tensor([seq[:n]])).last_hidden_state[0]
+        fresh = copy.deepcopy(runner)
+        fresh.reset(req.slot)
+        head = proposer.head
+        fresh.forward([req.slot], [seq[1 : n + 1]], embeds=[head.fuse(torch.tensor(seq[1 : n + 1]), feats)])
+        for layer in range(len(runner.cache.keys)):
+            torch.testing.assert_close(runner.cache.keys[layer][req.slot, :, :n], fresh.cache.keys[layer][req.slot, :, :n],
+                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(runner.cache.values[layer][req.slot, :, :n],
+                                       fresh.cache.values[layer][req.slot, :, :n], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("spec", [{"eagle_choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]},
+                                  {"dynamic_tree": True, "top_k": 3, "depth": 3, "total_tokens": 8}],
+                         ids=["eagle-1 sampled nodes", "eagle-2 deterministic nodes"])
+def test_tree_sampling_keeps_the_target_distribution(spec):
+    from tests.test_sampling_e2e import N, PARAMS, PROMPT, VOCAB, check, exact_joint
+
+    target = tiny_llama(vocab=VOCAB, seed=3, init=0.25)
+    engine = eagle_engine(target, self_head(target), max_num_seqs=64)
+    params = [SamplingParams(seed=i, **PARAMS) for i in range(N)]
+    outs = engine.generate([PROMPT] * N, params, SpeculationParams(method="eagle", **spec))
+    t = engine.totals
+    assert t.num_drafts > N // 2 and 0 < t.num_accepted_tokens
+    seqs = np.array([o.token_ids for o in outs])
+    assert min(check(seqs, exact_joint(target))) > 1e-3
+    biased = seqs.copy()  # negative control: the same test catches a plausible bug
+    biased[: N // 5, 1:] = biased[: N // 5, :1]
+    assert min(check(biased, exact_joint(target))) < 1e-3
+
+
+def test_public_layout_round_trip(target, tmp_path):
+    head = random_head(target).bind(target.model.embed_tokens, target.lm_head)
+    head.choices = [[0], [1], [0, 0]]
+    head.save(tmp_path / "st")
+    loaded = EagleHead.load(tmp_path / "st", hidden_size=32).bind(target.model.embed_tokens, target.lm_head)
+    assert loaded.choices == [[0], [1], [0, 0]]
+    toks, feats = torch.tensor([[1, 2, 3]]), torch.randn(1, 3, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.forward_sequence(toks, feats), head.forward_sequence(toks, feats))
+    # SafeAILab/EAGLE's own files: pytorch_model.bin with embed_tokens and "bias" in config.json
+    (tmp_path / "pt").mkdir()
+    cfg = head_config(target).to_dict()
+    cfg.update({"bias": True, "architectures": ["LlamaForCausalLM"]})
+    (tmp_path / "pt" / "config.json").write_text(json.dumps(cfg, default=str))
+    state = {**head.state_dict(), "embed_tokens.weight": target.model.embed_tokens.weight.detach()}
+    assert "fc.bias" in state and "layers.0.self_attn.q_proj.weight" in state
+    assert "layers.0.input_layernorm.weight" not in state  # EAGLE's layer has no input norm
+    torch.save(state, tmp_path / "pt" / "pytorch_model.bin")
+    other = EagleHead.load(tmp_path / "pt").bind(target.model.embed_tokens, target.lm_head)
+    with torch.no_grad():
+        torch.testing.assert_close(other.forward_sequence(toks, feats), head.forward_sequence(toks, feats))
+
+
+def test_bad_head_files_raise(target, tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        EagleHead.load(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        EagleHead.load(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 32}))
+    with pytest.raises(ValueError, match="lacks"):
+        EagleHead.load(tmp_path)
+    cfg = head_config(target).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps(cfg, default=str))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        EagleHead.load(tmp_path)
+    with pytest.raises(ValueError, match="hidden size 32"):
+        EagleHead.load(tmp_path, hidden_size=64)
+    torch.save({"fc.weight": torch.zeros(32, 64)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="does not match"):
+        EagleHead.load(tmp_path)
+    random_head(target).save(tmp_path / "ok")
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+    cfg["eagle_choices"] = [[0], [0]]
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="bad eagle_choices"):
+        EagleHead.load(tmp_path / "ok")
+
+
+def test_eagle_requests_are_validated(target):
+    with pytest.raises(ValueError, match="dynamic_tree builds its own tree"):
+        SpeculationParams(method="eagle", dynamic_tree=True, tree="chain")
+    with pytest.raises(ValueError, match="unknown tree"):
+        SpeculationParams(method="eagle", tree="bushy")
+    with pytest.raises(ValueError, match="top_k"):
+        SpeculationParams(method="eagle", top_k=0)
+    assert "mc_sim_7b_63" in EAGLE_TREES
+    engine = eagle_engine(target, random_head(target), max_model_len=16)
+    with pytest.raises(ValueError, match="total_tokens"):
+        engine.add_request([1, 2], GREEDY, SpeculationParams(method="eagle", dynamic_tree=True, total_tokens=40))
+    plain = LLMEngine(EngineConfig(target="x"), target_model=copy.deepcopy(target))
+    with pytest.raises(ValueError, match="needs an EAGLE head"):
+        plain.add_request([1, 2], GREEDY, SpeculationParams(method="eagle"))
+
+
+def test_trees_are_cut_to_the_room_a_step_has(target):
+    engine = eagle_engine(target, random_head(target), max_num_seqs=2, max_model_len=20)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5]]
+    for spec in ({}, {"dynamic_tree": True, "total_tokens": 18, "depth": 8}):
+        outs = engine.generate(prompts, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+                               SpeculationParams(method="eagle", **spec))
+        for p, o in zip(prompts, outs):
+            assert o.finish_reason == "length" and len(p) + len(o.token_ids) == 20
+            assert o.token_ids == hf_greedy(target, p, 20 - len(p))
+
+
+def test_training_learns_and_saves_the_public_layout(tmp_path):
+    """A short self-distillation on the tiny target: the loss falls, the held-out depth-1
+    accuracy beats an untrained head, the fitted tree is saved and serves losslessly."""
+    from specray.cluster import train_eagle as T
+    from tests.test_medusa import random_prompts
+
+    target = tiny_llama(seed=0)
+    target.save_pretrained(tmp_path / "target")
+    common = dict(batch_size=8, width=32, sequences=96, gen_len=24, tree_size=6, depth=3, prompts=random_prompts)
+    first = T.train_eagle(str(tmp_path / "target"), str(tmp_path / "h1"), steps=1, **common)
+    last = T.train_eagle(str(tmp_path / "target"), str(tmp_path / "h2"), steps=150, lr=1e-2, **common)
+    assert last["final_loss"] < first["final_loss"] - 0.5, (first, last)
+    assert last["held_out_top1_per_depth"][0] > first["held_out_top1_per_depth"][0] + 0.1  # a random target: hard
+    head = EagleHead.load(tmp_path / "h2", hidden_size=32)
+    assert head.choices is not None and len(head.choices) == last["tree_size"] <= 6
+    engine = eagle_engine(target, head)
+    outs = engine.generate(ragged_prompts(3), GREEDY, SpeculationParams(method="eagle"))
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(3)]
+    assert engine.totals.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("mode", ["separate", "colocated"])
+def test_eagle_through_the_coordinator(ray_session, tiny_checkpoints, tiny_pair, tmp_path, mode):
+    from specray.actors.coordinator import Coordinator
+    from tests.test_actors import GREEDY as GREEDY_DICT, PROMPTS, shutdown
+
+    target = tiny_pair[0]
+    random_head(target).save(tmp_path / "eagle")
+    c = Coordinator.remote({**tiny_checkpoints, "checkpoints": {"eagle": str(tmp_path / "eagle")}, "max_num_seqs": 3,
+                            "placement": {"mode": mode}})
+    try:
+        specs = [{"method": "eagle", "dynamic_tree": i % 2 == 1} for i in range(len(PROMPTS))]
+        refs = [c.generate.remote([p], GREEDY_DICT, s) for p, s in zip(PROMPTS, specs)]
+        outs = [ray.get(r)[0] for r in refs]
+        assert [o["token_ids"] for o in outs] == [hf_greedy(target, p, GREEDY_DICT["max_tokens"]) for p in PROMPTS]
+        assert sum(o["metrics"]["num_drafts"] for o in outs) > 0
+        with pytest.raises(ValueError, match="dynamic_tree"):
+            ray.get(c.generate.remote([[1, 2]], GREEDY_DICT, {"method": "eagle", "dynamic_tree": True, "tree": "chain"}))
+    finally:
+        shutdown(c)
