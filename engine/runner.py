@@ -13,15 +13,16 @@ from typing import Sequence
 
 import torch
 
+from specray.engine.architectures import check_architecture
 from specray.kernels import attention
 
 log = logging.getLogger(__name__)
 
 # Decoders whose forward is embed -> rotary -> layers -> norm and nothing else (no
-# embedding scale, no per-layer mask types), so the runner may loop over the layers
-# itself. Anything else goes through the model's own forward.
+# embedding scale; per-layer mask types are the attention function's business: each layer
+# passes its own sliding_window), so the runner may loop over the layers itself. Anything
+# else goes through the model's own forward.
 DIRECT_LAYER_LOOP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-
 
 @dataclass(frozen=True)
 class ForwardOutput:
@@ -45,6 +46,7 @@ class ModelRunner:
     def __init__(self, model, num_slots: int, capacity: int):
         if num_slots < 1 or capacity < 2:
             raise ValueError(f"need num_slots >= 1 and capacity >= 2, got {num_slots}, {capacity}")
+        check_architecture(model.config, capacity)
         model.set_attn_implementation(attention.register())
         model.eval()
         self.config = model.config
@@ -155,7 +157,7 @@ class ModelRunner:
             write_pos = torch.where(valid, positions, torch.full_like(positions, self.cache.scratch))
             pos_ids = torch.minimum(positions, (lens_t + q_t - 1)[:, None])
         kv_len = max(L + n for L, n in zip(lengths, q_lens))
-        tree_mask = None
+        tree_mask = offsets = None
         if layout is not None:  # small index tensors: built on the CPU, moved once below
             tree_mask, offsets = layout[0].cpu(), layout[1].cpu()
             pos_ids = lens_t[:, None] + offsets
@@ -170,6 +172,9 @@ class ModelRunner:
             write_pos=write_pos.to(self.device),
             kv_len=kv_len,
             mask=mask,
+            lengths=lens_t,  # for sliding-window layers' masks, built only if a layer asks
+            positions=pos_ids,
+            offsets=offsets,
         )
         return ctx, ids.to(self.device), pos_ids.to(self.device)
 
@@ -223,9 +228,13 @@ class ModelRunner:
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):
-    """Load a Hugging Face causal LM checkpoint directory (or hub id, if online)."""
-    from transformers import AutoModelForCausalLM
+    """Load a Hugging Face causal LM checkpoint directory (or hub id, if online).
 
+    An architecture specray cannot serve exactly is refused before its weights load.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    check_architecture(AutoConfig.from_pretrained(path))
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype, attn_implementation=attention.register()

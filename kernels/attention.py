@@ -13,12 +13,19 @@ causal or tree mask). CPU (or ``SPECRAY_ATTENTION=sdpa``):
 ``torch.nn.functional.scaled_dot_product_attention`` with the materialized mask.
 Both get the same mask; tests/test_gpu.py compares them on a GPU (not yet run: no GPU
 has been available to this project's sessions).
+
+Per-layer conventions arrive as keyword arguments from the model's attention module, as
+they do for transformers' own functions: ``sliding_window`` (the layer sees only keys
+within that many positions, transformers' ``key_pos > query_pos - window``: Mistral,
+Qwen2/3 with ``use_sliding_window``, Phi-3, Gemma 2/3 ...) narrows the mask
+(:meth:`AttentionBatch.mask_for`), and ``softcap`` (Gemma 2's ``attn_logit_softcapping``)
+switches to :func:`softcapped_attention`, the one path that caps scores before the mask.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -53,6 +60,10 @@ class AttentionBatch:
     kv_len:     keys attended to per row (max over rows of length + new tokens)
     mask:       [B, 1, q, kv_len] additive float mask (0 attend, finfo.min masked), or
                 None when every row attends to all kv_len keys
+    lengths:    [B] int64 cached tokens per row before this forward   } what sliding-window
+    positions:  [B, q] int64 position ids of the new tokens           } layers need to
+    offsets:    [B, q] int64 new tokens' position offsets (a tree), or } narrow the mask
+                None for a chain (new token i sits at lengths + i)     } (``mask_for``)
     """
 
     cache: LayerCache
@@ -61,6 +72,35 @@ class AttentionBatch:
     write_pos: torch.Tensor
     kv_len: int
     mask: torch.Tensor | None
+    lengths: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    offsets: torch.Tensor | None = None
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer that sees only keys within ``window`` positions (None: all).
+
+        Built once per window size and forward, on top of ``mask``; a query keeps a key iff
+        key_pos > query_pos - window, transformers' sliding-window rule, with positions (not
+        cache indices) so that tree nodes at equal depth see the same window.
+        """
+        if window is None or self.kv_len <= window:  # no query is window+ positions past key 0
+            return self.mask
+        mask = self._windowed.get(window)
+        if mask is None:
+            if self.lengths is None or self.positions is None:
+                raise RuntimeError("a sliding-window layer needs the batch's lengths and positions")
+            device = self.write_pos.device
+            offsets = None if self.offsets is None else self.offsets.to(device)
+            keys = key_positions(self.lengths.to(device), self.kv_len, offsets)  # [B, kv_len]
+            outside = keys[:, None, :] <= self.positions.to(device)[:, :, None] - window  # [B, q, kv_len]
+            base = self.mask
+            if base is None:
+                dtype = self.cache.keys[0].dtype
+                base = torch.zeros(outside.shape[0], 1, *outside.shape[1:], dtype=dtype, device=device)
+            mask = base.masked_fill(outside[:, None], torch.finfo(base.dtype).min)
+            self._windowed[window] = mask
+        return mask
 
     def update_and_read(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Write this forward's key/value [B, H_kv, q, D]; return cached [B, H_kv, kv_len, D]."""
@@ -101,11 +141,28 @@ def causal_batch_mask(
     return mask[:, None]
 
 
+def key_positions(lengths: torch.Tensor, kv_len: int, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Position of every cached key: [B, kv_len] int64.
+
+    The cached prefix sits at its own index (accepted paths are compacted into consecutive
+    slots); new token i sits at lengths + offsets[:, i] (a tree) or lengths + i (a chain).
+    """
+    keys = torch.arange(kv_len, device=lengths.device)[None, :].expand(lengths.shape[0], -1)  # [B, kv_len]
+    if offsets is None:
+        return keys
+    q = offsets.shape[1]
+    rel = keys - lengths[:, None]  # offset into the new tokens
+    in_new = (rel >= 0) & (rel < q)
+    tree_pos = lengths[:, None] + offsets.gather(1, rel.clamp(0, q - 1))
+    return torch.where(in_new, tree_pos, keys)
+
+
 def cached_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: query [B, H, q, D], key/value [B, H_kv, q, D].
 
     Returns (out [B, q, H, D], None). ``attention_mask`` from transformers is ignored:
-    the mask comes with the ``specray_batch`` kwarg.
+    the mask comes with the ``specray_batch`` kwarg, narrowed for the layer's
+    ``sliding_window`` if it has one; ``softcap`` caps the scores (Gemma 2).
     """
     batch: AttentionBatch | None = kwargs.get("specray_batch")
     if batch is None:
@@ -114,9 +171,13 @@ def cached_attention(module, query, key, value, attention_mask, scaling=None, dr
             "run the model through specray.engine.runner.ModelRunner"
         )
     keys, values = batch.update_and_read(module.layer_idx, key, value)
+    mask = batch.mask_for(kwargs.get("sliding_window"))
+    softcap = kwargs.get("softcap")
+    if softcap:  # neither SDPA nor xformers caps scores before the mask
+        return softcapped_attention(query, keys, values, mask, scaling, softcap), None
     if query.is_cuda and _use_xformers():
-        return xformers_attention(query, keys, values, batch.mask, scaling), None
-    return sdpa_attention(query, keys, values, batch.mask, scaling), None
+        return xformers_attention(query, keys, values, mask, scaling), None
+    return sdpa_attention(query, keys, values, mask, scaling), None
 
 
 def sdpa_attention(query, keys, values, mask, scaling):
@@ -125,6 +186,25 @@ def sdpa_attention(query, keys, values, mask, scaling):
         query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1]
     )
     return out.transpose(1, 2).contiguous()
+
+
+def softcapped_attention(query, keys, values, mask, scaling, softcap: float):
+    """Attention with scores capped as softcap * tanh(scores / softcap) before the mask.
+
+    query [B, H, q, D], keys/values [B, H_kv, kv, D], mask [B, 1, q, kv] -> [B, q, H, D];
+    the same operations, in the same order, as transformers' eager attention.
+    """
+    groups = query.shape[1] // keys.shape[1]
+    if groups > 1:  # GQA: kv head i serves query heads i*groups .. (i+1)*groups - 1
+        keys = keys.repeat_interleave(groups, dim=1)
+        values = values.repeat_interleave(groups, dim=1)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, keys.transpose(2, 3)) * scale  # [B, H, q, kv]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, values).transpose(1, 2).contiguous()
 
 
 def xformers_attention(query, keys, values, mask, scaling):
