@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +128,56 @@ def chain_ranks(head: EagleHead, lm_head: torch.Tensor, data: SequenceSet, depth
     return torch.cat(out)
 
 
+@torch.no_grad()
+def measure_step_cost(target: str, head: EagleHead, max_nodes: int, repeats: int = 30) -> Callable[[int, int], float]:
+    """``cost(nodes, depth)``: seconds of one EAGLE step on this machine, one thread — the
+    target verifying the root + ``nodes`` under a tree mask, and ``depth`` head forwards
+    (the catch-up, then one per level below the first)."""
+    import copy
+    import statistics
+
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from specray.engine.runner import ModelRunner
+    from specray.kernels.tree import chain_tree
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner = ModelRunner(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32), 1, 512)
+        probe = copy.deepcopy(head).bind(runner.decoder.embed_tokens, runner.lm_head)
+        head_runner = ModelRunner(probe, 1, 512)
+        prefix = [1 + i % (runner.vocab_size - 1) for i in range(64)]
+        runner.forward([0], [prefix])
+        feats = torch.zeros(len(prefix), runner.hidden_size)
+        head_runner.forward([0], [prefix], embeds=[probe.fuse(torch.tensor(prefix), feats)])
+
+        def timed(fn) -> float:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        def verify(q: int) -> None:
+            tree = chain_tree(q - 1)
+            runner.forward([0], [[1] * q], torch.arange(q)[None], layout=(tree.mask[None], tree.depth[None]))
+            runner.set_length(0, len(prefix))
+
+        def head_step() -> None:
+            head_runner.forward([0], [[1]], embeds=[probe.fuse(torch.tensor([1]), feats[:1])])
+            head_runner.set_length(0, len(prefix))
+
+        sizes = sorted({1, 2, 5, 9, 17, 33, max_nodes + 1})
+        verify_s = [timed(lambda: verify(q)) for q in sizes]
+        head_s = timed(head_step)
+    finally:
+        torch.set_num_threads(threads)
+    return lambda nodes, depth: float(np.interp(nodes + 1, sizes, verify_s)) + depth * head_s
+
+
 def train_eagle(target: str, out: str, tokenizer: str | None = None, steps: int = 2000, batch_size: int = 16,
                 width: int = 256, lr: float = 3e-3, noise: float = 0.1, token_weight: float = 1.0,
                 sequences: int = 1024, gen_len: int = 128, tree_size: int = 16, depth: int = 6, seed: int = 0,
@@ -156,13 +207,16 @@ def train_eagle(target: str, out: str, tokenizer: str | None = None, steps: int 
     accuracy = [round((ranks[:, d] == 0).float().mean().item(), 3) for d in range(depth)]
     # k-step accuracy: the first k levels all right (a chain of k accepted tokens)
     chain = [round((ranks[:, : d + 1] == 0).all(-1).float().mean().item(), 3) for d in range(depth)]
-    choices, expected = fit_tree(ranks, tree_size, max_children=8)
+    cost = measure_step_cost(target, head, tree_size)
+    choices, expected = fit_tree(ranks, tree_size, max_children=8, step_cost=cost)
     head.choices = choices
     head.save(out, base_model=target)
     return {
         "head_dir": out, "steps": steps, "final_loss": round(final, 4), "positions": int(ranks.shape[0]),
         "held_out_top1_per_depth": accuracy, "held_out_chain_accuracy": chain, "tree_size": len(choices),
         "expected_accepted_length": round(expected, 3), "chain_expected_accepted_length": round(1 + sum(chain), 3),
+        "tree_depth": max(len(c) for c in choices),
+        "step_ms_plain": round(1000 * cost(0, 0), 3), "step_ms_tree": round(1000 * cost(len(choices), max(len(c) for c in choices)), 3),
         "data_seconds": round(data.seconds, 1), "seconds": round(time.time() - start, 1),
     }
 

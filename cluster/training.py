@@ -154,13 +154,19 @@ def optimise(params: Iterable[torch.nn.Parameter], loss_at: Callable[[int], torc
     return float(loss.item())
 
 
-def fit_tree(ranks: torch.Tensor, size: int, max_children: int) -> tuple[list[list[int]], float]:
+def fit_tree(ranks: torch.Tensor, size: int, max_children: int,
+             step_cost: Callable[[int, int], float] | None = None) -> tuple[list[list[int]], float]:
     """The ``size`` rank paths most often fully right, and the expected accepted length
     ``1 + sum(values)``. ``ranks[n, d]``: where the head ranked the true token at depth d
     of example n (``-1`` if not in its top ``max_children``). A node's value is the measured
     fraction of examples whose next tokens sit at exactly its ranks (Medusa's sparse-tree
     idea, without assuming the depths independent); a prefix is never worth less than its
-    extension, so the chosen nodes form a tree."""
+    extension, so the chosen nodes form a tree.
+
+    With ``step_cost(nodes, depth)`` (seconds per step for a tree of that many nodes and
+    depth, measured on this machine), the tree is the prefix of that value order with the
+    most expected tokens per second, at most ``size`` nodes (a hardware-aware tree, as in
+    Sequoia): a wider or deeper tree must buy enough accepted tokens to pay for itself."""
     n, depth = ranks.shape
     heap: list = []  # max-heap of (-value, path, mask of examples matching the path so far)
     everyone = torch.ones(n, dtype=torch.bool)
@@ -173,15 +179,19 @@ def fit_tree(ranks: torch.Tensor, size: int, max_children: int) -> tuple[list[li
 
     for r in range(max_children):
         push((r,), everyone)
-    chosen, total = [], 0.0
+    chosen, values = [], []
     while heap and len(chosen) < size:
         neg, path, mask = heapq.heappop(heap)
         chosen.append(list(path))
-        total -= neg
+        values.append(-neg)
         if len(path) < depth:
             for r in range(max_children):
                 push(path + (r,), mask)
-    return chosen, 1.0 + total
+    if step_cost is None or not chosen:
+        return chosen, 1.0 + sum(values)
+    rates = [(1.0 + sum(values[:k])) / step_cost(k, max(len(c) for c in chosen[:k])) for k in range(1, len(chosen) + 1)]
+    best = max(range(len(rates)), key=rates.__getitem__) + 1
+    return chosen[:best], 1.0 + sum(values[:best])
 
 
 def ranks_of(logits: torch.Tensor, labels: torch.Tensor, top: int) -> torch.Tensor:

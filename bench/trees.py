@@ -1,0 +1,183 @@
+"""Tree methods (EAGLE-1, EAGLE-2, Medusa, ReDrafter) against plain decoding and draft-model
+speculation on the demo pair, at several batch sizes.
+
+    specray train medusa --out MEDUSA; specray train eagle --out EAGLE      # once each
+    python -m specray.bench.trees --medusa MEDUSA --eagle EAGLE [--batch 1,8] [--prompts 8]
+
+Greedy, held-out prompts, ``torch.set_num_threads(1)``. At each batch size the prompts run
+as one continuous batch of that size; configs are interleaved and repeated, each keeping
+its fastest run. Prints a table (tokens/s, x plain, mean accepted length, tokens verified
+per step, ms per step, mismatches against plain decoding), and writes CSV/JSON/PNG to --out.
+A per-step profile (ms in drafting vs verifying, from the engine's own timers) says where
+the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import pathlib
+import sys
+import time
+from collections import defaultdict
+
+
+def configs(args, engine) -> dict:
+    from specray.engine.params import SpeculationParams
+
+    out = {"plain": SpeculationParams(method="none"),
+           f"draft k={args.draft_k}": SpeculationParams(method="draft", num_speculative_tokens=args.draft_k)}
+    if args.medusa:
+        out["medusa fitted"] = SpeculationParams(method="medusa")
+    if args.eagle:
+        out["eagle-1 fitted"] = SpeculationParams(method="eagle")
+        out["eagle-2"] = SpeculationParams(method="eagle", dynamic_tree=True)
+        for extra in args.eagle2:
+            opts = json.loads(extra)
+            out["eagle-2 " + ",".join(f"{k}={v}" for k, v in opts.items())] = SpeculationParams(
+                method="eagle", dynamic_tree=True, **opts)
+    if getattr(args, "redrafter", None):
+        out["redrafter"] = SpeculationParams(method="redrafter")
+    return out
+
+
+class Timers:
+    """Wall time in, and calls of, the executor's prefill/propose/verify (where the time goes)."""
+
+    def __init__(self, executor):
+        self.seconds, self.calls = defaultdict(float), defaultdict(int)
+        for name in ("prefill", "propose", "verify"):
+            setattr(executor, name, self._timed(name, getattr(executor, name)))
+
+    def _timed(self, name, fn):
+        async def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        return timed
+
+    def take(self) -> tuple[dict, dict]:
+        out = (dict(self.seconds), dict(self.calls))
+        self.seconds, self.calls = defaultdict(float), defaultdict(int)
+        return out
+
+
+def run(engine, prompts, sampling, spec):
+    start = time.perf_counter()
+    outs = engine.generate(prompts, sampling, spec)
+    return time.perf_counter() - start, outs
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specray.bench.trees", description=__doc__.split("\n\n")[0])
+    p.add_argument("--medusa", default=None, help="Medusa heads dir (specray train medusa --out ...)")
+    p.add_argument("--eagle", default=None, help="EAGLE head dir (specray train eagle --out ...)")
+    p.add_argument("--redrafter", default=None, help="ReDrafter dir (specray train redrafter --out ...)")
+    p.add_argument("--eagle2", action="append", default=[], help='extra EAGLE-2 settings as JSON, e.g. \'{"top_k": 4}\'')
+    p.add_argument("--batch", default="1,8")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per batch size")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--draft-k", type=int, default=4)
+    p.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+
+    import torch
+
+    from specray.demo import held_out_prompts, load_or_build_demo_pair
+    from specray.engine import EngineConfig, LLMEngine, SamplingParams
+
+    torch.set_num_threads(1)
+    command = "python -m specray.bench.trees " + " ".join(argv if argv is not None else sys.argv[1:])
+    print("command:", command)
+    pair = load_or_build_demo_pair()
+    checkpoints = {k: v for k, v in (("eagle", args.eagle), ("redrafter", args.redrafter)) if v}
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    rows = []
+    for batch in [int(b) for b in args.batch.split(",")]:
+        engine = LLMEngine(EngineConfig(target=pair.target, draft=pair.draft, tokenizer=pair.tokenizer,
+                                        medusa=args.medusa, checkpoints=checkpoints, max_num_seqs=batch))
+        timers = Timers(engine.executor)
+        prompts = [engine.tokenizer.encode(t, add_special_tokens=False)
+                   for t in held_out_prompts(max(args.prompts, batch), pair.tokenizer)]
+        specs = configs(args, engine)
+        for spec in specs.values():  # warm-up
+            engine.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0), spec)
+        best = {c: float("inf") for c in specs}
+        result = {}
+        for _ in range(args.repeats):
+            for name, spec in specs.items():
+                before = engine.totals.to_dict()
+                timers.take()
+                seconds, outs = run(engine, prompts, sampling, spec)
+                split = timers.take()
+                if seconds < best[name]:
+                    after = engine.totals.to_dict()
+                    best[name] = seconds
+                    result[name] = (outs, {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens",
+                                                                             "num_accepted_tokens")}, split)
+        plain_tokens = [o.token_ids for o in result["plain"][0]]
+        plain_tps = None
+        for name in specs:
+            outs, m, (split, calls) = result[name]
+            total = sum(len(o.token_ids) for o in outs)
+            steps = calls.get("verify", 0) + calls.get("prefill", 0)  # engine steps (target forwards)
+            tps = total / best[name]
+            plain_tps = plain_tps or tps
+            rows.append({
+                "batch": batch,
+                "config": name,
+                "tokens_per_s": round(tps, 1),
+                "x_plain": round(tps / plain_tps, 3),
+                "mean_accepted_length": round(1 + m["num_accepted_tokens"] / m["num_drafts"], 3) if m["num_drafts"] else 1.0,
+                "tokens_verified_per_step": round(1 + m["num_draft_tokens"] / m["num_drafts"], 2) if m["num_drafts"] else 1.0,
+                "ms_per_step": round(1000 * best[name] / steps, 3),
+                "draft_ms_per_step": round(1000 * split.get("propose", 0.0) / steps, 3),
+                "verify_ms_per_step": round(1000 * split.get("verify", 0.0) / steps, 3),
+                "mismatches_vs_plain": sum(a != b for a, b in zip((o.token_ids for o in outs), plain_tokens)),
+            })
+    _report(rows, pathlib.Path(args.out), command)
+    return 0 if all(r["mismatches_vs_plain"] == 0 for r in rows) else 1
+
+
+def _report(rows: list[dict], out: pathlib.Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    header = (f"{'batch':>5} {'config':<24} {'tok/s':>7} {'x plain':>8} {'acc.len':>8} {'verified':>8} "
+              f"{'ms/step':>8} {'draft ms':>8} {'verify ms':>9} {'mism':>5}")
+    lines = [header] + [
+        f"{r['batch']:>5} {r['config']:<24} {r['tokens_per_s']:>7.1f} {r['x_plain']:>8.3f} "
+        f"{r['mean_accepted_length']:>8.3f} {r['tokens_verified_per_step']:>8.2f} {r['ms_per_step']:>8.3f} "
+        f"{r['draft_ms_per_step']:>8.3f} {r['verify_ms_per_step']:>9.3f} {r['mismatches_vs_plain']:>5}"
+        for r in rows
+    ]
+    print("\n".join(lines))
+    (out / "trees.txt").write_text(command + "\n" + "\n".join(lines) + "\n")
+    (out / "trees.json").write_text(json.dumps({"command": command, "rows": rows}, indent=2))
+    with open(out / "trees.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        sel = [r for r in rows if r["batch"] == b]
+        ax.bar([r["config"] for r in sel], [r["tokens_per_s"] for r in sel])
+        ax.set_title(f"batch {b}: tokens/s (greedy, demo pair)")
+        plt.setp(ax.get_xticklabels(), rotation=25, ha="right")
+    fig.tight_layout()
+    fig.savefig(out / "trees.png", dpi=120)
+    print(f"wrote {out / 'trees.csv'}, {out / 'trees.json'}, {out / 'trees.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
