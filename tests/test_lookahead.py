@@ -329,3 +329,129 @@ def test_the_sampling_check_catches_a_lossy_rule_on_lookahead_drafts(sampling_se
     target, joint = sampling_setup
     monkeypatch.setattr("specray.engine.verify.tree_rejection_accept", _lossy_tree_accept)
     assert min(check(_sample(target, SAMPLED[1]), joint)) < 1e-3
+
+
+# -- entry points: coordinator (both layouts), batch jobs, CLI, HTTP -----------------------
+ACTOR_SPECS = [{"method": "lookahead"}, {"method": "lookahead", "window_size": 3, "ngram_size": 4,
+                                         "verification_set_size": 2, "shared_pool": True},
+               {"method": "ngram"}, {"method": "lookahead", "window_size": 2, "ngram_size": 2}, {"method": "none"}]
+
+
+@pytest.mark.parametrize("mode", ["separate", "colocated"])
+def test_lookahead_through_the_coordinator(ray_session, tiny_checkpoints, tiny_pair, mode):
+    import ray
+
+    from specray.actors.coordinator import Coordinator
+    from tests.test_actors import GREEDY as ACTOR_GREEDY, PROMPTS, shutdown
+
+    c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 3, "placement": {"mode": mode}})
+    try:
+        outs = ray.get(c.generate.remote(PROMPTS, ACTOR_GREEDY, ACTOR_SPECS))
+        assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_pair[0], p, ACTOR_GREEDY["max_tokens"]) for p in PROMPTS]
+        assert all(o["metrics"]["num_drafts"] > 0 for o, s in zip(outs, ACTOR_SPECS) if s["method"] == "lookahead")
+        workers = ray.get(c.workers.remote())
+        if mode == "separate":  # the window and the pools live in a proposer worker of their own
+            state = ray.get(workers["lookahead"].__ray_call__.remote(
+                lambda w: (len(w.proposer._rows), {n: len(p) for n, p in w.proposer.shared.items()})))
+            assert state[0] == 0 and state[1].get(4, 0) > 0  # private state freed; the shared pool kept
+        else:
+            assert "lookahead" not in workers
+        with pytest.raises(ValueError, match="window_size"):
+            ray.get(c.generate.remote([[1, 2]], ACTOR_GREEDY, {"method": "lookahead", "window_size": 1}))
+    finally:
+        shutdown(c)
+
+
+def test_lookahead_in_a_batch_job(ray_session, tiny_checkpoints, tiny_pair, tmp_path, capsys):
+    import json
+
+    from specray.cluster import jobs
+
+    config = tmp_path / "specray.yaml"
+    config.write_text(f"target: {tiny_checkpoints['target']}\nmax_num_seqs: 3\n"
+                      "default_speculation:\n  method: lookahead\nplacement:\n  mode: colocated\n")
+    prompts = ragged_prompts(5)
+    recs = [{"prompt": p, "sampling": {"max_tokens": 12, "temperature": 0}} for p in prompts]
+    recs[1]["speculation"] = {"method": "lookahead", "window_size": 5, "ngram_size": 4, "verification_set_size": 2}
+    recs[3]["speculation"] = {"method": "lookahead", "shared_pool": True}
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "out.jsonl"
+    assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [o["token_ids"] for o in lines] == [hf_greedy(tiny_pair[0], p, 12) for p in prompts]
+    assert sum(o["metrics"]["num_drafts"] for o in lines) > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": [1], "speculation": {"method": "lookahead", "ngram_size": 1}}\n'
+                   '{"prompt": [1], "speculation": {"method": "lookahead", "shared_pol": true}}\n')
+    assert jobs.main(["--input", str(bad), "--output", str(tmp_path / "o2.jsonl"), "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "line 1:" in err and "ngram_size" in err and "line 2:" in err and "shared_pol" in err
+
+
+def test_cli_flags_come_from_the_options(capsys):
+    import argparse
+
+    from specray.cluster.cli import _add_speculation_flags, _speculation, main
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--method", default="draft")
+    p.add_argument("--speculation", default=None)
+    _add_speculation_flags(p)
+    args = p.parse_args(["--method", "lookahead", "--window-size", "6", "--ngram-size", "5",
+                         "--verification-set-size", "3", "--shared-pool", "true"])
+    assert _speculation(args) == lookahead(6, 5, 3, shared_pool=True)
+    assert _speculation(p.parse_args(["--method", "lookahead"])) == LookaheadOptions()  # the defaults
+    assert main(["generate", "--prompt", "x", "--method", "lookahead", "--ngram-size", "1"]) == 2
+    assert "ngram_size" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_generate_with_lookahead_defaults_equals_plain(demo_pair, capsys):
+    import json
+
+    from specray.cluster.cli import main
+
+    common = ["generate", "--prompt", "def add(a, b):\n    return a + b\n\n\ndef", "--max-tokens", "24", "--json"]
+    assert main([*common, "--method", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*common, "--method", "lookahead"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == plain["token_ids"] and out["metrics"]["num_drafts"] > 0
+
+
+def test_lookahead_over_http(server, tiny_checkpoints, tiny_pair, tmp_path_factory):
+    import httpx
+    import openai
+    from ray import serve
+
+    from specray.serve.app import build_app
+    from tests.test_serve import assert_openai_error, cpu_placement, decode, save_char_tokenizer, wait_until_serving
+
+    tok = tmp_path_factory.mktemp("lookahead-tokenizer")
+    save_char_tokenizer(tok)
+    cfg = {"model_name": "la", "engine": {**tiny_checkpoints, "tokenizer": str(tok), "max_num_seqs": 2,
+                                          "max_model_len": 64, "placement": cpu_placement("colocated")}}
+    serve.run(build_app(cfg), name="lookahead", route_prefix="/lookahead")
+    url = f"{server}/lookahead"
+    try:
+        wait_until_serving(url, "la")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4]
+        ref = decode(hf_greedy(tiny_pair[0], prompt, 20))
+        for spec in ({"method": "lookahead"}, {"method": "lookahead", "window_size": 3, "ngram_size": 5,
+                                               "verification_set_size": 2, "shared_pool": True}):
+            r = client.completions.create(model="la", prompt=prompt, max_tokens=20, temperature=0,
+                                          extra_body={"speculation": spec})
+            assert r.choices[0].text == ref, spec
+            assert r.model_dump()["speculation_metrics"][0]["num_drafts"] > 0
+        stream = client.completions.create(model="la", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                           extra_body={"speculation": {"method": "lookahead"}})
+        assert "".join(ch.choices[0].text for ch in stream) == ref
+        body = {"model": "la", "prompt": prompt, "max_tokens": 4, "speculation": {"method": "lookahead",
+                                                                                    "window_size": 1}}
+        assert_openai_error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400, "window_size")
+        body["speculation"] = {"method": "lookahead", "window_size": 16, "ngram_size": 4, "verification_set_size": 8}
+        assert_openai_error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400, "64-token context")
+    finally:
+        serve.delete("lookahead")
