@@ -67,7 +67,8 @@ class ModelRunner:
             values=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
         )
         self.lengths = [0] * num_slots  # cached tokens per slot (host-side ints)
-        self.hidden_size = text_config.hidden_size
+        # The LM head's input width: the final hidden state's (OPT projects it below hidden_size).
+        self.hidden_size = getattr(self.lm_head, "in_features", None) or text_config.hidden_size
         self.softcap = getattr(text_config, "final_logit_softcapping", None)
         self.vocab_size = self.lm_head.weight.shape[0]
         self._direct = text_config.model_type in DIRECT_LAYER_LOOP and all(
