@@ -45,6 +45,8 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    _prefix_offset: int = 0  # incremental detokenisation (``_decode_new``)
+    _read_offset: int = 0
 
     @property
     def method(self) -> str:
@@ -85,7 +87,7 @@ class Request:
 
     def _update_text(self, kept: list[int], tokenizer) -> list[int]:
         before = len(self.text)
-        text = tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        text = self.text + self._decode_new(tokenizer)
         stops = self.sampling.stop
         if stops:
             longest = max(len(s) for s in stops)
@@ -104,8 +106,22 @@ class Request:
                 kept = kept[: len(kept) - dropped]
                 self.finish_reason = "stop"
                 text = text[:cut]
+        if self.finish_reason not in (None, "stop"):
+            text += self._decode_new(tokenizer, final=True)  # an incomplete character at the end
         self.text = text
         return kept
+
+    def _decode_new(self, tokenizer, final: bool = False) -> str:
+        """Text of the tokens since the last call (vLLM's incremental detokenisation: decode
+        from one emission back, for context, and hold back a trailing incomplete character),
+        so a step costs what it adds, and the text only ever grows."""
+        ids = self.output_ids
+        prefix = tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        full = tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=True)
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        return full[len(prefix) :]
 
     def output(self, new_tokens: list[int], step: dict | None = None) -> RequestOutput:
         return RequestOutput(
