@@ -67,17 +67,23 @@ from specray.policies.registry import Limits, MethodOptions, MethodSpec, registe
 SHARED_POOL_NGRAMS = 1 << 16
 # Window tokens per step summed over the step's lookahead rows before each row's window
 # narrows (an even share each); a single row always gets its whole window.
-BATCH_WINDOW_TOKENS = 64
+BATCH_WINDOW_TOKENS = 16
 
 
 class LookaheadOptions(MethodOptions):
-    """Lookahead decoding: a Jacobi window of W columns x (N - 1) levels, up to G candidates."""
+    """Lookahead decoding: a Jacobi window of W columns x (N - 1) levels, up to G candidates.
+
+    The defaults (3, 5, 2) were among the fastest measured on the demo pair on CPU at batch
+    1 and 8 (``python -m specray.bench.lookahead``), where every verified token costs
+    compute. The paper and TensorRT-LLM's example use wider settings on GPUs (7, 5, 7 in
+    TensorRT-LLM's); those were not measured here.
+    """
 
     method: Literal["lookahead"] = "lookahead"
-    window_size: int = Field(4, ge=2, le=64, description="W: Jacobi window columns (N-grams harvested per step).")
-    ngram_size: int = Field(3, ge=2, le=16, description="N: n-gram size; the window has N - 1 levels and "
+    window_size: int = Field(3, ge=2, le=64, description="W: Jacobi window columns (N-grams harvested per step).")
+    ngram_size: int = Field(5, ge=2, le=16, description="N: n-gram size; the window has N - 1 levels and "
                             "candidates are N - 1 tokens long.")
-    verification_set_size: int = Field(4, ge=1, le=64, description="G: most candidate n-grams verified per step "
+    verification_set_size: int = Field(2, ge=1, le=64, description="G: most candidate n-grams verified per step "
                                        "(and kept per key in the pool).")
     shared_pool: bool = Field(False, description="Use the engine's n-gram pool shared with other requests "
                               "(bounded, LRU) instead of a pool of this request's own.")
@@ -329,7 +335,9 @@ class LookaheadProposer:
         if extra is not None and not extra.tokens:
             extra = None
         state.sent = (root, cols)
-        return DraftRow(tokens, TokenTree.from_parents(parents), None, extra)
+        # A single line of candidates is a chain: the batched token-match path takes it.
+        tree = None if parents == list(range(len(parents))) else TokenTree.from_parents(parents)
+        return DraftRow(tokens, tree, None, extra)
 
     def _sync(self, r: ProposalRow) -> _Row:
         """The row's state, created on its first step (or for a new request in the slot),

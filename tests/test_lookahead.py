@@ -90,7 +90,7 @@ def test_small_room_gets_a_smaller_window_not_an_error(tiny_pair):
     class Recording(LookaheadProposer):
         def propose(self, rows):
             draft = super().propose(rows)
-            seen.extend((r.width, r.num_tokens, d.size + len(d.extra.tokens if d.extra else []), d.tree.max_depth)
+            seen.extend((r.width, r.num_tokens, d.size + len(d.extra.tokens if d.extra else []), d.structure.max_depth)
                         for r, d in zip(rows, draft.rows))
             return draft
 
@@ -455,3 +455,22 @@ def test_lookahead_over_http(server, tiny_checkpoints, tiny_pair, tmp_path_facto
         assert_openai_error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400, "64-token context")
     finally:
         serve.delete("lookahead")
+
+
+@pytest.mark.slow
+def test_benchmark_smoke(demo_pair, tmp_path):
+    import json
+
+    from specray.bench import lookahead as bench
+
+    threads = torch.get_num_threads()
+    rc = bench.main(["--prompts", "2", "--max-tokens", "16", "--repeats", "1", "--batches", "1,2",
+                     "--configs", "2:3:2,3:5:2:nohist", "--out", str(tmp_path)])
+    assert rc == 0 and torch.get_num_threads() == threads
+    for name in ("lookahead.csv", "lookahead.json", "lookahead.png", "lookahead.txt"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    report = json.loads((tmp_path / "lookahead.json").read_text())
+    runs = report["runs"]
+    assert {r["config"] for r in runs} == {"plain", "ngram k=6", "lookahead 2:3:2", "lookahead 3:5:2 nohist"}
+    assert all(r["mismatches_vs_plain"] == 0 and r["tokens_per_s"] > 0 for r in runs)
+    assert len(report["forward_cost"]) == 2 * len(bench.FORWARD_TOKENS)
