@@ -116,9 +116,9 @@ class NgramPool:
     def __len__(self) -> int:
         return self._size
 
-    def __contains__(self, item: tuple[int, tuple[int, ...]]) -> bool:
-        key, cont = item
-        return cont in self._map.get(key, ())
+    def ngrams(self) -> list[tuple[int, tuple[int, ...]]]:
+        """Every (first token, continuation) pooled, least recently used key first."""
+        return [(key, cont) for key, conts in self._map.items() for cont in conts]
 
     def add(self, key: int, cont: tuple[int, ...], per_key: int) -> None:
         entries = self._map.get(key)

@@ -207,9 +207,9 @@ def test_proposer_pools_what_the_window_harvests():
         draft = prop.propose([row]).rows[0]
         window = copy.deepcopy(prop.window(0))
         best = [100 + 10 * step + k for k in range(len(draft.extra.tokens))]
-        before = set((key, cont) for key, conts in prop.pool(0)._map.items() for cont in conts)
+        before = set(prop.pool(0).ngrams())
         prop.commit([CommitRow(0, [tokens[-1] + 1], [0], extra_best=best)])
-        after = set((key, cont) for key, conts in prop.pool(0)._map.items() for cont in conts)
+        after = set(prop.pool(0).ngrams())
         if window.full:
             out = best[-3:]
             first = [tokens[-1]] + window.levels[0]
@@ -217,7 +217,7 @@ def test_proposer_pools_what_the_window_harvests():
         else:
             assert after == before
         tokens = tokens + [tokens[-1] + 1]
-    key = next(iter(prop.pool(0)._map))  # a root with pooled continuations
+    key = prop.pool(0).ngrams()[0][0]  # a root with pooled continuations
     pooled = prop.pool(0).guess(key, 2)
     row = ProposalRow(slot=0, token_ids=tokens + [key], num_tokens=2, options=opts)
     draft = prop.propose([row]).rows[0]
@@ -247,7 +247,6 @@ def test_private_pools_are_freed_and_the_shared_pool_is_bounded(tiny_pair, refer
     prompts = ragged_prompts(8)
     specs = [lookahead(shared_pool=i % 2 == 0) for i in range(8)]
     private_pools, shared_sizes = {}, []
-    while_running = prop._rows
     for i, (p, s) in enumerate(zip(prompts, specs)):
         engine.add_request(p, GREEDY, s, request_id=str(i))
     done = {}
@@ -255,10 +254,12 @@ def test_private_pools_are_freed_and_the_shared_pool_is_bounded(tiny_pair, refer
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.token_ids
-        private_pools.update({id(r.pool): r.pool for r in while_running.values() if not r.options.shared_pool})
+        pools = [prop.pool(slot) for slot in range(4)]
+        private_pools.update({id(p): p for p in pools if p is not None and p is not prop.shared.get(3)})
         shared_sizes.append(len(prop.shared.get(3, ())))
     assert [done[str(i)] for i in range(8)] == references
-    assert len(private_pools) == 4 and prop._rows == {}  # each request had its own, all freed
+    assert len(private_pools) == 4  # each request without shared_pool had its own ...
+    assert all(prop.pool(slot) is None for slot in range(4))  # ... and finished requests' state is freed
     assert list(prop.shared) == [3] and max(shared_sizes) <= 40 and len(prop.shared[3]) > 0
 
 
@@ -352,8 +353,8 @@ def test_lookahead_through_the_coordinator(ray_session, tiny_checkpoints, tiny_p
         workers = ray.get(c.workers.remote())
         if mode == "separate":  # the window and the pools live in a proposer worker of their own
             state = ray.get(workers["lookahead"].__ray_call__.remote(
-                lambda w: (len(w.proposer._rows), {n: len(p) for n, p in w.proposer.shared.items()})))
-            assert state[0] == 0 and state[1].get(4, 0) > 0  # private state freed; the shared pool kept
+                lambda w: ([w.proposer.pool(s) for s in range(3)], {n: len(p) for n, p in w.proposer.shared.items()})))
+            assert state[0] == [None] * 3 and state[1].get(4, 0) > 0  # private state freed; the shared pool kept
         else:
             assert "lookahead" not in workers
         with pytest.raises(ValueError, match="window_size"):
