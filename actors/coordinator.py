@@ -1,4 +1,4 @@
-"""The Coordinator actor: request queue + continuous-batching loop over the workers.
+"""The Coordinator actor: validation, request queues and streams over one engine worker.
 
     coordinator = Coordinator.remote(SpecrayConfig(target=DIR, draft=DIR))
     outs = ray.get(coordinator.generate.remote(["def f(x):"], {"max_tokens": 32, "temperature": 0},
@@ -6,8 +6,13 @@
     async for out in coordinator.stream.remote("import os", {"max_tokens": 16}):
         print(out["new_token_ids"])
 
-Outputs are ``RequestOutput`` dicts. A request lost with its target worker raises
-``WorkerLostError``; bad parameters raise ``ValueError`` before anything is queued.
+Outputs are ``RequestOutput`` dicts; bad parameters raise ``ValueError`` before anything is
+queued. The engine worker steps on its own and the coordinator long-polls what it produced
+(new tokens and text per request). The coordinator keeps every request's committed tokens:
+when the engine worker dies, a new one starts and each request in flight is re-prefilled
+there (prompt + tokens already emitted) and continues — greedy output unchanged, streams
+unbroken, seeded sampled requests from the generator state of their last delivered token.
+Only a request that cannot be replayed raises ``WorkerLostError``.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
+from dataclasses import dataclass, field
 
 import ray
+import torch
 from pydantic import ValidationError
 from ray.exceptions import RayActorError
 
@@ -28,26 +35,40 @@ from specray.actors.workers import EngineWorker
 from specray.engine.config import load_tokenizer
 from specray.engine.metrics import SpecMetrics
 from specray.engine.params import SamplingParams
+from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
 from specray.policies.registry import Limits, method_spec, parse_speculation, registered_methods
 
 log = logging.getLogger(__name__)
 
-_FAILED = object()  # queue marker: the request died with its worker
+_FAILED = object()  # queue marker: the request could not be served
 PROPOSER_START_TIMEOUT_S = 120.0
+REPLAY_ATTEMPTS = 3  # engine workers started for one request before it fails
 
 
 class WorkerLostError(RuntimeError):
-    """A model worker died while it served this request."""
+    """A model worker died and this request could not be continued on a new one."""
+
+
+@dataclass
+class _Tracked:
+    """What the coordinator knows of a request in flight: enough to replay it elsewhere."""
+
+    request: Request
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    metrics: dict = field(default_factory=dict)
+    generator_state: torch.Tensor | None = None
+    replays: int = 0
 
 
 class CoordinatorCore:
     """The coordinator's logic as a plain class (an async Ray actor wraps it).
 
     It validates requests, owns their queues, and drives one engine worker — the actor that
-    holds the target and runs the step driver — one step per call. In the separate layout
-    that worker drives the draft / n-gram workers itself (in their own bundles); in the
-    colocated layout it holds every model.
+    holds the target and runs the step driver. In the separate layout that worker drives the
+    draft / n-gram workers itself (in their own bundles); in the colocated layout it holds
+    every model.
     """
 
     def __init__(self, config: SpecrayConfig | dict | None = None):
@@ -56,7 +77,7 @@ class CoordinatorCore:
         self.placement = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._errors: dict[str, str] = {}
-        self._pending: set[str] = set()
+        self._tracked: dict[str, _Tracked] = {}
         self.totals = SpecMetrics()
         self._loop_task: asyncio.Task | None = None
         self._started = False
@@ -76,10 +97,13 @@ class CoordinatorCore:
         engine_cfg, options = cfg.engine_config(), self.placement.options(self.role)
         cls = ray.remote(EngineWorker)
         self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote))
-        await self.worker.wait_ready()
-        limits = Limits.from_dict(await self.worker.handle.start.remote(PROPOSER_START_TIMEOUT_S))
+        limits = Limits.from_dict(await self._worker_started())
         self.scheduler = Scheduler(cfg.max_num_seqs, limits, self.tokenizer, cfg.default_speculation)
         self._started = True
+
+    async def _worker_started(self) -> dict:
+        await self.worker.wait_ready()
+        return await self.worker.handle.start.remote(PROPOSER_START_TIMEOUT_S)
 
     def _remote_methods(self) -> dict[str, dict]:
         """Separate layout: each method placed "worker" in an actor of its own — the draft
@@ -107,8 +131,8 @@ class CoordinatorCore:
         if req.request_id in self._queues:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self._queues[req.request_id] = asyncio.Queue()
-        self._pending.add(req.request_id)
-        self.worker.handle.add.remote(req)
+        self._tracked[req.request_id] = _Tracked(req)
+        await self.worker.handle.add.remote(req)
         if self._loop_task is None or self._loop_task.done():
             # A fresh context: Ray would otherwise treat the request that happened to start
             # the loop as the parent of every worker call, and cancelling that request
@@ -155,20 +179,26 @@ class CoordinatorCore:
                 await self.abort(rid)
 
     async def abort(self, request_id: str) -> bool:
-        if not self._started or request_id not in self._pending:
+        tracked = self._tracked.pop(request_id, None) if self._started else None
+        if tracked is None:
             return False
-        self._pending.discard(request_id)
-        out = await self.worker.handle.abort.remote(request_id)
+        try:
+            await self.worker.handle.abort.remote(request_id)
+        except RayActorError:  # the worker is gone: nothing to free there
+            pass
+        out = self._output(tracked, [], finished=True, finish_reason="abort")
         queue = self._queues.get(request_id)
-        if out is not None and queue is not None:
+        if queue is not None:
             queue.put_nowait(out)
-        return out is not None
+        return True
 
     async def shutdown(self) -> None:
         """Fail what is in flight, kill the workers and give the placement group back."""
         if self._started:
-            for rid in self._fail_all():
+            for rid in list(self._tracked):
                 self._fail(rid, "the coordinator is shutting down")
+        if self._loop_task is not None:
+            self._loop_task.cancel()
         if hasattr(self, "worker"):
             try:
                 handles = await self.worker.handle.proposer_handles.remote()
@@ -190,7 +220,7 @@ class CoordinatorCore:
             restarts = {}
         return {
             "started": True,
-            "in_flight": len(self._pending),
+            "in_flight": len(self._tracked),
             "totals": self.totals.to_dict(),
             "restarts": {self.role: self.worker.restarts, **restarts},
         }
@@ -202,37 +232,73 @@ class CoordinatorCore:
 
     # -- the loop ------------------------------------------------------------------------
     async def _loop(self) -> None:
-        while self._pending:
+        while self._tracked:
             try:
-                outputs = await self.worker.handle.step.remote()
+                batch = await self.worker.handle.poll.remote()
             except RayActorError as exc:
-                self.worker.replace()
-                message = f"the {self.role} worker died: {exc.__class__.__name__}"
-                log.error("%s", message)
-                for rid in self._fail_all():
-                    self._fail(rid, message)
+                await self._recover(f"the {self.role} worker died: {exc.__class__.__name__}")
                 continue
-            except Exception as exc:  # never let one bad step kill the loop
-                log.exception("step failed")
-                for rid in self._fail_all():
+            except Exception as exc:  # never let one bad poll kill the loop
+                log.exception("poll failed")
+                for rid in list(self._tracked):
                     self._fail(rid, f"internal error: {exc}")
                 continue
-            for out in outputs:
-                if out.finished:
-                    self._pending.discard(out.request_id)
-                    self.totals.merge(SpecMetrics.from_dict(out.metrics))
-                queue = self._queues.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-            await asyncio.sleep(0 if outputs else 0.001)  # let new requests in between steps
+            for rid, message in batch["errors"].items():
+                self._fail(rid, message)
+            for delta in batch["outputs"]:
+                self._deliver(delta)
+            for rid, state in batch["states"].items():
+                if rid in self._tracked:
+                    self._tracked[rid].generator_state = state
 
-    def _fail_all(self) -> list[str]:
-        """Drop every request in flight (its worker is gone); returns their ids."""
-        failed = list(self._pending)
-        self._pending.clear()
-        return failed
+    def _deliver(self, delta: dict) -> None:
+        tracked = self._tracked.get(delta["request_id"])
+        if tracked is None:  # aborted (or failed) meanwhile
+            return
+        tracked.output_ids += delta["new_token_ids"]
+        tracked.text = delta["text"] if delta["finished"] else tracked.text + delta["text_delta"]
+        tracked.metrics = delta["metrics"]
+        out = self._output(tracked, delta["new_token_ids"], delta["finished"], delta["finish_reason"], delta["step"])
+        if out.finished:
+            del self._tracked[out.request_id]
+            self.totals.merge(SpecMetrics.from_dict(out.metrics))
+        queue = self._queues.get(out.request_id)
+        if queue is not None:
+            queue.put_nowait(out)
+
+    @staticmethod
+    def _output(t: _Tracked, new: list[int], finished: bool, finish_reason=None, step=None) -> RequestOutput:
+        return RequestOutput(t.request.request_id, t.request.prompt_ids, list(t.output_ids), list(new), t.text,
+                             finished, finish_reason, dict(t.metrics), step)
+
+    async def _recover(self, message: str) -> None:
+        """A new engine worker, and every request in flight replayed on it."""
+        log.error("%s; starting a new one and replaying %d requests", message, len(self._tracked))
+        self.worker.replace()
+        try:
+            await self._worker_started()
+        except Exception as exc:  # noqa: BLE001 - it will not come up: nothing can be replayed
+            for rid in list(self._tracked):
+                self._fail(rid, f"{message}; a new worker failed to start: {exc}")
+            return
+        for rid, t in list(self._tracked.items()):
+            t.replays += 1
+            if t.replays > REPLAY_ATTEMPTS:
+                self._fail(rid, f"{message}; gave up after {REPLAY_ATTEMPTS} replays")
+                continue
+            generator = t.request.generator
+            if t.generator_state is not None:
+                generator = torch.Generator()
+                generator.set_state(t.generator_state)
+            metrics = SpecMetrics.from_dict(t.metrics) if t.metrics else SpecMetrics()
+            resumed = t.request.resumed(t.output_ids, self.tokenizer, metrics, generator)
+            try:
+                await self.worker.handle.add.remote(resumed)
+            except RayActorError:
+                return  # lost again: the next poll recovers once more
 
     def _fail(self, request_id: str, message: str) -> None:
+        self._tracked.pop(request_id, None)
         queue = self._queues.get(request_id)
         if queue is not None:
             self._errors[request_id] = message

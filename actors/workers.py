@@ -107,7 +107,13 @@ class ProposerWorker(_Placed):
 
 
 class EngineWorker(_Placed):
-    """The target and the step driver in one actor.
+    """The target and the step driver in one actor, stepping on its own.
+
+    Requests come in with ``add``; the worker runs steps for as long as it has work (no call
+    per step), and the coordinator long-polls ``poll`` for what they produced: per request
+    only the new tokens and the new text (the full text once, at the end), so what crosses
+    actors stays proportional to what a step adds. With each poll come the generator states
+    of seeded sampled requests, so the coordinator can continue them elsewhere exactly.
 
     remote: method -> actor options for the methods that run in ProposerWorkers of their
     own (separate layout); empty = every proposer in this actor (colocated layout).
@@ -127,6 +133,11 @@ class EngineWorker(_Placed):
 
         self.engine = LLMEngine(config, proposers={m: proxy(m, o) for m, o in (remote or {}).items()})
         self._lock = asyncio.Lock()
+        self._outbox: list = []
+        self._errors: dict[str, str] = {}
+        self._wake = asyncio.Event()
+        self._text_sent: dict[str, int] = {}
+        self._loop_task: asyncio.Task | None = None
 
     async def start(self, timeout_s: float) -> dict:
         """Wait (bounded) for the proposer workers, so that the first requests speculate;
@@ -141,16 +152,60 @@ class EngineWorker(_Placed):
     def limits(self) -> dict:
         return self.engine.limits.to_dict()
 
-    def add(self, request) -> None:
+    async def add(self, request) -> None:
         self.engine.scheduler.add(request)
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
-    async def abort(self, request_id: str):
+    async def _run(self) -> None:
+        while self.engine.has_unfinished():
+            try:
+                async with self._lock:
+                    outputs = await self.engine.step_async()
+            except Exception as exc:  # noqa: BLE001 - fail what was in flight, keep serving
+                log.exception("step failed")
+                for req in list(self.engine.scheduler.running.values()) + list(self.engine.scheduler.waiting):
+                    self.engine.abort(req.request_id)
+                    self._errors[req.request_id] = f"internal error: {type(exc).__name__}: {exc}"
+                outputs = []
+                self._wake.set()
+            if outputs:
+                self._outbox.extend(outputs)
+                self._wake.set()
+            await asyncio.sleep(0)  # let adds, aborts and polls in between steps
+
+    async def poll(self) -> dict:
+        """What the steps produced since the last poll (waits until there is something):
+        ``outputs`` (deltas, see ``_delta``), ``states`` (generator states of seeded
+        sampled requests still running), ``errors`` (request id -> message)."""
+        while not (self._outbox or self._errors):
+            self._wake.clear()
+            await self._wake.wait()
+        outputs, self._outbox = self._outbox, []
+        errors, self._errors = self._errors, {}
+        deltas = [self._delta(o) for o in outputs]
+        states = {}
+        for rid in {o.request_id for o in outputs if not o.finished}:
+            req = self.engine.scheduler.find(rid)
+            if req is not None and req.generator is not None and not req.sampling.greedy:
+                states[rid] = req.generator.get_state()
+        return {"outputs": deltas, "states": states, "errors": errors}
+
+    def _delta(self, out) -> dict:
+        sent = self._text_sent.pop(out.request_id, 0)
+        delta = {"request_id": out.request_id, "new_token_ids": out.new_token_ids, "finished": out.finished,
+                 "finish_reason": out.finish_reason, "metrics": out.metrics, "step": out.step}
+        if out.finished:
+            delta["text"] = out.text  # a stop string may have cut text sent before
+        else:
+            delta["text_delta"] = out.text[sent:]
+            self._text_sent[out.request_id] = len(out.text)
+        return delta
+
+    async def abort(self, request_id: str) -> bool:
         async with self._lock:  # never between a step's verify and its commit
-            return self.engine.abort(request_id)
-
-    async def step(self):
-        async with self._lock:
-            return await self.engine.step_async()
+            self._text_sent.pop(request_id, None)
+            return self.engine.abort(request_id) is not None
 
     def describe(self) -> dict:
         """Which driver, executor and proposer classes this worker runs (tests, operations)."""

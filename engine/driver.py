@@ -64,8 +64,11 @@ class StepDriver:
         return outputs
 
     async def _prefill(self, reqs: list[Request]) -> list[RequestOutput]:
-        scores = await self.executor.prefill(reqs, sampled_rows(reqs))
-        return self._apply(S.commit_prefill(reqs, first_tokens(reqs, scores), self.capacity, self.tokenizer))
+        # Resumed requests (moved from a lost worker) already have their root: nothing is sampled.
+        sampled = [i for i in sampled_rows(reqs) if not reqs[i].output_ids]
+        scores = await self.executor.prefill(reqs, sampled)
+        tokens = [None if r.output_ids else t for r, t in zip(reqs, first_tokens(reqs, scores))]
+        return self._apply(S.commit_prefill(reqs, tokens, self.capacity, self.tokenizer))
 
     async def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
         plan = S.plan_proposals(batch, self.capacity, self.length_policy)
@@ -119,7 +122,7 @@ class LocalExecutor:
     async def prefill(self, reqs, sampled):
         for r in reqs:
             self.target.reset(r.slot)
-        out = self.target.forward([r.slot for r in reqs], [r.prompt_ids for r in reqs],
+        out = self.target.forward([r.slot for r in reqs], [r.prefill_ids for r in reqs],
                                   features=self._wants_features(reqs))
         self._features = out.features
         return TargetScores.from_logits(out.logits, sampled)

@@ -57,6 +57,21 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """What prefill runs through the target: the prompt, or — a request resumed on a new
+        worker with tokens already emitted — everything but its last token (the root)."""
+        return self.token_ids[:-1] if self.output_ids else self.prompt_ids
+
+    def resumed(self, output_ids: Sequence[int], tokenizer, metrics: SpecMetrics, generator) -> "Request":
+        """This request as it stood after ``output_ids``, to continue on another worker."""
+        out = Request(self.request_id, self.prompt_ids, self.sampling, self.speculation, self.stop_ids,
+                      generator=generator, output_ids=list(output_ids), metrics=metrics)
+        if tokenizer is not None and output_ids:
+            out.text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+            out._prefix_offset, out._read_offset = len(output_ids) - 1, len(output_ids)
+        return out
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

@@ -179,10 +179,16 @@ def main_line(draft: DraftRow, path: list[int]) -> tuple[list[int], list[int]]:
     return [draft.tokens[p - 1] for p in path[1:]] + tail, tail
 
 
-def commit_prefill(reqs: Sequence[Request], tokens: Sequence[int], capacity: int, tokenizer) -> Commit:
-    """The first token of each admitted request (its prompt is now in the target's cache)."""
+def commit_prefill(reqs: Sequence[Request], tokens: Sequence[int | None], capacity: int, tokenizer) -> Commit:
+    """The first token of each admitted request (its prompt is now in the target's cache); a
+    resumed request (token None) keeps its last emitted token as the root and emits nothing."""
     commit = Commit()
     for i, (r, tok) in enumerate(zip(reqs, tokens)):
+        if tok is None:
+            if r.method != PLAIN:
+                row = PrefillRow(r.slot, r.prefill_ids, r.output_ids[-1])
+                commit.proposer_rows.setdefault(r.method, []).append((i, row))
+            continue
         if r.method != PLAIN:
             commit.proposer_rows.setdefault(r.method, []).append((i, PrefillRow(r.slot, r.prompt_ids, tok)))
         r.metrics.target_forward_passes += 1
