@@ -18,12 +18,54 @@ from specray.engine.request import Request, RequestOutput
 from specray.policies.registry import Limits, MethodOptions, PlainOptions, validate_speculation
 
 
+class ContextLengthError(ValueError):
+    """A request that cannot fit the model's context: its prompt alone, or its prompt plus
+    the max_tokens it asks for (HTTP 400, as vLLM and OpenAI answer)."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int | None, context: int):
+        self.prompt_tokens, self.max_tokens, self.context = prompt_tokens, max_tokens, context
+        if max_tokens is None:
+            message = (f"prompt has {prompt_tokens} tokens; the model's context is {context} tokens "
+                       "and generation needs at least one more")
+        else:
+            message = (f"This model's maximum context length is {context} tokens. However, you requested "
+                       f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in "
+                       "the completion). Please reduce the length of the prompt or max_tokens.")
+        super().__init__(message)
+
+    def __reduce__(self):  # picklable across Ray with its own arguments, not the message
+        return type(self), (self.prompt_tokens, self.max_tokens, self.context)
+
+
+def check_context_length(prompt_tokens: int, max_tokens: int | None, context: int) -> None:
+    """Raise ContextLengthError unless the prompt leaves room for a token and, when
+    max_tokens is given, prompt_tokens + max_tokens <= context."""
+    if prompt_tokens >= context:
+        raise ContextLengthError(prompt_tokens, None, context)
+    if max_tokens is not None and prompt_tokens + max_tokens > context:
+        raise ContextLengthError(prompt_tokens, max_tokens, context)
+
+
+def encode_prompt(prompt: str | Sequence[int], tokenizer) -> list[int]:
+    """A prompt's token ids as the scheduler counts them (text needs the tokenizer)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    return [int(t) for t in prompt]
+
+
 class Scheduler:
+    """strict_context: refuse (ContextLengthError) a request whose prompt + max_tokens
+    exceeds the context; otherwise such a request runs until the context is full and
+    finishes with 'length'. A prompt that leaves no room is refused either way."""
+
     def __init__(self, num_slots: int, limits: Limits, tokenizer=None,
-                 default_speculation: MethodOptions | None = None):
+                 default_speculation: MethodOptions | None = None, strict_context: bool = False):
         self.limits = limits
         self.tokenizer = tokenizer
         self.default_speculation = default_speculation or PlainOptions()
+        self.strict_context = strict_context
         self.free_slots = list(range(num_slots))
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
@@ -37,24 +79,16 @@ class Scheduler:
         speculation: MethodOptions | None = None,
         request_id: str | None = None,
     ) -> Request:
-        """Validate and build a request (ValueError with a clear message if bad)."""
+        """Validate and build a request (ValueError with a clear message if bad;
+        ContextLengthError if it cannot fit the context)."""
         sampling = sampling or SamplingParams()
         speculation = speculation or self.default_speculation
         validate_speculation(speculation, self.limits)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
-        else:
-            prompt_ids = [int(t) for t in prompt]
+        prompt_ids = encode_prompt(prompt, self.tokenizer)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        capacity = self.limits.capacity
-        if len(prompt_ids) >= capacity:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the model's context is {capacity} "
-                "tokens and generation needs at least one more"
-            )
+        check_context_length(len(prompt_ids), sampling.max_tokens if self.strict_context else None,
+                             self.limits.capacity)
         vocab = self.limits.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from specray.engine.config import load_tokenizer
+from specray.engine.scheduler import ContextLengthError, encode_prompt
 from specray.serve import protocol as P
 from specray.serve.config import ServeConfig
 from specray.serve.metrics import scrape
@@ -47,6 +48,16 @@ def _error_status(exc: Exception) -> HTTPError:
     return HTTPError(500, f"internal error: {name}", "internal_error")
 
 
+def _context_length(cfg: ServeConfig) -> int | None:
+    """The engines' context, computed as they compute it (None without a target)."""
+    engine = cfg.engine.engine_config()
+    if engine.target is None:
+        return None
+    from transformers import AutoConfig
+
+    return engine.context_length(AutoConfig.from_pretrained(engine.target))
+
+
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, engine, config: dict):
@@ -56,6 +67,7 @@ class OpenAIIngress:
         self.default_max_tokens = cfg.default_max_tokens
         self.api_key = cfg.resolved_api_key()
         self.tokenizer = load_tokenizer(cfg.engine.tokenizer or cfg.engine.target)
+        self.context = _context_length(cfg)
 
     # -- routes ----------------------------------------------------------------------------
     @app.get("/health")
@@ -120,11 +132,33 @@ class OpenAIIngress:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    def _max_tokens(self, req, prompt, chat: bool) -> int:
+        """max_tokens for a request that gives none, after refusing (400) one whose prompt +
+        max_tokens exceeds the context, naming both numbers, as vLLM and OpenAI do.
+
+        Without max_tokens, chat runs up to the context (OpenAI's chat default) and a
+        completion gets ``default_max_tokens`` (OpenAI's 16), cut to the room the prompt leaves.
+        Prompts that are themselves bad (too long, empty, no tokenizer) are the engine's to refuse.
+        """
+        if self.context is None:
+            return self.default_max_tokens
+        try:
+            prompt_tokens = len(encode_prompt(prompt, self.tokenizer))
+        except ValueError:
+            return self.default_max_tokens
+        if not 0 < prompt_tokens < self.context:
+            return self.default_max_tokens
+        try:
+            return P.resolve_max_tokens(req, prompt_tokens, self.context, self.default_max_tokens, chat)
+        except ContextLengthError as e:
+            raise HTTPError(400, str(e), param=req.requested_max_tokens()[0]) from None
+
     async def _generate(self, request: Request, model, chat: bool):
         req = await self._parse(request, model)
         prompt = self._prompt(req, chat)
+        default_max_tokens = self._max_tokens(req, prompt, chat)
         try:
-            samplings = [req.sampling(self.default_max_tokens, i) for i in range(req.n)]
+            samplings = [req.sampling(default_max_tokens, i) for i in range(req.n)]
         except ValidationError as e:
             raise HTTPError(400, _validation_message(e)[0]) from None
         spec = req.speculation.model_dump() if req.speculation else None

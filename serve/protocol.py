@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specray.engine.params import SamplingParams, Speculation
+from specray.engine.scheduler import check_context_length
 
 
 class StreamOptions(BaseModel):
@@ -57,6 +58,10 @@ class _Common(BaseModel):
         if self.logprobs not in (None, False, 0):
             raise ValueError("logprobs is not supported")
         return self
+
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        """(field, value) of the client's own output limit; None when it gave none."""
+        return "max_tokens", self.max_tokens
 
     def sampling(self, default_max_tokens: int, index: int = 0) -> SamplingParams:
         seed = None if self.seed is None else self.seed + index  # n > 1: distinct streams
@@ -111,11 +116,31 @@ class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
 
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return super().requested_max_tokens()
+
     def sampling(self, default_max_tokens: int, index: int = 0) -> SamplingParams:
         params = super().sampling(default_max_tokens, index)
         if self.max_completion_tokens is not None:
             params = params.model_copy(update={"max_tokens": self.max_completion_tokens})
         return params
+
+
+def resolve_max_tokens(req: _Common, prompt_tokens: int, context: int, default_max_tokens: int, chat: bool) -> int:
+    """The max_tokens a request gets, as vLLM and OpenAI decide it.
+
+    A client's own number must fit: prompt + max_tokens > context raises ContextLengthError
+    naming both (HTTP 400). Without one, chat runs up to the context (OpenAI's chat default)
+    and a completion gets ``default_max_tokens`` (OpenAI's 16), cut to the room left.
+    """
+    _, asked = req.requested_max_tokens()
+    if asked is not None:
+        check_context_length(prompt_tokens, asked, context)
+        return asked
+    room = context - prompt_tokens
+    return room if chat else min(default_max_tokens, room)
 
 
 def request_id(prefix: str) -> str:

@@ -428,6 +428,43 @@ def test_client_raises_openai_errors(client):
         client.completions.create(model=MAIN, prompt="abc", max_tokens=2, temperature=5)
 
 
+def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(main_url, client, target_model):
+    """As vLLM and OpenAI answer: prompt + max_tokens over the context is refused, never clamped."""
+    url = f"{main_url}/v1/completions"
+    body = {"model": MAIN, "prompt": [1, 2, 3, 4, 5], "max_tokens": 1_000_000_000}
+    for stream in (False, True):  # streamed: a status code, not a broken stream
+        err = assert_openai_error(httpx.post(url, json={**body, "stream": stream}, timeout=60), 400,
+                                  "maximum context length is 256 tokens", "1000000005 tokens",
+                                  "5 in the prompt", "1000000000 in the completion")
+        assert err["param"] == "max_tokens"
+    # Text prompts count in tokens ("helloWorld" is 10): 10 + 247 = 257 is one too many; 246 fills it.
+    with pytest.raises(openai.BadRequestError, match="257 tokens"):
+        client.completions.create(model=MAIN, prompt="helloWorld", max_tokens=247)
+    full = client.completions.create(model=MAIN, prompt="helloWorld", max_tokens=246, temperature=0)
+    assert full.usage.completion_tokens == 246 and full.choices[0].finish_reason == "length"
+    chat = f"{main_url}/v1/chat/completions"
+    messages = [{"role": "user", "content": "hello"}]  # "helloZZ": 7 tokens
+    for field in ("max_tokens", "max_completion_tokens"):
+        r = httpx.post(chat, json={"model": MAIN, "messages": messages, field: 250}, timeout=60)
+        err = assert_openai_error(r, 400, "256 tokens", "257 tokens", "7 in the prompt", "250 in the completion")
+        assert err["param"] == field
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model=MAIN, messages=messages, max_tokens=10**6)
+
+
+def test_without_max_tokens_chat_runs_to_the_context_and_completions_get_16(client, target_model):
+    messages = [{"role": "user", "content": "hello"}]
+    r = client.chat.completions.create(model=MAIN, messages=messages, temperature=0)  # OpenAI: up to the context
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (7, 256 - 7)
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content == greedy_text(target_model, encode("helloZZ"), 256 - 7)
+    # A completion without max_tokens gets 16 (OpenAI's default), cut to the room a long prompt
+    # leaves: the client asked for no number, so there is nothing to refuse.
+    r = client.completions.create(model=MAIN, prompt=[5] * 250, temperature=0)
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text == greedy_text(target_model, [5] * 250, 6)
+
+
 def test_health(main_url):
     assert httpx.get(f"{main_url}/health", timeout=30).json() == {"status": "ok"}
 
