@@ -14,6 +14,11 @@ fields (default: ``SamplingParams()``), ``speculation`` the options of its ``met
 (default: the config's ``default_speculation``), checked by the method's own ``validate``. Every line is validated before anything
 is generated; bad lines are reported with their line numbers (exit code 2).
 
+OpenAI's batch file format is read too (``{"custom_id", "method": "POST", "url":
+"/v1/completions" or "/v1/chat/completions", "body": {...}}`` per line, as OpenAI's Batch
+API and vLLM's ``run-batch`` read it), told apart by the file's first line, and answered in
+OpenAI's output format, resumed by ``custom_id``: see ``cluster/openai_batch.py``.
+
 Output: one JSON object per input record, in input order::
 
     {"index": 0, "id": "a", "text": ..., "token_ids": [...], "finish_reason": "length", "metrics": {...}}
@@ -46,6 +51,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from specray.actors.config import SpecrayConfig
+from specray.cluster import openai_batch
 from specray.engine.metrics import SpecMetrics
 from specray.engine.params import SamplingParams, Speculation
 from specray.policies.registry import Limits, validate_speculation
@@ -69,6 +75,11 @@ class JobLine(BaseModel):
     id: str | StrictInt | None = Field(None, description="Copied to the output line.")
     sampling: SamplingParams | None = None
     speculation: Speculation | None = None
+
+    def requests(self) -> list[tuple]:
+        """(prompt, sampling, speculation) as ``Coordinator.generate`` takes them (one here)."""
+        return [(self.prompt, self.sampling.model_dump() if self.sampling else None,
+                 self.speculation.model_dump() if self.speculation else None)]
 
 
 # -- config and input ----------------------------------------------------------------------
@@ -124,17 +135,16 @@ def _model_facts(config: SpecrayConfig) -> tuple[int | None, bool | None]:
     return vocab, has_tok
 
 
-def read_input(path: str, config: SpecrayConfig) -> list[JobLine]:
-    """Parse and validate every line; UsageError listing all bad lines (1-based numbers)."""
+def read_input(path: str, config: SpecrayConfig) -> list[JobLine] | list[openai_batch.BatchRequest]:
+    """Parse and validate every line; UsageError listing all bad lines (1-based numbers).
+
+    The file's first JSON object decides its format: OpenAI's batch lines, or specray's.
+    """
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read input {path}: {exc}") from None
-    vocab, has_tokenizer = _model_facts(config)
-    # What the workers would report, read from the files: context unknown here (the
-    # coordinator checks prompt lengths), vocabulary from the target's config.
-    limits = Limits(capacity=2**31, vocab_size=vocab or 2**31, methods=config.method_facts())
-    records, errors = [], []
+    objects, problems = [], []  # (line number, object) and (line number, message)
     # split on newlines only: str.splitlines() would also break at U+2028 etc. inside strings
     for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
@@ -142,29 +152,79 @@ def read_input(path: str, config: SpecrayConfig) -> list[JobLine]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            errors.append(f"line {lineno}: invalid JSON: {exc}")
+            problems.append((lineno, f"invalid JSON: {exc}"))
             continue
         if not isinstance(obj, dict):
-            errors.append(f"line {lineno}: expected a JSON object, got {type(obj).__name__}")
+            problems.append((lineno, f"expected a JSON object, got {type(obj).__name__}"))
             continue
-        try:
-            rec = JobLine.model_validate(obj)
-        except ValidationError as exc:
-            errors.extend(f"line {lineno}: {e}" for e in _format_errors(exc).splitlines())
-            continue
-        problem = _check_record(rec, config, vocab, has_tokenizer, limits)
-        if problem:
-            errors.append(f"line {lineno}: {problem}")
-            continue
-        records.append(rec)
+        objects.append((lineno, obj))
+    if objects and openai_batch.is_batch_line(objects[0][1]):
+        records, bad = _read_batch_lines(objects, config)
+    else:
+        records, bad = _read_job_lines(objects, config)
+    found = sorted(problems + bad, key=lambda e: e[0])
+    errors = [f"line {n}: {msg}" for n, msg in found]
     if errors:
         shown = errors[:MAX_REPORTED_ERRORS]
         more = len(errors) - len(shown)
-        msg = f"{path}: {len(errors)} bad input line(s), nothing generated:\n  " + "\n  ".join(shown)
+        lines = len({n for n, _ in found})
+        msg = f"{path}: {lines} bad input line(s), nothing generated:\n  " + "\n  ".join(shown)
         if more:
             msg += f"\n  ... and {more} more"
         raise UsageError(msg)
     return records
+
+
+def _read_job_lines(objects, config: SpecrayConfig) -> tuple[list[JobLine], list[tuple[int, str]]]:
+    """specray's own line format."""
+    vocab, has_tokenizer = _model_facts(config)
+    # What the workers would report, read from the files: context unknown here (the
+    # coordinator checks prompt lengths), vocabulary from the target's config.
+    limits = Limits(capacity=2**31, vocab_size=vocab or 2**31, methods=config.method_facts())
+    records, errors = [], []
+    for lineno, obj in objects:
+        try:
+            rec = JobLine.model_validate(obj)
+        except ValidationError as exc:
+            errors.extend((lineno, e) for e in _format_errors(exc).splitlines())
+            continue
+        problem = _check_record(rec, config, vocab, has_tokenizer, limits)
+        if problem:
+            errors.append((lineno, problem))
+            continue
+        records.append(rec)
+    return records, errors
+
+
+def _read_batch_lines(objects, config: SpecrayConfig):
+    """OpenAI's batch format: each body checked as the HTTP server checks its request."""
+    facts = _batch_facts(config)
+    checked, errors = [], []
+    for lineno, obj in objects:
+        rec, problems = openai_batch.check_line(obj, facts)
+        errors.extend((lineno, p) for p in problems)
+        if rec is not None:
+            checked.append((lineno, rec))
+    errors.extend(openai_batch.check_unique(checked))
+    return [rec for _, rec in checked], errors
+
+
+def _batch_facts(config: SpecrayConfig) -> openai_batch.Facts:
+    """Tokenizer (chat templates, token counts), context and vocabulary of the job's model."""
+    from transformers import AutoConfig
+
+    from specray.engine.config import load_tokenizer
+
+    config = config.resolved()  # the demo pair when no target is given, as the coordinator does
+    try:
+        model_config = AutoConfig.from_pretrained(config.target)
+        context = config.engine_config().context_length(model_config)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read the target {config.target}: {exc}") from None
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    limits = Limits(capacity=context, vocab_size=text_config.vocab_size, methods=config.method_facts())
+    return openai_batch.Facts(load_tokenizer(config.tokenizer or config.target), context,
+                              text_config.vocab_size, limits, config.default_speculation)
 
 
 def _check_record(rec: JobLine, config, vocab, has_tokenizer, limits: Limits) -> str | None:
@@ -234,6 +294,22 @@ def recover_output(path: str, records: list[JobLine]) -> int:
         with open(p, "r+b") as f:
             f.truncate(keep_bytes)
     return done
+
+
+def pending_records(output: str, records: list) -> list[int]:
+    """Indices of the records still to generate, after checking what ``output`` holds (and
+    cutting a torn last line): a tail in input order for specray's format, the custom_ids
+    not yet answered for OpenAI's."""
+    if records and isinstance(records[0], openai_batch.BatchRequest):
+        done = openai_batch.done_ids(output, records, UsageError)
+        return [i for i, r in enumerate(records) if r.custom_id not in done]
+    return list(range(recover_output(output, records), len(records)))
+
+
+def _output_lines(index: int, rec, outs: list[dict]) -> str:
+    if isinstance(rec, openai_batch.BatchRequest):
+        return rec.output_line(outs)
+    return output_line(index, rec, outs[0])
 
 
 def output_line(index: int, rec: JobLine, out: dict) -> str:
@@ -334,12 +410,12 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
         config = load_config(args.config)
         records = read_input(args.input, config)
-        done_before = recover_output(args.output, records)
+        pending = pending_records(args.output, records)
     except UsageError as exc:
         print(f"specray.jobs: error: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = _run(args, config, records, done_before, t_start)
+        summary = _run(args, config, records, pending, t_start)
     except UsageError as exc:
         print(f"specray.jobs: error: {exc}", file=sys.stderr)
         return 2
@@ -351,8 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run(args, config: SpecrayConfig, records: list[JobLine], done_before: int, t_start: float) -> dict:
-    pending = list(range(done_before, len(records)))
+def _run(args, config: SpecrayConfig, records: list, pending: list[int], t_start: float) -> dict:
+    done_before = len(records) - len(pending)
     log.info("%s: %d records, %d already in %s, %d to generate", args.input, len(records), done_before,
              args.output, len(pending))
     totals = SpecMetrics()
@@ -382,12 +458,14 @@ def _run(args, config: SpecrayConfig, records: list[JobLine], done_before: int, 
                 for b, batch in enumerate(batches, start=1):
                     tb = time.perf_counter()
                     recs = [records[i] for i in batch]
-                    outs = ray.get(coordinator.generate.remote(
-                        [r.prompt for r in recs],
-                        [r.sampling.model_dump() if r.sampling else None for r in recs],
-                        [r.speculation.model_dump() if r.speculation else None for r in recs],
-                    ))
-                    out_file.write("".join(output_line(i, r, o) for i, r, o in zip(batch, recs, outs)))
+                    calls = [r.requests() for r in recs]  # OpenAI bodies may ask for n choices
+                    flat = [c for cs in calls for c in cs]
+                    outs = ray.get(coordinator.generate.remote(*(list(part) for part in zip(*flat))))
+                    starts = [0]
+                    for cs in calls:
+                        starts.append(starts[-1] + len(cs))
+                    out_file.write("".join(_output_lines(i, r, outs[a:b])
+                                           for i, r, a, b in zip(batch, recs, starts, starts[1:])))
                     out_file.flush()
                     os.fsync(out_file.fileno())
                     batch_tokens = 0

@@ -345,3 +345,157 @@ def test_job_submission_end_to_end(ray_head, tiny_dirs, tmp_path):
     assert summary["prompts_done"] == len(recs)
     assert "batch 2/2" in logs and '"prompts_total"' in logs
     print(f"head up in {t_up:.1f}s, job {t_job:.1f}s")
+
+
+# -- OpenAI's batch file format ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def batch_config(tiny_dirs, tmp_path_factory):
+    """tiny_dirs' config plus a tokenizer with a chat template (one character per token id)."""
+    from tests.test_serve import save_char_tokenizer
+
+    _, config = tiny_dirs
+    tok = tmp_path_factory.mktemp("batch-tokenizer")
+    save_char_tokenizer(tok)
+    path = tok / "specray.yaml"
+    path.write_text(config.read_text() + f"tokenizer: {tok}\n")
+    return path
+
+
+def _batch_line(custom_id, body, url="/v1/completions"):
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "tiny", **body}}
+
+
+def _batch_records():
+    hello = [{"role": "system", "content": "abc"}, {"role": "user", "content": "hello"}]  # -> "abchelloZZ"
+    return [
+        _batch_line("ids", {"prompt": [5, 6, 7, 5, 6], "max_tokens": 9, "temperature": 0,
+                            "speculation": {"method": "draft", "num_speculative_tokens": 2}}),
+        _batch_line("text-default", {"prompt": "helloWorld", "temperature": 0}),  # no max_tokens: 16
+        _batch_line("chat", {"messages": hello, "max_tokens": 10, "temperature": 0,
+                             "speculation": {"method": "ngram"}}, url="/v1/chat/completions"),
+        _batch_line("chat-mct", {"messages": hello, "max_completion_tokens": 5, "temperature": 0,
+                                 "speculation": {"method": "medusa"}}, url="/v1/chat/completions"),
+        _batch_line("chat-to-context", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0},
+                    url="/v1/chat/completions"),  # no max_tokens: up to the 256-token context
+        _batch_line("sampled", {"prompt": [1, 2, 3], "max_tokens": 6, "n": 2, "seed": 5, "temperature": 1.0}),
+    ]
+
+
+def _check_batch_output(lines: list[dict], target) -> None:
+    from tests.test_serve import decode, encode
+
+    by_id = {o["custom_id"]: o for o in lines}
+    assert len(by_id) == len(lines) == 6
+    for o in lines:
+        assert set(o) == {"id", "custom_id", "response", "error"} and o["error"] is None
+        assert o["id"].startswith("batch_req_")
+        resp = o["response"]
+        assert resp["status_code"] == 200 and resp["request_id"] == resp["body"]["id"]
+        assert resp["body"]["model"] == "tiny"
+    expected = {  # custom_id -> (prompt ids, tokens, chat)
+        "ids": ([5, 6, 7, 5, 6], 9, False),
+        "text-default": (encode("helloWorld"), 16, False),
+        "chat": (encode("abchelloZZ"), 10, True),
+        "chat-mct": (encode("abchelloZZ"), 5, True),
+        "chat-to-context": (encode("hiZZ"), 256 - 4, True),
+    }
+    for cid, (prompt, n, chat) in expected.items():
+        body = by_id[cid]["response"]["body"]
+        assert body["object"] == ("chat.completion" if chat else "text_completion")
+        assert body["id"].startswith("chatcmpl-" if chat else "cmpl-")
+        (choice,) = body["choices"]
+        text = choice["message"]["content"] if chat else choice["text"]
+        assert text == decode(hf_greedy(target, prompt, n)), cid
+        assert choice["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": n,
+                                 "total_tokens": len(prompt) + n}
+    assert by_id["ids"]["response"]["body"]["speculation_metrics"][0]["num_drafts"] > 0
+    assert by_id["chat-mct"]["response"]["body"]["speculation_metrics"][0]["num_drafts"] > 0
+    sampled = by_id["sampled"]["response"]["body"]
+    assert [c["index"] for c in sampled["choices"]] == [0, 1]
+    assert sampled["usage"]["completion_tokens"] == 12 and sampled["usage"]["prompt_tokens"] == 3
+
+
+def test_openai_batch_file_in_openai_output_out_and_resume(ray_session, tiny_dirs, batch_config, tmp_path, capsys):
+    target = tiny_dirs[0]
+    inp = _write_jsonl(tmp_path / "batch.jsonl", _batch_records())
+    out = tmp_path / "out.jsonl"
+    argv = ["--input", str(inp), "--output", str(out), "--config", str(batch_config), "--batch-size", "4"]
+    assert jobs.main(argv) == 0
+    _assert_resources_back(ray_session)
+    summary = _summary_from_stdout(capsys.readouterr().out)
+    text = out.read_text()
+    lines = [json.loads(x) for x in text.splitlines()]
+    assert [o["custom_id"] for o in lines] == [r["custom_id"] for r in _batch_records()]  # input order
+    _check_batch_output(lines, target)
+    assert summary["prompts_total"] == summary["prompts_done"] == 6 and summary["prompts_skipped"] == 0
+    assert summary["generated_tokens"] == sum(o["response"]["body"]["usage"]["completion_tokens"] for o in lines)
+
+    # A crash: the second line lost, the last one torn mid-write. Resumed by custom_id,
+    # only those two are generated (appended: OpenAI matches lines by custom_id).
+    kept = text.splitlines(keepends=True)
+    out.write_text(kept[0] + "".join(kept[2:-1]) + kept[-1][:20])
+    assert jobs.main(argv) == 0
+    summary2 = _summary_from_stdout(capsys.readouterr().out)
+    assert summary2["prompts_skipped"] == 4 and summary2["prompts_done"] == 2
+    resumed = out.read_text().splitlines(keepends=True)
+    assert resumed[:4] == [kept[0], *kept[2:-1]]  # untouched
+    assert [json.loads(x)["custom_id"] for x in resumed[4:]] == ["text-default", "sampled"]
+    _check_batch_output([json.loads(x) for x in resumed], target)
+
+    # Nothing left: no Ray work, no change.
+    before = out.read_text()
+    t0 = time.perf_counter()
+    assert jobs.main(argv) == 0
+    assert time.perf_counter() - t0 < 10
+    summary3 = _summary_from_stdout(capsys.readouterr().out)
+    assert summary3["prompts_done"] == 0 and summary3["prompts_skipped"] == 6 and out.read_text() == before
+
+    # An output of another input (an unknown custom_id) is not silently mixed in.
+    out.write_text(before.replace('"custom_id": "chat"', '"custom_id": "stranger"', 1))
+    assert jobs.main(argv) == 2
+    assert "stranger" in capsys.readouterr().err
+
+
+def test_openai_batch_bad_lines_are_rejected_up_front(batch_config, tmp_path, capsys):
+    good = _batch_line("a", {"prompt": [1, 2, 3], "max_tokens": 3})
+    chat = "/v1/chat/completions"
+    lines = [
+        good,                                                                          # 1 ok
+        {k: v for k, v in good.items() if k != "custom_id"},                           # 2 no custom_id
+        {**good, "custom_id": "b", "method": "GET"},                                   # 3 method
+        {**good, "custom_id": "c", "url": "/v1/embeddings"},                           # 4 url
+        _batch_line("d", {"prompt": [1], "max_tokens": "ten"}),                        # 5 type
+        _batch_line("e", {"prompt": [1] * 200, "max_tokens": 100}),                    # 6 200 + 100 > 256
+        _batch_line("f", {"prompt": [1], "stream": True}),                             # 7 stream
+        _batch_line("a", {"prompt": [4]}),                                             # 8 custom_id again
+        _batch_line("g", {"prompt": [1], "speculation": {"method": "medusa9"}}),       # 9 method
+        _batch_line("h", {"messages": [{"role": "robot", "content": "x"}]}, url=chat),  # 10 role
+        _batch_line("i", {"prompt": [1], "frobnicate": 1}),                            # 11 unknown field
+        _batch_line("j", {"prompt": [1, 64]}),                                         # 12 id >= vocab
+        _batch_line("k", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 300},
+                    url=chat),                                                         # 13 3 + 300 > 256
+        {"prompt": [1, 2]},                                                            # 14 specray line
+        _batch_line("l", {"prompt": [1] * 256}),                                       # 15 prompt fills context
+        _batch_line("m", {"messages": [{"role": "user", "content": "ok"}], "max_tokens": 4}, url=chat),  # 16 ok
+    ]
+    inp = tmp_path / "bad.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"custom_id": "n", \n')  # 17 not JSON
+    out = tmp_path / "out.jsonl"
+    assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(batch_config)]) == 2
+    err = capsys.readouterr().err
+    expect = {2: "custom_id", 3: "method", 4: "url", 5: "body.max_tokens", 6: "body.max_tokens",
+              7: "body.stream", 8: "repeats line 1", 9: "body.speculation", 10: "body.messages.0.role",
+              11: "body.frobnicate", 12: "body.prompt", 13: "body.max_completion_tokens", 14: "custom_id",
+              15: "body.prompt", 17: "invalid JSON"}
+    reported: dict[int, str] = {}
+    for row in err.splitlines():
+        if row.strip().startswith("line "):
+            n, message = row.strip()[len("line "):].split(":", 1)
+            reported[int(n)] = reported.get(int(n), "") + message
+    for n, word in expect.items():
+        assert n in reported and word in reported[n], (n, err)
+    assert 1 not in reported and 16 not in reported
+    assert "300 tokens (200 in the prompt, 100 in the completion)" in reported[6]
+    assert "context length is 256" in reported[13] and "303" in reported[13]
+    assert not out.exists()
