@@ -76,6 +76,9 @@ class SpecrayConfig(BaseModel):
         default_factory=list, description="(min_batch, max_k) pairs capping k as the batch grows."
     )
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    overlap_drafting: bool = Field(
+        True, description="Separate layout: proposer workers draft the next step while the target verifies this one."
+    )
 
     def engine_config(self, device: str = "cpu") -> EngineConfig:
         return EngineConfig(

@@ -96,7 +96,8 @@ class CoordinatorCore:
         remote = {} if colocated else self._remote_methods()
         engine_cfg, options = cfg.engine_config(), self.placement.options(self.role)
         cls = ray.remote(EngineWorker)
-        self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote))
+        overlap = cfg.overlap_drafting
+        self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote, overlap))
         limits = Limits.from_dict(await self._worker_started())
         self.scheduler = Scheduler(cfg.max_num_seqs, limits, self.tokenizer, cfg.default_speculation)
         self._started = True

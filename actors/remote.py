@@ -18,6 +18,8 @@ from typing import Callable, Sequence
 import ray
 from ray.exceptions import RayActorError
 
+from specray.policies.base import Draft
+
 log = logging.getLogger(__name__)
 
 
@@ -56,24 +58,72 @@ class Supervised:
 
 
 class RemoteProposer(Supervised):
-    """A ``ProposerWorker`` for ``method`` with the given actor options (its bundle)."""
+    """A ``ProposerWorker`` for ``method`` with the given actor options (its bundle).
 
-    def __init__(self, method: str, config, options: dict, vocab_size: int, capacity: int):
+    What crosses to the worker stays proportional to what a step adds: each slot's tokens
+    travel once (rows carry only the tokens the worker has not seen). With ``overlap``, as
+    soon as a step's drafts are back the worker is asked to draft the next step already
+    (``propose_ahead``: assuming every draft token is accepted and its own guess of the
+    bonus token), so that it works while the target verifies; at the next step the rows
+    whose guess came true take that draft without waiting, and only the others are drafted
+    then. Lossless either way: a draft is only ever a proposal.
+    """
+
+    def __init__(self, method: str, config, options: dict, vocab_size: int, capacity: int, overlap: bool = False):
         from specray.actors.workers import ProposerWorker
 
         cls = ray.remote(ProposerWorker)
+        self.overlap = overlap
+        self.hits = self.rows = 0
+        self._sent: dict[int, int] = {}
+        self._ahead = None  # ObjectRef: slot -> (assumed tokens, draft), made during verification
+        self._ahead_len: dict[int, int] = {}  # slot -> its token count when that was asked
         super().__init__(method, lambda: cls.options(**options).remote(method, config, vocab_size, capacity))
+
+    def _spawn(self) -> None:
+        super()._spawn()
+        self._sent, self._ahead, self._ahead_len = {}, None, {}  # a new worker has seen nothing
+
+    def _tails(self, rows: Sequence) -> list:
+        out = []
+        for r in rows:
+            offset = self._sent.get(r.slot, 0)
+            if offset > len(r.token_ids):  # a new request in a reused slot
+                offset = 0
+            self._sent[r.slot] = len(r.token_ids)
+            # The request's generator stays with the engine (see ProposerWorker).
+            out.append((offset, replace(r, token_ids=list(r.token_ids[offset:]), generator=None)))
+        return out
 
     def propose(self, rows: Sequence):
         if not self.ready():
             return None  # still loading: plain decoding for its rows this step
-        # The request's generator stays with the engine (see ProposerWorker).
-        ref = self.handle.propose.remote([replace(r, generator=None) for r in rows])
-        return self._await(ref)
+        return self._propose(list(rows))
 
-    async def _await(self, ref):
+    async def _propose(self, rows: list):
         try:
-            return await ref
+            ahead = await self._ahead if self._ahead is not None else {}
+            self._ahead = None
+            drafts = [None] * len(rows)
+            missing = []
+            for i, r in enumerate(rows):
+                made = ahead.get(r.slot)
+                n = len(made[0]) if made else 0
+                if made and len(r.token_ids) == self._ahead_len.get(r.slot, -1) + n and list(r.token_ids[-n:]) == made[0]:
+                    drafts[i] = made[1].cut(r.num_tokens)
+                else:
+                    missing.append(i)
+            self.rows += len(rows)
+            self.hits += len(rows) - len(missing)
+            if missing:
+                part = await self.handle.propose.remote(self._tails([rows[i] for i in missing]))
+                for i, row in zip(missing, part.rows):
+                    drafts[i] = row
+            result = Draft(drafts)
+            if self.overlap:
+                self._ahead_len = {r.slot: len(r.token_ids) for r in rows}
+                self._ahead = self.handle.propose_ahead.remote(self._tails(rows), result)
+            return result
         except RayActorError:
             self.replace()
             return None
@@ -85,4 +135,6 @@ class RemoteProposer(Supervised):
         self.handle.commit.remote(rows)
 
     def release(self, slot: int) -> None:
+        self._sent.pop(slot, None)
+        self._ahead_len.pop(slot, None)
         self.handle.release.remote([slot])

@@ -80,10 +80,25 @@ class ProposerWorker(_Placed):
         resource = spec.load(path, ctx) if path else None
         self.proposer = spec.build(replace(ctx, resource=resource))
         self._generators: dict[int, torch.Generator] = {}
+        self._tokens: dict[int, list[int]] = {}  # each slot's committed tokens (sent as tails)
 
-    def propose(self, rows: Sequence[ProposalRow]) -> Draft:
-        rows = [replace(r, generator=self._generator(r)) for r in rows]
-        return self.proposer.propose(rows)
+    def _rows(self, rows: Sequence[tuple[int, ProposalRow]]) -> list[ProposalRow]:
+        """Rows arrive as (offset, row with only the tokens from offset on): rebuild them."""
+        full = []
+        for offset, r in rows:
+            tokens = self._tokens.get(r.slot, [])[:offset] + list(r.token_ids)
+            self._tokens[r.slot] = tokens
+            full.append(replace(r, token_ids=tokens, generator=self._generator(r)))
+        return full
+
+    def propose(self, rows: Sequence[tuple[int, ProposalRow]]) -> Draft:
+        return self.proposer.propose(self._rows(rows))
+
+    def propose_ahead(self, rows: Sequence[tuple[int, ProposalRow]], drafts: Draft) -> dict:
+        """Overlapped drafting (see ``DraftModelProposer.propose_ahead``); {} if not supported."""
+        if not hasattr(self.proposer, "propose_ahead"):
+            return {}
+        return self.proposer.propose_ahead(self._rows(rows), drafts)
 
     def _generator(self, row: ProposalRow) -> torch.Generator | None:
         if row.seed is None or row.sampling.greedy:
@@ -104,6 +119,7 @@ class ProposerWorker(_Placed):
         for s in slots:
             self.proposer.release(s)
             self._generators.pop(s, None)
+            self._tokens.pop(s, None)
 
 
 class EngineWorker(_Placed):
@@ -117,16 +133,17 @@ class EngineWorker(_Placed):
 
     remote: method -> actor options for the methods that run in ProposerWorkers of their
     own (separate layout); empty = every proposer in this actor (colocated layout).
+    overlap: remote proposers draft the next step while the target verifies this one.
     """
 
-    def __init__(self, config: EngineConfig, remote: dict[str, dict] | None = None):
+    def __init__(self, config: EngineConfig, remote: dict[str, dict] | None = None, overlap: bool = True):
         _threads()
         config = _on_this_device(config)
         self.remote: dict[str, RemoteProposer] = {}
 
         def proxy(method: str, options: dict):
             def make(ctx: ProposerContext) -> RemoteProposer:  # drafts over the target's vocab and context
-                self.remote[method] = RemoteProposer(method, config, options, ctx.vocab_size, ctx.capacity)
+                self.remote[method] = RemoteProposer(method, config, options, ctx.vocab_size, ctx.capacity, overlap)
                 return self.remote[method]
 
             return make
@@ -216,6 +233,10 @@ class EngineWorker(_Placed):
 
     def proposer_handles(self) -> dict:
         return {m: p.handle for m, p in self.remote.items()}
+
+    def overlap_stats(self) -> dict:
+        """Per remote method: rows served by a draft made during the previous verification."""
+        return {m: {"hits": p.hits, "rows": p.rows} for m, p in self.remote.items()}
 
     def restarts(self) -> dict:
         return {m: p.restarts for m, p in self.remote.items()}

@@ -16,12 +16,13 @@ sampler.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal, Protocol, Sequence
 
 import torch
 
 from specray.kernels.sampling import probs_from_logits, sample
-from specray.policies.base import CommitRow, Draft, ProposalRow
+from specray.policies.base import CommitRow, Draft, DraftRow, ProposalRow
 from specray.policies.registry import LinearOptions, MethodSpec, register_method
 
 # Rows with more pending tokens than this catch up in a forward of their own, so one
@@ -56,6 +57,7 @@ class DraftModelProposer:
         self.vocab_size = vocab_size or draft_runner.vocab_size
         self._base: dict[int, int] = {}
         self._k: dict[int, int] = {}
+        self._ahead: dict[int, tuple[list[int], int, int]] = {}  # slot -> (assumed tokens, base, k)
 
     def propose(self, rows: Sequence[ProposalRow]) -> Draft:
         if not rows:
@@ -117,16 +119,54 @@ class DraftModelProposer:
         pad = torch.full((logits.shape[0], self.vocab_size - v), float("-inf"), device=logits.device)
         return torch.cat([logits, pad], dim=-1)
 
+    def propose_ahead(self, rows: Sequence[ProposalRow], drafts: Draft) -> dict[int, tuple[list[int], DraftRow]]:
+        """Overlapped drafting: the next step's draft for each row, made while the target
+        verifies this one, assuming the target accepts the whole draft and then adds the
+        token this model expects (its guess of the bonus token). Kept until ``commit`` says
+        whether that came true. Returns slot -> (the assumed tokens, the next draft)."""
+        live = [(r, d) for r, d in zip(rows, drafts.rows) if d.size and r.slot in self._base
+                and self.runner.lengths[r.slot] == self._base[r.slot] + d.size - 1]
+        if not live:
+            return {}
+        saved = {r.slot: (self._base[r.slot], self._k[r.slot]) for r, _ in live}
+        # The cache holds all but the last draft token: feeding it gives the guess.
+        logits = self._fit_vocab(self.runner.forward([r.slot for r, _ in live], [d.tokens[-1:] for _, d in live]).logits[:, 0])
+        guesses = logits.argmax(dim=-1).tolist()
+        sampled = [n for n, (r, _) in enumerate(live) if not r.sampling.greedy]
+        if sampled:
+            sub = [live[n][0] for n in sampled]
+            q = probs_from_logits(logits[sampled], torch.tensor([r.sampling.temperature for r in sub]),
+                                  torch.tensor([r.sampling.top_k for r in sub], dtype=torch.long),
+                                  torch.tensor([r.sampling.top_p for r in sub]))
+            for n, tok in zip(sampled, sample(q, [r.generator for r in sub]).tolist()):
+                guesses[n] = tok
+        ahead_rows = [replace(r, token_ids=list(r.token_ids) + d.tokens + [g]) for (r, d), g in zip(live, guesses)]
+        following = self.propose(ahead_rows)
+        out = {}
+        for (r, d), g, nxt in zip(live, guesses, following.rows):
+            assumed = d.tokens + [g]
+            self._ahead[r.slot] = (assumed, self._base[r.slot], self._k[r.slot])
+            self._base[r.slot], self._k[r.slot] = saved[r.slot]
+            out[r.slot] = (assumed, nxt)
+        return out
+
     def commit(self, rows: Sequence[CommitRow]) -> None:
         for row in rows:
+            ahead = self._ahead.pop(row.slot, None)
             base = self._base.pop(row.slot, None)
-            if base is not None:  # rows it did not draft for this step keep their cache
-                self.runner.set_length(row.slot, base + min(row.num_accepted, self._k.pop(row.slot) - 1))
+            if base is None:  # rows it did not draft for this step keep their cache
+                continue
+            k = self._k.pop(row.slot)
+            if ahead is not None and list(row.tokens) == ahead[0]:  # the guess came true:
+                self._base[row.slot], self._k[row.slot] = ahead[1], ahead[2]  # the next draft is made
+            else:
+                self.runner.set_length(row.slot, base + min(row.num_accepted, k - 1))
 
     def release(self, slot: int) -> None:
         self.runner.reset(slot)
         self._base.pop(slot, None)
         self._k.pop(slot, None)
+        self._ahead.pop(slot, None)
 
 
 register_method(MethodSpec(
