@@ -149,29 +149,28 @@ def _clock(engine) -> dict:
     return clock
 
 
-def _forward_costs(runner, batch: int, qs, prefix: int = 200, repeats: int = 15) -> list[tuple[int, float]]:
+def _forward_costs(runner, batch: int, qs, prefix: int = 200, repeats: int = 30) -> list[tuple[int, float]]:
     """Fastest target forward (ms) with q new tokens per row on a ``prefix``-token cache,
-    every position scored (as a verification step is)."""
+    every position scored (as a verification step is); the sizes take turns, so a burst of
+    load on the machine does not land on one of them only."""
     import torch
 
     slots = list(range(batch))
     for s in slots:
         runner.reset(s)
     runner.forward(slots, [[5] * prefix] * batch)
-    out = []
-    for q in qs:
-        layout = (torch.tril(torch.ones(q, q, dtype=torch.bool)).repeat(batch, 1, 1), torch.arange(q).repeat(batch, 1))
-        times = []
-        for _ in range(repeats):
+    best = {q: float("inf") for q in qs}
+    for _ in range(repeats):
+        for q in qs:
+            layout = (torch.tril(torch.ones(q, q, dtype=torch.bool)).repeat(batch, 1, 1), torch.arange(q).repeat(batch, 1))
             start = time.perf_counter()
             runner.forward(slots, [[7] * q] * batch, torch.arange(q)[None].expand(batch, -1), layout)
-            times.append(time.perf_counter() - start)
+            best[q] = min(best[q], time.perf_counter() - start)
             for s in slots:
                 runner.set_length(s, prefix)
-        out.append((q, round(1000 * min(times), 3)))
     for s in slots:
         runner.reset(s)
-    return out
+    return [(q, round(1000 * t, 3)) for q, t in best.items()]
 
 
 def _report(rows: list[dict], costs: list[dict], out: pathlib.Path) -> int:
