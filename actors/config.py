@@ -70,7 +70,8 @@ class SpecrayConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=2, description="Context per sequence.")
     default_speculation: Speculation = Field(default_factory=PlainOptions)
     speculation_off_above_batch: int | None = Field(
-        None, ge=1, description="Running batch larger than this: plain decoding for everyone (never slower)."
+        None, ge=1, description="Static caps: running batch larger than this, plain decoding for everyone. "
+        "Without caps, a controller learns each step's k from measured acceptance and costs."
     )
     speculation_k_caps: list[tuple[int, int]] = Field(
         default_factory=list, description="(min_batch, max_k) pairs capping k as the batch grows."
@@ -92,9 +93,10 @@ class SpecrayConfig(BaseModel):
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             default_speculation=self.default_speculation,
+            # Caps given: static caps; none: the self-tuning controller.
             speculation_length=SpeculationLengthPolicy(
                 self.speculation_off_above_batch, tuple(tuple(p) for p in self.speculation_k_caps)
-            ),
+            ) if self.speculation_off_above_batch is not None or self.speculation_k_caps else None,
         )
 
     def method_facts(self) -> dict[str, dict | None]:

@@ -30,8 +30,10 @@ class EngineConfig:
     max_num_seqs: rows of the batch (KV cache slots).
     max_model_len: context per sequence; default min(model max positions, 4096).
     default_speculation: for requests that do not say.
-    speculation_length: caps k by running batch size, and turns speculation off above
-        a batch size, whatever requests ask for.
+    speculation_length: static caps of k by running batch size (off above a batch size),
+        whatever requests ask for; None (default) = the self-tuning controller
+        (``policies/controller.py``), which learns each step's k from measured acceptance
+        and step costs (k = 0 when speculation does not pay).
     """
 
     target: str | None = None
@@ -44,7 +46,7 @@ class EngineConfig:
     max_num_seqs: int = 8
     max_model_len: int | None = None
     default_speculation: MethodOptions = field(default_factory=PlainOptions)
-    speculation_length: SpeculationLengthPolicy = field(default_factory=SpeculationLengthPolicy)
+    speculation_length: SpeculationLengthPolicy | None = None
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from dataclasses import replace
 from typing import Mapping, Protocol, Sequence
 
@@ -21,6 +22,7 @@ from specray.engine.verify import TargetScores, accept, sampled_rows
 from specray.kernels.sampling import sample
 from specray.policies.base import Draft, PrefillRow
 from specray.policies.registry import method_spec
+from specray.policies.controller import AdaptiveSpeculation
 from specray.policies.spec_length import SpeculationLengthPolicy
 
 log = logging.getLogger(__name__)
@@ -49,9 +51,11 @@ class StepDriver:
     """Continuous batching over an executor: requests join and leave between steps."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, capacity: int, tokenizer=None,
-                 length_policy: SpeculationLengthPolicy | None = None):
+                 length_policy: SpeculationLengthPolicy | AdaptiveSpeculation | None = None):
         self.scheduler, self.executor = scheduler, executor
-        self.capacity, self.tokenizer, self.length_policy = capacity, tokenizer, length_policy
+        self.capacity, self.tokenizer = capacity, tokenizer
+        # How many nodes each row drafts: learned online (default), or static caps.
+        self.length_policy = length_policy if length_policy is not None else AdaptiveSpeculation()
 
     async def step(self) -> list[RequestOutput]:
         """Admit waiting requests (one ragged prefill), then one speculative step over the rest."""
@@ -71,11 +75,15 @@ class StepDriver:
         return self._apply(S.commit_prefill(reqs, tokens, self.capacity, self.tokenizer))
 
     async def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
-        plan = S.plan_proposals(batch, self.capacity, self.length_policy)
+        start = time.perf_counter()
+        views = [S.row_view(r) for r in batch]
+        plan = S.plan_proposals(batch, self.capacity, self.length_policy.caps(views))
         drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
         scores = await self.executor.verify(batch, S.verify_inputs(batch, drafts), sampled_rows(batch))
         result = accept(batch, drafts, scores)
-        return self._apply(S.commit_step(batch, drafts, result, self.capacity, self.tokenizer, scores))
+        outputs = self._apply(S.commit_step(batch, drafts, result, self.capacity, self.tokenizer, scores))
+        self.length_policy.observe(views, [d.size for d in drafts], result.num_accepted, time.perf_counter() - start)
+        return outputs
 
     def _apply(self, commit: S.Commit) -> list[RequestOutput]:
         self.executor.apply(commit)
@@ -87,6 +95,7 @@ class StepDriver:
         """Free a finished or aborted request's slot and its workers' state."""
         if self.scheduler.release(r):
             self.executor.release([r.slot])
+            self.length_policy.release(r.request_id)
 
 
 def first_tokens(reqs: Sequence[Request], scores: TargetScores) -> list[int]:

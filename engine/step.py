@@ -22,8 +22,8 @@ import torch
 from specray.engine.request import Request, RequestOutput, speculation_event
 from specray.engine.verify import StepResult, TargetScores
 from specray.policies.base import EMPTY, CommitRow, Draft, DraftRow, PrefillRow, ProposalRow, SamplingView
-from specray.policies.registry import PLAIN
-from specray.policies.spec_length import SpeculationLengthPolicy
+from specray.policies.controller import RowView
+from specray.policies.registry import PLAIN, method_spec
 
 
 @dataclass(frozen=True)
@@ -34,21 +34,25 @@ class ProposalPlan:
     rows: dict[str, tuple[list[int], list[ProposalRow]]]
 
 
-def plan_proposals(
-    batch: Sequence[Request], capacity: int, policy: SpeculationLengthPolicy | None = None
-) -> ProposalPlan:
+def row_view(r: Request) -> RowView:
+    """What the speculation-length policy sees of a row."""
+    options, tree = r.speculation, method_spec(r.method).drafts_trees
+    given = options.model_fields_set - {"method"}
+    fixed = bool(given) if tree else "num_speculative_tokens" in given
+    return RowView(r.request_id, r.method, options.budget, fixed, tree)
+
+
+def plan_proposals(batch: Sequence[Request], capacity: int, sizes: Sequence[int | None] | None = None) -> ProposalPlan:
+    """sizes[i]: the speculation size the policy gives row i (None: the method's own, a tree)."""
     ks, rows = [], {}
-    cap = policy.cap(len(batch)) if policy is not None else None
     for i, r in enumerate(batch):
         # Never draft past max_tokens or the context: at most remaining - 1 accepted nodes,
         # and the target must fit the root + the nodes it verifies.
         room = capacity - r.num_tokens
         k = max(0, min(r.remaining - 1, room))
-        budget = r.speculation.budget  # None: the method sizes its own draft (a tree)
-        if budget is not None:
-            k = min(k, budget)
-        if cap is not None:
-            k = min(k, cap)
+        size = sizes[i] if sizes is not None else r.speculation.budget
+        if size is not None:
+            k = min(k, size)
         ks.append(k)
         if r.method != PLAIN and k > 0:
             idx, lst = rows.setdefault(r.method, ([], []))

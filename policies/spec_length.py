@@ -30,6 +30,18 @@ class SpeculationLengthPolicy:
             if min_batch < 1 or max_k < 0:
                 raise ValueError(f"batch_k_caps entries need min_batch >= 1 and max_k >= 0, got {(min_batch, max_k)}")
 
+    def caps(self, rows) -> list[int | None]:
+        """Per row (``controller.RowView``): the k it asked for (None: a tree's own size),
+        capped at this batch size."""
+        cap = self.cap(len(rows))
+        return [r.requested if cap is None else (cap if r.requested is None else min(cap, r.requested)) for r in rows]
+
+    def observe(self, rows, drafted, accepted, seconds) -> None:
+        """Static caps learn nothing."""
+
+    def release(self, request_id: str) -> None:
+        pass
+
     def cap(self, batch_size: int) -> int | None:
         """Largest k allowed at this running batch size (None = no cap)."""
         if self.disable_above_batch is not None and batch_size > self.disable_above_batch:

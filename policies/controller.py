@@ -1,0 +1,202 @@
+"""Self-tuning speculation length: each step, the k per method that maximises expected tokens
+per second, learned online — k = 0 (plain decoding) when speculation does not pay.
+
+vLLM and TensorRT-LLM use a static k or a batch-size table; here both sides of the trade are
+measured while serving:
+
+* **acceptance**, per request and per draft position: a_j = P(position j accepted | j - 1
+  accepted), counted from every step and shrunk towards the method's own estimate (which
+  starts from a prior), so a new request starts from what the method usually achieves;
+  expected tokens of a row drafting k: E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j;
+* **cost**, per batch-size bucket: step seconds = t0 + sum_m t_m * k_m (k_m: the most draft
+  nodes any row of method m took this step), fitted by exponentially forgotten ridge least
+  squares around a prior, from the wall time of every step.
+
+Each step, for each method, the k over 0..max_k maximising (expected tokens of the batch) /
+(predicted step seconds) is taken, the other methods at their current choice; every few
+steps a neighbour of the best k is tried so the costs stay identified. Tree methods choose
+between off (0) and their own tree. A request that set ``num_speculative_tokens`` keeps it.
+
+>>> c = AdaptiveSpeculation()
+>>> rows = [RowView("a", "draft")]
+>>> k = c.caps(rows)[0]                     # before any evidence: the prior's choice
+>>> for _ in range(200):                    # drafts never accepted, a step costs 1 ms + 0.2 ms/k
+...     k = c.caps(rows)[0]
+...     c.observe(rows, [k], [0], 0.001 + 0.0002 * k)
+>>> c.caps(rows)[0]
+0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class RowView:
+    """What the controller knows of a row: its request and method; ``fixed``: the request set
+    its speculation size itself (``num_speculative_tokens``, or a tree), which then stands
+    (``requested``: that k, None for a tree's own size); ``tree``: the method drafts trees."""
+
+    request_id: str
+    method: str
+    requested: int | None = None
+    fixed: bool = False
+    tree: bool = False
+
+@dataclass
+class _Acceptance:
+    """Exponentially forgotten counts per draft position (position j at index j - 1)."""
+
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int, forget: float) -> None:
+        grow = drafted - len(self.reached)
+        if grow > 0:
+            self.reached += [0.0] * grow
+            self.accepted += [0.0] * grow
+        if forget < 1.0:
+            self.reached = [r * forget for r in self.reached]
+            self.accepted = [a * forget for a in self.accepted]
+        for j in range(min(drafted, accepted + 1)):  # positions up to the first rejection were reached
+            self.reached[j] += 1.0
+            if j < accepted:
+                self.accepted[j] += 1.0
+
+    def rate(self, j: int, prior: float, pseudo: float) -> float:
+        if j < len(self.reached):
+            return (self.accepted[j] + pseudo * prior) / (self.reached[j] + pseudo)
+        return prior
+
+
+class _Costs:
+    """Step seconds = x . theta, x = [1, k_m for each method], ridge around a prior."""
+
+    def __init__(self, methods: list[str], forget: float, prior_weight: float):
+        self.methods, self.forget, self.prior_weight = list(methods), forget, prior_weight
+        n = len(self.methods) + 1
+        self.xx, self.xy = np.zeros((n, n)), np.zeros(n)
+        self.prior: np.ndarray | None = None
+
+    def add(self, ks: dict[str, int], seconds: float) -> None:
+        x = self._x(ks)
+        if self.prior is None:  # a step costs about this much, each draft token ~15% more
+            base = seconds / (1.0 + 0.15 * sum(ks.values()))
+            self.prior = np.array([base] + [0.15 * base] * len(self.methods))
+        self.xx = self.forget * self.xx + np.outer(x, x)
+        self.xy = self.forget * self.xy + x * seconds
+
+    def theta(self) -> np.ndarray | None:
+        if self.prior is None:
+            return None
+        lam = self.prior_weight * np.eye(len(self.prior))
+        theta = np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior)
+        return np.maximum(theta, 1e-6)
+
+    def _x(self, ks: dict[str, int]) -> np.ndarray:
+        return np.array([1.0] + [float(ks.get(m, 0)) for m in self.methods])
+
+
+class AdaptiveSpeculation:
+    """The controller (see the module doc). ``caps`` before a step, ``observe`` after it."""
+
+    def __init__(self, max_k: int = 8, prior_acceptance: float = 0.6, pseudo_counts: float = 4.0,
+                 forget: float = 0.98, prior_weight: float = 0.3, explore_every: int = 8):
+        self.max_k, self.prior_acceptance, self.pseudo = max_k, prior_acceptance, pseudo_counts
+        self.forget, self.prior_weight, self.explore_every = forget, prior_weight, explore_every
+        self._methods: dict[str, _Acceptance] = {}
+        self._requests: dict[str, _Acceptance] = {}
+        self._costs: dict[int, _Costs] = {}
+        self._choice: dict[str, int | None] = {}
+        self._nodes: dict[str, int] = {}  # tree methods: nodes a tree had lately
+        self._steps = 0
+
+    # -- deciding ------------------------------------------------------------------------------
+    def caps(self, rows: Sequence[RowView]) -> list[int | None]:
+        """Per row: the most draft nodes it may take this step (None: the method's own size)."""
+        self._steps += 1
+        methods = sorted({r.method for r in rows if r.method != "none"})
+        costs = self._cost_model(len(rows), methods).theta()
+        choice = {}
+        for m in methods:
+            auto = [r for r in rows if r.method == m and not r.fixed]
+            if not auto:
+                continue
+            tree = auto[0].tree
+            options = [0, None] if tree else list(range(self.max_k + 1))
+            if costs is None:  # no measurement yet: draft, to learn
+                choice[m] = None if tree else min(4, self.max_k)
+                continue
+            values = [self._rate(rows, m, k, choice, costs, methods) for k in options]
+            best = int(np.argmax(values))
+            if not tree and self.explore_every and self._steps % self.explore_every == 0:
+                best = min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
+            choice[m] = options[best]
+        self._choice.update(choice)
+        return [r.requested if r.fixed else choice.get(r.method) for r in rows]
+
+    def _rate(self, rows, method, k, choice, costs, methods) -> float:
+        """Expected tokens per second of the whole batch if ``method`` drafts k."""
+        tokens, ks = 0.0, {}
+        for r in rows:
+            kr = r.requested if r.fixed else (k if r.method == method else
+                                              choice.get(r.method, self._choice.get(r.method)))
+            nodes = self._tree_nodes(r) if kr is None else kr
+            tokens += self._expected(r, kr)
+            ks[r.method] = max(ks.get(r.method, 0), nodes)
+        seconds = costs[0] + sum(costs[1 + i] * ks.get(m, 0) for i, m in enumerate(methods))
+        return tokens / seconds
+
+    def _expected(self, row: RowView, k: int | None) -> float:
+        if row.method == "none" or k == 0:
+            return 1.0
+        method = self._methods.get(row.method, _Acceptance())
+        own = self._requests.get(row.request_id, _Acceptance())
+        if k is None:  # a tree: 1 + its mean accepted length so far
+            depth = max(len(method.reached), 1)
+            k = depth
+        total, alive = 1.0, 1.0
+        for j in range(k):
+            prior = method.rate(j, self.prior_acceptance, self.pseudo)
+            alive *= own.rate(j, prior, self.pseudo)
+            total += alive
+        return total
+
+    def _tree_nodes(self, row: RowView) -> int:
+        return self._nodes.get(row.method, 8)
+
+    def _cost_model(self, batch: int, methods: list[str]) -> _Costs:
+        bucket = 1 << max(batch - 1, 0).bit_length()  # 1, 2, 4, 8, ...
+        model = self._costs.get(bucket)
+        if model is None or not set(methods) <= set(model.methods):
+            known = model.methods if model is not None else []
+            model = _Costs(sorted(set(known) | set(methods)), self.forget, self.prior_weight)
+            self._costs[bucket] = model
+        return model
+
+    # -- learning ------------------------------------------------------------------------------
+    def observe(self, rows: Sequence[RowView], drafted: Sequence[int], accepted: Sequence[int], seconds: float) -> None:
+        """After a step: each row's drafted nodes and accepted count, and the step's seconds."""
+        ks: dict[str, int] = {}
+        nodes: dict[str, int] = {}
+        for r, d, a in zip(rows, drafted, accepted):
+            if r.method == "none":
+                continue
+            ks[r.method] = max(ks.get(r.method, 0), d)
+            if d <= 0:
+                continue
+            if r.tree:
+                nodes[r.method] = max(nodes.get(r.method, 0), d)
+                d = a + 1 if a < d else d  # trees: depth positions up to the first miss were reached
+            self._methods.setdefault(r.method, _Acceptance()).add(d, a, self.forget)
+            self._requests.setdefault(r.request_id, _Acceptance()).add(d, a, 1.0)
+        self._nodes.update(nodes)
+        methods = sorted({r.method for r in rows if r.method != "none"})
+        self._cost_model(len(rows), methods).add(ks, seconds)
+
+    def release(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)

@@ -1,0 +1,128 @@
+"""The self-tuning speculation length: k = 0 when drafts are never accepted, a large k when
+they always are, an explicit k honoured — alone and driving the engine with fake proposers."""
+
+import copy
+from typing import Literal
+
+import pytest
+
+from specray.engine.config import EngineConfig
+from specray.engine.engine import LLMEngine
+from specray.engine.params import SamplingParams, SpeculationParams
+from specray.policies.base import Draft, DraftRow
+from specray.policies.controller import AdaptiveSpeculation, RowView
+from specray.policies.registry import LinearOptions, MethodSpec, register_method
+from tests.conftest import hf_greedy
+from tests.test_engine import ragged_prompts
+
+
+def simulate(acceptance: float, steps: int = 300, batch: int = 1, draft_cost: float = 0.2) -> int:
+    """A step costs 1 + draft_cost * k (ms); each draft position is accepted with ``acceptance``."""
+    import random
+
+    rng = random.Random(0)
+    c = AdaptiveSpeculation()
+    rows = [RowView(f"r{i}", "m") for i in range(batch)]
+    for _ in range(steps):
+        ks = c.caps(rows)
+        accepted = []
+        for k in ks:
+            n = 0
+            while n < k and rng.random() < acceptance:
+                n += 1
+            accepted.append(n)
+        c.observe(rows, ks, accepted, 0.001 * (1 + draft_cost * max(ks)))
+    c._steps = 1  # decide without an exploration step
+    return c.caps(rows)[0]
+
+
+def test_controller_turns_speculation_off_when_nothing_is_accepted():
+    assert simulate(0.0) == 0
+
+
+def test_controller_drafts_long_when_everything_is_accepted():
+    assert simulate(1.0) >= 6
+
+
+def test_controller_in_between():
+    mid = simulate(0.7)
+    assert 1 <= mid <= 6 and simulate(0.7, draft_cost=2.0) < mid  # costlier drafts: shorter
+
+
+def test_fixed_requests_keep_their_k():
+    c = AdaptiveSpeculation()
+    rows = [RowView("a", "m", requested=3, fixed=True), RowView("b", "n")]
+    for _ in range(100):
+        ks = c.caps(rows)
+        c.observe(rows, ks, [0, 0], 0.001 * (1 + 0.2 * ks[0] + 0.2 * ks[1]))
+    c._steps = 1
+    assert c.caps(rows) == [3, 0]  # never accepted: the free row stops, the fixed one keeps 3
+
+
+# -- through the engine, with fake proposers ---------------------------------------------------
+class OracleOptions(LinearOptions):
+    method: Literal["test_oracle"] = "test_oracle"
+
+
+class WrongOptions(LinearOptions):
+    method: Literal["test_wrong"] = "test_wrong"
+
+
+class Oracle:
+    """Drafts the target's own greedy continuation (known in advance): always accepted."""
+
+    references: dict = {}
+
+    def propose(self, rows):
+        out = []
+        for r in rows:
+            ref = next(v for p, v in self.references.items() if list(r.token_ids[: len(p)]) == list(p))
+            done = len(r.token_ids) - len(next(p for p in self.references if list(r.token_ids[: len(p)]) == list(p)))
+            out.append(DraftRow(ref[done : done + r.num_tokens]))
+        return Draft(out)
+
+    def commit(self, rows):
+        pass
+
+    def release(self, slot):
+        pass
+
+
+class Wrong(Oracle):
+    """Drafts a token the target does not choose: never accepted."""
+
+    def propose(self, rows):
+        right = super().propose(rows)
+        return Draft([DraftRow([(t + 1) % 64 for t in d.tokens]) for d in right.rows])
+
+
+@pytest.fixture(scope="module")
+def fakes(tiny_pair):
+    prompts = ragged_prompts(6)
+    Oracle.references = {tuple(p): hf_greedy(tiny_pair[0], p, 200) for p in prompts}
+    register_method(MethodSpec("test_oracle", OracleOptions, build=lambda ctx: Oracle()))
+    register_method(MethodSpec("test_wrong", WrongOptions, build=lambda ctx: Wrong()))
+    return prompts
+
+
+@pytest.mark.parametrize("method, expect", [("test_oracle", "long"), ("test_wrong", "off")])
+def test_the_engine_learns_k(tiny_pair, fakes, method, expect):
+    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=2), target_model=copy.deepcopy(tiny_pair[0]))
+    sampling = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
+    outs = engine.generate(fakes, sampling, SpeculationParams(method=method))
+    assert [o.token_ids for o in outs] == [Oracle.references[tuple(p)][:150] for p in fakes]
+    choice = engine.driver.length_policy._choice[method]
+    m = engine.totals
+    if expect == "long":
+        assert choice >= 6 and m.num_draft_tokens / m.num_drafts >= 5
+    else:
+        assert choice == 0 and m.num_drafts < m.target_forward_passes / 3  # it stopped drafting early
+
+
+def test_the_engine_honours_an_explicit_k(tiny_pair, fakes):
+    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=2), target_model=copy.deepcopy(tiny_pair[0]))
+    sampling = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    outs = engine.generate(fakes, sampling, SpeculationParams(method="test_wrong", num_speculative_tokens=2))
+    m = engine.totals
+    assert m.num_drafts >= sum(len(o.token_ids) for o in outs) - 2 * len(fakes)  # drafted every step
+    assert m.num_draft_tokens <= 2 * m.num_drafts and m.num_accepted_tokens == 0
