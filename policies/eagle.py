@@ -44,8 +44,10 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, Sequence
 
+import numpy as np
 import torch
 from pydantic import Field, field_validator, model_validator
 from torch import nn
@@ -326,31 +328,41 @@ class EagleProposer:
 
     def _children(self, plan: _RowPlan, level: int, parents: list[int], logits: torch.Tensor) -> None:
         """Add level ``level``'s nodes below ``parents`` (their logits [len(parents), V])."""
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
         new: list[int] = []
         if plan.tree is not None:  # static: each parent's children are given by the tree's ranks
-            for p, lp, lg in zip(parents, logp, logits):
-                ranks = [c for c in plan.tree.choices if len(c) == level and c[:-1] == self._rank(plan, p)]
+            kids = _kids_by_rank(plan.tree.choices)
+            width = max((len(kids.get(self._rank(plan, p), ())) for p in parents), default=0)
+            if width == 0:
+                plan.frontier = []
+                return
+            if not plan.sampled:
+                top = logp.topk(min(width, logp.shape[-1]))
+                top_idx, top_val = top.indices.tolist(), top.values.tolist()
+            for n, p in enumerate(parents):
+                ranks = kids.get(self._rank(plan, p), ())
                 if not ranks:
                     continue
-                width = max(c[-1] for c in ranks) + 1
-                picks, qs = self._pick(plan.row, lg, width) if plan.sampled else (lp.topk(width).indices.tolist(), None)
                 base = plan.nodes[p].score if p >= 0 else 0.0
+                if plan.sampled:
+                    picks, qs = self._pick(plan.row, logits[n], ranks[-1][-1] + 1)
+                    vals = logp[n, picks].tolist()
+                else:
+                    picks, qs, vals = top_idx[n], None, top_val[n]
                 for c in ranks:
-                    tok = picks[c[-1]]
-                    plan.nodes.append(_Node(tok, p, level, base + float(lp[tok]), qs[c[-1]] if qs else None, c))
+                    r = c[-1]
+                    if r >= len(picks):  # fewer possible tokens than the tree asks for
+                        continue
+                    plan.nodes.append(_Node(picks[r], p, level, base + vals[r], qs[r] if qs else None, c))
                     new.append(len(plan.nodes) - 1)
             # a static tree expands every node that has children in it
-            plan.frontier = [n for n in new if any(len(c) == level + 1 and c[:-1] == plan.nodes[n].rank
-                                                   for c in plan.tree.choices)]
-            if level >= plan.depth:
-                plan.frontier = []
+            plan.frontier = [n for n in new if plan.nodes[n].rank in kids] if level < plan.depth else []
         else:  # dynamic: top_k children per expanded node, the best top_k are expanded next
             k = plan.row.options.top_k
-            for p, lp in zip(parents, logp):
+            top = logp.topk(min(k, logp.shape[-1]))
+            for p, idx, vals in zip(parents, top.indices.tolist(), top.values.tolist()):
                 base = plan.nodes[p].score if p >= 0 else 0.0
-                top = lp.topk(k)
-                for tok, val in zip(top.indices.tolist(), top.values.tolist()):
+                for tok, val in zip(idx, vals):
                     plan.nodes.append(_Node(tok, p, level, base + val))
                     new.append(len(plan.nodes) - 1)
             plan.frontier = sorted(new, key=lambda n: -plan.nodes[n].score)[:k] if level < plan.depth else []
@@ -390,20 +402,20 @@ class EagleProposer:
             where = {n: j for j, n in enumerate(nodes)}
             toks = torch.tensor([plan.nodes[n].token for n in nodes], device=self.runner.device)
             parent_feats = torch.stack([self._parent_feature(plan, n) for n in nodes])
-            mask = torch.eye(q, dtype=torch.bool)
-            for j, n in enumerate(nodes):
-                for a in self._ancestors(plan, n):
-                    mask[j, where[a]] = True
-            off = torch.arange(q)
-            off[: len(nodes)] = torch.tensor([plan.nodes[n].depth - 1 for n in nodes])
+            mask = np.eye(q, dtype=bool)  # host-side: one tensor per row, not one op per entry
+            rows_, cols_ = zip(*((j, where[a]) for j, n in enumerate(nodes) for a in self._ancestors(plan, n)))
+            mask[list(rows_), list(cols_)] = True
+            off = np.arange(q)
+            off[: len(nodes)] = [plan.nodes[n].depth - 1 for n in nodes]
             slots.append(plan.row.slot)
             embeds.append(self.head.fuse(toks, parent_feats.to(self.runner.dtype)))
             tokens.append([plan.nodes[n].token for n in nodes])
             masks.append(mask)
             offsets.append(off)
         base = [self.runner.lengths[s] for s in slots]
-        out = self.runner.forward(slots, tokens, torch.arange(q)[None].expand(len(slots), -1),
-                                  layout=(torch.stack(masks), torch.stack(offsets)), embeds=embeds)
+        layout = (torch.from_numpy(np.stack(masks)), torch.from_numpy(np.stack(offsets)))
+        out = self.runner.forward(slots, tokens, torch.arange(q)[None].expand(len(slots), -1), layout=layout,
+                                  embeds=embeds)
         for s, b in zip(slots, base):
             self.runner.set_length(s, b)  # the tree's head KV is never kept
         parents, logits = [[] for _ in plans], [None for _ in plans]
@@ -444,6 +456,17 @@ class EagleProposer:
         tokens = [nodes[n].token for n in chosen]
         probs = torch.stack([nodes[n].q for n in chosen]) if plan.sampled and chosen else None
         return DraftRow(tokens, TokenTree.from_parents(parents), probs)
+
+
+@lru_cache(maxsize=64)
+def _kids_by_rank(choices: tuple) -> dict[tuple, list[tuple]]:
+    """A static tree's children per node, by rank path (root: ()), in rank order."""
+    kids: dict[tuple, list[tuple]] = {}
+    for c in choices:
+        kids.setdefault(tuple(c[:-1]), []).append(tuple(c))
+    for v in kids.values():
+        v.sort(key=lambda c: c[-1])
+    return kids
 
 
 def _load(path: str, ctx) -> tuple[EagleHead, object]:
