@@ -234,6 +234,13 @@ class EngineWorker(_Placed):
     def proposer_handles(self) -> dict:
         return {m: p.handle for m, p in self.remote.items()}
 
+    def phase_seconds(self, reset: bool = True) -> dict:
+        """Seconds the driver waited for drafts and verified, and its steps (since the last reset)."""
+        out = dict(self.engine.driver.phase_seconds)
+        if reset:
+            self.engine.driver.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}
+        return out
+
     def overlap_stats(self) -> dict:
         """Per remote method: rows served by a draft made during the previous verification."""
         return {m: {"hits": p.hits, "rows": p.rows} for m, p in self.remote.items()}

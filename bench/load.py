@@ -28,8 +28,13 @@ Measured per (level, method), from the client:
   tokens in one chunk (as in vLLM's benchmark, ITL is per chunk);
 * TPOT: per request, (end - first token) / (tokens - 1), p50/p90/p99 (per token).
 
-``--off-above-batch`` / ``--k-caps`` set the engine's speculation-length policy
-(``speculation_off_above_batch`` / ``speculation_k_caps``) to measure its effect.
+A method is ``name`` (its k chosen each step by the engine's self-tuning controller; with
+``--k``, that fixed k instead) or ``name@k`` (a fixed k), e.g. ``--methods
+none,draft,draft@1,draft@2,draft@4``: the report then checks the controller's goal — at
+every level the controller's throughput is at least 0.95x the best of plain and the best
+fixed k of that method, and never below plain. ``--off-above-batch`` / ``--k-caps`` set
+static caps instead of the controller (``speculation_off_above_batch`` /
+``speculation_k_caps``).
 
 Writes ``load.csv``, ``load.json``, ``load.txt`` (the table) and ``load.png`` to
 ``--out`` (default ``bench/results/``), and says for each level whether a speculative
@@ -170,6 +175,16 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
     return results, time.perf_counter() - start
 
 
+def speculation_of(method: str, k: int | None) -> dict:
+    """``name`` (the controller's k, or ``k`` if given) or ``name@k`` (a fixed k)."""
+    name, _, fixed = method.partition("@")
+    if name == "none":
+        return {"method": "none"}
+    if fixed:
+        return {"method": name, "num_speculative_tokens": int(fixed)}
+    return {"method": name} if k is None else {"method": name, "num_speculative_tokens": k}
+
+
 def summarize(results: list[RequestResult], wall: float) -> dict:
     ok = [r for r in results if r.ok]
     ms = lambda v: None if v is None else round(1e3 * v, 2)  # noqa: E731
@@ -189,6 +204,30 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
         for q in (50, 90, 99):
             row[f"{name}_ms_p{q}"] = ms(percentile(values, q))
     return row
+
+
+CONTROLLER_GOAL = 0.95
+"""The controller's throughput against the best of plain and the best fixed k, per level."""
+
+
+def _controller_goal(rows: list[dict], methods: list[str], levels: list[int]) -> dict:
+    """For each method run both with the controller (``name``) and with fixed k (``name@k``)."""
+    out, lines = {}, []
+    for auto in [m for m in methods if m != "none" and "@" not in m]:
+        fixed = [m for m in methods if m.startswith(auto + "@")]
+        if not fixed:
+            continue
+        per_level = {}
+        for c in levels:
+            at = {r["method"]: r["throughput_tok_s"] for r in rows if r["concurrency"] == c}
+            best_name = max(["none"] + fixed, key=lambda m: at.get(m, 0.0))
+            ratio = at[auto] / at[best_name] if at.get(best_name) else None
+            ok = ratio is not None and ratio >= CONTROLLER_GOAL and at[auto] >= SLOWER_TOLERANCE * at["none"]
+            per_level[c] = {"ratio_to_best": round(ratio, 3) if ratio else None, "best": best_name, "met": ok}
+            lines.append(f"concurrency {c:>3}: {auto} (controller) {ratio:.2f}x the best of none/fixed k "
+                         f"({best_name}) -> {'MET' if ok else 'NOT MET'}")
+        out[auto] = {"levels": per_level, "met": all(v["met"] for v in per_level.values())}
+    return {**out, "lines": lines}
 
 
 # -- the server ------------------------------------------------------------------------------
@@ -290,6 +329,8 @@ def verdicts(rows: list[dict], methods: list[str]) -> tuple[list[str], dict]:
         per_level[c] = {"slower": slower, "ratios": {m: at[m].get("speedup_vs_none") for m in at if m != "none"}}
         verdict = f"SLOWER than plain: {', '.join(slower)}" if slower else "not slower than plain"
         lines.append(f"concurrency {c:>3}: {'; '.join(parts)} -> {verdict}")
+    controller = _controller_goal(rows, methods, levels)
+    lines += controller.pop("lines")
     never_slower = all(not v["slower"] for v in per_level.values())
     low = levels[0] if levels else None
     faster_low = low is not None and any(
@@ -300,6 +341,7 @@ def verdicts(rows: list[dict], methods: list[str]) -> tuple[list[str], dict]:
         "faster_at_lowest_concurrency": faster_low,
         "met": never_slower and faster_low,
         "tolerance": SLOWER_TOLERANCE,
+        "controller": controller,
     }
     lines.append(
         "goal 'speculation never slower than plain at any concurrency, faster at low concurrency': "
@@ -365,7 +407,8 @@ def parse_args(argv):
     p.add_argument("--duration-cap", type=float, default=60.0,
                    help="seconds after which a (level, method) run sends no new requests (default 60)")
     p.add_argument("--methods", default="none,draft,ngram", help="speculation methods (default none,draft,ngram)")
-    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens of the speculative methods (default 3)")
+    p.add_argument("--k", type=int, default=None,
+                   help="a fixed num_speculative_tokens for methods without @k (default: the engine's controller)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="engine batch rows (default 32)")
     p.add_argument("--placement", choices=["colocated", "separate"], default="colocated",
                    help="colocated: one actor holds target and draft (default); separate: an actor each")
@@ -414,8 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     url = start_server(args, engine)
     try:
         endpoint = f"{url}/v1/completions"
-        specs = {m: {"method": m} if m == "none" else {"method": m, "num_speculative_tokens": args.k}
-                 for m in args.method_list}
+        specs = {m: speculation_of(m, args.k) for m in args.method_list}
         # Warm-up: start the workers, and the proposers of each method.
         for m in args.method_list:
             res, _ = asyncio.run(run_level(endpoint, model, prompts, 2, [0, 1], specs[m], 8, 60, args.request_timeout))
@@ -464,8 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     pair = _pair_info(args)
     policy = (f", spec off above batch {args.off_above_batch}" if args.off_above_batch is not None else "") + (
         f", k caps {args.k_caps}" if args.k_caps else "")
+    k = f"k={args.k}" if args.k is not None else "k by the controller"
     title = (f"specray load: {pair.get('name', 'custom models')}, max_num_seqs={args.max_num_seqs}, "
-             f"{args.placement}, k={args.k}{policy}, {args.max_tokens} tokens/request, {os.cpu_count()} CPUs")
+             f"{args.placement}, {k}{policy}, {args.max_tokens} tokens/request, {os.cpu_count()} CPUs")
     meta = {
         "command": command, "title": title, "started": started, "elapsed_s": round(time.time() - started, 1),
         "python": platform.python_version(), "torch_threads_per_worker": os.environ.get("SPECRAY_WORKER_THREADS"),

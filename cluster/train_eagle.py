@@ -178,7 +178,7 @@ def measure_step_cost(target: str, head: EagleHead, max_nodes: int, repeats: int
     return lambda nodes, depth: float(np.interp(nodes + 1, sizes, verify_s)) + depth * head_s
 
 
-def train_eagle(target: str, out: str, tokenizer: str | None = None, steps: int = 2000, batch_size: int = 16,
+def train_eagle(target: str, out: str, tokenizer: str | None = None, steps: int = 1200, batch_size: int = 16,
                 width: int = 256, lr: float = 3e-3, noise: float = 0.1, token_weight: float = 1.0,
                 sequences: int = 1024, gen_len: int = 128, tree_size: int = 16, depth: int = 6, seed: int = 0,
                 prompts: PromptSource | None = None) -> dict:
@@ -241,7 +241,7 @@ def evaluate(target: str, head_dir: str, tokenizer: str, num_prompts: int = 8, m
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specray train eagle", description=__doc__.split("\n\n")[0])
-    add_common_args(p, steps=2000, lr=3e-3)
+    add_common_args(p, steps=1200, lr=3e-3)
     p.add_argument("--batch-size", type=int, default=16, help="windows per step")
     p.add_argument("--width", type=int, default=256, help="pairs per window")
     p.add_argument("--noise", type=float, default=0.1, help="uniform noise half-width on input features")

@@ -102,10 +102,24 @@ def target_features(model, seqs: list[list[int]], batch_size: int = 16) -> torch
     return out
 
 
+_DATA: dict[tuple, DistillData] = {}  # one process training several heads builds the data once
+
+
 def distill_data(target: str, tokenizer: str | None = None, sequences: int = 1024, gen_len: int = 128,
                  seed: int = 0, prompts: PromptSource | None = None, context: int = 512) -> DistillData:
     """Greedy continuations of ``sequences`` training prompts and ``sequences // 8`` held-out
-    ones (another seed), with the target's features cached."""
+    ones (another seed), with the target's features cached (per process, for the corpus
+    prompts)."""
+    key = (target, tokenizer, sequences, gen_len, seed, context)
+    if prompts is None and key in _DATA:
+        return _DATA[key]
+    data = _distill_data(target, tokenizer, sequences, gen_len, seed, prompts, context)
+    if prompts is None:
+        _DATA[key] = data
+    return data
+
+
+def _distill_data(target, tokenizer, sequences, gen_len, seed, prompts, context) -> DistillData:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
@@ -203,9 +217,9 @@ def ranks_of(logits: torch.Tensor, labels: torch.Tensor, top: int) -> torch.Tens
 
 # -- the command ----------------------------------------------------------------------------
 def recipes() -> dict[str, Callable[[list[str]], int]]:
-    from specray.cluster import train_eagle, train_medusa
+    from specray.cluster import train_eagle, train_medusa, train_redrafter
 
-    return {"medusa": train_medusa.main, "eagle": train_eagle.main}
+    return {"medusa": train_medusa.main, "eagle": train_eagle.main, "redrafter": train_redrafter.main}
 
 
 def main(argv: list[str] | None = None) -> int:

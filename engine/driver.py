@@ -56,6 +56,8 @@ class StepDriver:
         self.capacity, self.tokenizer = capacity, tokenizer
         # How many nodes each row drafts: learned online (default), or static caps.
         self.length_policy = length_policy if length_policy is not None else AdaptiveSpeculation()
+        # Seconds spent waiting for drafts and verifying, and steps (benchmarks read them).
+        self.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}
 
     async def step(self) -> list[RequestOutput]:
         """Admit waiting requests (one ragged prefill), then one speculative step over the rest."""
@@ -79,7 +81,11 @@ class StepDriver:
         views = [S.row_view(r) for r in batch]
         plan = S.plan_proposals(batch, self.capacity, self.length_policy.caps(views))
         drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
+        proposed = time.perf_counter()
         scores = await self.executor.verify(batch, S.verify_inputs(batch, drafts), sampled_rows(batch))
+        self.phase_seconds["propose"] += proposed - start
+        self.phase_seconds["verify"] += time.perf_counter() - proposed
+        self.phase_seconds["steps"] += 1
         result = accept(batch, drafts, scores)
         outputs = self._apply(S.commit_step(batch, drafts, result, self.capacity, self.tokenizer, scores))
         self.length_policy.observe(views, [d.size for d in drafts], result.num_accepted, time.perf_counter() - start)

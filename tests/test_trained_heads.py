@@ -1,0 +1,48 @@
+"""One short trained head per method on the demo target, trained once per run and cached:
+served losslessly, and accepting clearly more than a random head would."""
+
+import pytest
+
+from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def trained(demo_pair, tmp_path_factory):
+    """Heads trained briefly on the demo target (data built once for all of them)."""
+    from specray.cluster import train_eagle, train_medusa
+
+    root = tmp_path_factory.mktemp("heads")
+    common = dict(tokenizer=demo_pair.tokenizer, sequences=256, gen_len=64, tree_size=8)
+    reports = {
+        "medusa": train_medusa.train_medusa(demo_pair.target, str(root / "medusa"), steps=300, **common),
+        "eagle": train_eagle.train_eagle(demo_pair.target, str(root / "eagle"), steps=300, depth=5, **common),
+    }
+    return root, reports
+
+
+@pytest.fixture(scope="module")
+def engine(demo_pair, trained):
+    root, _ = trained
+    return LLMEngine(EngineConfig(target=demo_pair.target, tokenizer=demo_pair.tokenizer, medusa=str(root / "medusa"),
+                                  checkpoints={"eagle": str(root / "eagle")}, max_num_seqs=4))
+
+
+@pytest.mark.parametrize("spec, floor", [
+    ({"method": "medusa"}, 1.5),
+    ({"method": "eagle"}, 2.0),
+    ({"method": "eagle", "dynamic_tree": True, "top_k": 4, "depth": 5, "total_tokens": 16}, 2.0),
+], ids=["medusa fitted", "eagle-1 fitted", "eagle-2"])
+def test_trained_heads_are_lossless_and_accept(demo_pair, engine, trained, spec, floor):
+    from specray.demo import held_out_prompts
+
+    prompts = held_out_prompts(4, demo_pair.tokenizer)
+    sampling = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in engine.generate(prompts, sampling, SpeculationParams(method="none"))]
+    before = engine.totals.num_drafts, engine.totals.num_accepted_tokens
+    outs = engine.generate(prompts, sampling, SpeculationParams(**spec))
+    assert [o.token_ids for o in outs] == plain
+    drafts = engine.totals.num_drafts - before[0]
+    accepted = engine.totals.num_accepted_tokens - before[1]
+    assert 1 + accepted / drafts > floor, (spec, trained[1])
