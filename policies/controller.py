@@ -159,9 +159,9 @@ class AdaptiveSpeculation:
         if k is None:  # a tree: 1 + its mean accepted length so far
             depth = max(len(method.reached), 1)
             k = depth
-        total, alive = 1.0, 1.0
-        for j in range(k):
-            prior = method.rate(j, self.prior_acceptance, self.pseudo)
+        total, alive, prior = 1.0, 1.0, self.prior_acceptance
+        for j in range(k):  # a position never reached inherits the estimate of the one before
+            prior = method.rate(j, prior, self.pseudo)
             alive *= own.rate(j, prior, self.pseudo)
             total += alive
         return total
