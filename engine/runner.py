@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 # else goes through the model's own forward.
 DIRECT_LAYER_LOOP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
+
 @dataclass(frozen=True)
 class ForwardOutput:
     """logits: [B, m, V] float32 at the requested positions; hidden: [B, m, H] (final norm)
