@@ -99,7 +99,9 @@ class CoordinatorCore:
         overlap = cfg.overlap_drafting
         self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote, overlap))
         limits = Limits.from_dict(await self._worker_started())
-        self.scheduler = Scheduler(cfg.max_num_seqs, limits, self.tokenizer, cfg.default_speculation)
+        # As OpenAI and vLLM: prompt + max_tokens beyond the context is refused (ContextLengthError).
+        self.scheduler = Scheduler(cfg.max_num_seqs, limits, self.tokenizer, cfg.default_speculation,
+                                   strict_context=True)
         self._started = True
 
     async def _worker_started(self) -> dict:

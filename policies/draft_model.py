@@ -35,6 +35,7 @@ class Runner(Protocol):
 
     lengths: list[int]
     vocab_size: int
+    capacity: int
 
     def forward(self, slots, tokens, logits_at=None): ...
 
@@ -124,8 +125,12 @@ class DraftModelProposer:
         verifies this one, assuming the target accepts the whole draft and then adds the
         token this model expects (its guess of the bonus token). Kept until ``commit`` says
         whether that came true. Returns slot -> (the assumed tokens, the next draft)."""
+        capacity = self.runner.capacity
+        # After this step at best: the tokens so far, the whole draft and the guess; the next
+        # draft of k nodes then holds k - 1 more in the cache, which must fit the context.
         live = [(r, d) for r, d in zip(rows, drafts.rows) if d.size and r.slot in self._base
-                and self.runner.lengths[r.slot] == self._base[r.slot] + d.size - 1]
+                and self.runner.lengths[r.slot] == self._base[r.slot] + d.size - 1
+                and len(r.token_ids) + d.size + 1 < capacity]
         if not live:
             return {}
         saved = {r.slot: (self._base[r.slot], self._k[r.slot]) for r, _ in live}
@@ -140,7 +145,10 @@ class DraftModelProposer:
                                   torch.tensor([r.sampling.top_p for r in sub]))
             for n, tok in zip(sampled, sample(q, [r.generator for r in sub]).tolist()):
                 guesses[n] = tok
-        ahead_rows = [replace(r, token_ids=list(r.token_ids) + d.tokens + [g]) for (r, d), g in zip(live, guesses)]
+        ahead_rows = []
+        for (r, d), g in zip(live, guesses):
+            tokens = list(r.token_ids) + d.tokens + [g]
+            ahead_rows.append(replace(r, token_ids=tokens, num_tokens=min(r.num_tokens, capacity - len(tokens) + 1)))
         following = self.propose(ahead_rows)
         out = {}
         for (r, d), g, nxt in zip(live, guesses, following.rows):
