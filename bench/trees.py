@@ -23,16 +23,28 @@ import time
 from collections import defaultdict
 
 
+def _eagle2_defaults() -> dict:
+    from specray.policies.eagle import EagleOptions
+
+    return {k: EagleOptions.model_fields[k].default for k in ("top_k", "depth", "total_tokens")}
+
+
+EAGLE2 = _eagle2_defaults()
+
+
 def configs(args, engine) -> dict:
     from specray.engine.params import SpeculationParams
 
+    # Every option given explicitly, so the engine's self-tuning controller leaves it as is.
     out = {"plain": SpeculationParams(method="none"),
            f"draft k={args.draft_k}": SpeculationParams(method="draft", num_speculative_tokens=args.draft_k)}
     if args.medusa:
-        out["medusa fitted"] = SpeculationParams(method="medusa")
+        out["medusa fitted"] = SpeculationParams(method="medusa", medusa_choices=engine.medusa_heads.choices)
     if args.eagle:
-        out["eagle-1 fitted"] = SpeculationParams(method="eagle")
-        out["eagle-2"] = SpeculationParams(method="eagle", dynamic_tree=True)
+        head = engine.resources["eagle"]
+        out["eagle-1 fitted"] = SpeculationParams(method="eagle", eagle_choices=head.choices)
+        out["eagle-2"] = SpeculationParams(method="eagle", dynamic_tree=True, top_k=EAGLE2["top_k"],
+                                           depth=EAGLE2["depth"], total_tokens=EAGLE2["total_tokens"])
         for extra in args.eagle2:
             opts = json.loads(extra)
             out["eagle-2 " + ",".join(f"{k}={v}" for k, v in opts.items())] = SpeculationParams(

@@ -68,16 +68,24 @@ def windows(data: SequenceSet, batch: int, width: int, gen: torch.Generator):
     return data.tokens[rows, t + 1], data.features[rows, t], data.features[rows, t + 1], valid
 
 
-def eagle_loss(head: EagleHead, lm_head: torch.Tensor, batch, noise: float, token_weight: float) -> torch.Tensor:
+def eagle_loss(head: EagleHead, lm_head: torch.Tensor, batch, noise: float, token_weight: float,
+               unroll: int = 1) -> torch.Tensor:
+    """EAGLE's loss; with ``unroll`` > 1 also on passes that read the head's own predicted
+    features instead of the target's (each pass's input feature at t is the previous pass's
+    prediction of f_t), weighted 1/2, 1/4, ...: it drafts on its own features at inference."""
     tokens, feats, target, valid = batch
     if noise:
         feats = feats + (torch.rand_like(feats) - 0.5) * 2 * noise
-    pred = head.forward_sequence(tokens, feats)  # [B, W, H]
-    reg = F.smooth_l1_loss(pred[valid], target[valid])
     with torch.no_grad():
         p = torch.softmax(target[valid] @ lm_head.T, dim=-1)
-    cls = -(p * torch.log_softmax(pred[valid] @ lm_head.T, dim=-1)).sum(-1).mean()
-    return reg + token_weight * cls
+    total, weight = 0.0, 1.0
+    for step in range(unroll):
+        pred = head.forward_sequence(tokens, feats)  # [B, W, H]: f̂_{t+1} at t
+        reg = F.smooth_l1_loss(pred[valid], target[valid])
+        cls = -(p * torch.log_softmax(pred[valid] @ lm_head.T, dim=-1)).sum(-1).mean()
+        total = total + weight * (reg + token_weight * cls)
+        feats, weight = torch.cat([feats[:, :1], pred[:, :-1]], dim=1), weight / 2
+    return total
 
 
 @torch.no_grad()
@@ -179,7 +187,7 @@ def measure_step_cost(target: str, head: EagleHead, max_nodes: int, repeats: int
 
 
 def train_eagle(target: str, out: str, tokenizer: str | None = None, steps: int = 1200, batch_size: int = 16,
-                width: int = 256, lr: float = 3e-3, noise: float = 0.1, token_weight: float = 1.0,
+                width: int = 256, lr: float = 3e-3, noise: float = 0.1, token_weight: float = 1.0, unroll: int = 1,
                 sequences: int = 1024, gen_len: int = 128, tree_size: int = 16, depth: int = 6, seed: int = 0,
                 prompts: PromptSource | None = None) -> dict:
     """Train, measure on held-out continuations, fit the default tree, save; returns a report."""
@@ -200,7 +208,7 @@ def train_eagle(target: str, out: str, tokenizer: str | None = None, steps: int 
     lm_head = data.lm_head
 
     final = optimise(head.parameters(), lambda step: eagle_loss(head, lm_head, windows(data.train, batch_size, width, gen),
-                                                                noise, token_weight),
+                                                                noise, token_weight, unroll),
                      steps, lr, "eagle head", clip=0.5)
     head.eval()
     ranks = chain_ranks(head, lm_head, data.held_out, depth, top=8)
@@ -247,11 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--noise", type=float, default=0.1, help="uniform noise half-width on input features")
     p.add_argument("--token-weight", type=float, default=1.0, help="weight of the token loss")
     p.add_argument("--depth", type=int, default=6, help="levels measured for the fitted tree")
+    p.add_argument("--unroll", type=int, default=1, help="passes on the head's own features per step (1 = EAGLE)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     target, tokenizer = resolve_target(args.target, args.tokenizer)
     report = train_eagle(target, args.out, tokenizer, steps=args.steps, batch_size=args.batch_size, width=args.width,
-                         lr=args.lr, noise=args.noise, token_weight=args.token_weight, sequences=args.sequences,
+                         lr=args.lr, noise=args.noise, token_weight=args.token_weight, unroll=args.unroll,
+                         sequences=args.sequences,
                          gen_len=args.gen_len, tree_size=args.tree_size, depth=args.depth, seed=args.seed)
     if not args.no_eval:
         torch.set_num_threads(1)
