@@ -6,15 +6,19 @@
 Greedy, held-out prompts, ``torch.set_num_threads(1)``. At batch 1 every config runs each
 prompt in turn (interleaved prompt by prompt); at batch B the prompts go in groups of B
 through an engine of B slots (interleaved group by group). Each (config, prompt or group)
-keeps its fastest of ``--repeats`` runs. Lookahead configs are ``W:N:G``; ``W:N:G:nohist``
-is the same without the committed tokens' n-grams in the pool (the window's n-grams only),
-to show what the Jacobi window finds by itself.
+keeps its fastest of ``--repeats`` runs. Lookahead configs are ``W:N:G``; two ablations:
+``W:N:G:nohist`` pools only the window's n-grams (not the committed tokens'), to show what
+the Jacobi window finds by itself, and ``W:N:G:nowin`` runs no window (the verification
+branch over the committed tokens' n-grams alone), to show what the window adds and costs.
 
-Prints a table (tokens/s, x plain, mean accepted length, tokens per target forward, ms per
-step, new tokens per step at most, and where a step's time goes: the target forward, the
-proposer, the rest — acceptance, commits, bookkeeping), checks every config's tokens
-against plain decoding, and a second table: the target forward's cost against the number
-of new tokens per row (what a wider window or a larger G costs). Writes CSV/JSON/PNG to --out.
+Times are this process's CPU seconds (one torch thread, so on an idle machine about the wall
+time, and far less disturbed by other work on a shared machine); tokens per wall-clock
+second are reported beside them. Prints a table (tokens/s, x plain, mean accepted length,
+tokens per target forward, ms per step, new tokens per step at most, and where a step's
+time goes: the target forward, the proposer, the rest — acceptance, commits, bookkeeping),
+checks every config's tokens against plain decoding, and a second table: the target
+forward's cost against the number of new tokens per row (what a wider window or a larger G
+costs). Writes CSV/JSON/PNG to --out.
 """
 
 from __future__ import annotations
@@ -26,7 +30,11 @@ import pathlib
 import sys
 import time
 
-DEFAULT_CONFIGS = "3:5:2,2:8:2,4:5:4,7:5:7,3:5:2:nohist"
+DEFAULT_CONFIGS = "3:5:2,2:8:2,4:5:4,7:5:7,3:5:2:nohist,3:5:2:nowin"
+ABLATIONS = {"nohist": {"history": False}, "nowin": {"window": False}}
+CLOCK_NOTE = ("tok/s, ms/step, shares and forward costs count this process's CPU seconds (one torch thread: on an "
+              "idle machine about its wall time, and much less disturbed by other work on a shared one); "
+              "'wall' is tokens per wall-clock second")
 FORWARD_TOKENS = (1, 2, 4, 8, 16, 32)
 
 
@@ -35,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
-    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="lookahead W:N:G[:nohist], comma-separated")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="lookahead W:N:G[:nohist|:nowin], comma-separated")
     p.add_argument("--ngram-k", type=int, default=6, help="prompt lookup's num_speculative_tokens")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="bench/results")
@@ -61,50 +69,53 @@ def _run(args, argv) -> int:
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     configs = {"plain": SpeculationParams(method="none"),
                f"ngram k={args.ngram_k}": SpeculationParams(method="ngram", num_speculative_tokens=args.ngram_k)}
-    no_history = set()
+    ablation = {}  # config -> the ablation its lookahead proposer runs
     for item in args.configs.split(","):
         w, n, g, *flags = item.split(":")
-        name = f"lookahead {w}:{n}:{g}" + (" nohist" if "nohist" in flags else "")
+        name = " ".join([f"lookahead {w}:{n}:{g}", *flags])
         configs[name] = SpeculationParams(method="lookahead", window_size=int(w), ngram_size=int(n),
                                           verification_set_size=int(g))
-        if "nohist" in flags:
-            no_history.add(name)
+        if flags:
+            ablation[name] = flags[0]
 
     rows, costs = [], []
     for batch in [int(b) for b in args.batches.split(",")]:
         config = EngineConfig(target=pair.target, tokenizer=pair.tokenizer, max_num_seqs=batch)
-        engine = LLMEngine(config)
-        # The same engine but for a lookahead proposer without the history n-grams.
-        bare = LLMEngine(config, proposers={"lookahead": lambda ctx: LookaheadProposer(history=False)})
-        clocks = {id(e): _clock(e) for e in (engine, bare)}
+        # One engine per lookahead proposer variant (the same target weights each).
+        engines = {None: LLMEngine(config)} | {
+            flag: LLMEngine(config, proposers={"lookahead": lambda ctx, kw=kw: LookaheadProposer(**kw)})
+            for flag, kw in ABLATIONS.items() if flag in ablation.values()}
+        engine = engines[None]
+        clocks = {flag: _clock(e) for flag, e in engines.items()}
         texts = held_out_prompts(args.prompts, pair.tokenizer)
         prompts = [engine.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
-        best = {c: [float("inf")] * len(groups) for c in configs}
-        split = {c: [None] * len(groups) for c in configs}  # (forward, propose) seconds of the best run
+        best = {c: [float("inf")] * len(groups) for c in configs}  # CPU seconds of this process
+        wall = {c: [float("inf")] * len(groups) for c in configs}
+        split = {c: [None] * len(groups) for c in configs}  # (forward, propose) CPU seconds of the best run
         tokens: dict[str, list] = {c: [None] * len(groups) for c in configs}
         metrics: dict[str, list] = {c: [None] * len(groups) for c in configs}
-        for e in (engine, bare):  # warm-up
+        for e in engines.values():  # warm-up
             e.generate(groups[0], sampling, configs["plain"])
         for _ in range(args.repeats):
             for i, group in enumerate(groups):
                 for name, spec in configs.items():
-                    runner = bare if name in no_history else engine
-                    clock = clocks[id(runner)]
+                    runner, clock = engines[ablation.get(name)], clocks[ablation.get(name)]
                     clock.update(forward=0.0, propose=0.0)
-                    start = time.perf_counter()
+                    start, start_wall = time.process_time(), time.perf_counter()
                     outs = runner.generate(group, sampling, spec)
-                    elapsed = time.perf_counter() - start
+                    elapsed, elapsed_wall = time.process_time() - start, time.perf_counter() - start_wall
+                    wall[name][i] = min(wall[name][i], elapsed_wall)
                     if elapsed < best[name][i]:
                         best[name][i], split[name][i] = elapsed, (clock["forward"], clock["propose"])
                     tokens[name][i], metrics[name][i] = [o.token_ids for o in outs], [o.metrics for o in outs]
-        plain_tps = None
+        plain_tps = plain_wall = None
         for name, spec in configs.items():
             ms = [m for group in metrics[name] for m in group]
             total = sum(len(t) for group in tokens[name] for t in group)
             seconds = sum(best[name])
-            tps = total / seconds
-            plain_tps = plain_tps or tps
+            tps, wall_tps = total / seconds, total / sum(wall[name])
+            plain_tps, plain_wall = plain_tps or tps, plain_wall or wall_tps
             drafts = sum(m["num_drafts"] for m in ms)
             accepted = sum(m["num_accepted_tokens"] for m in ms)
             # Engine steps: each group's requests join together, so its longest-running one
@@ -114,8 +125,10 @@ def _run(args, argv) -> int:
             rows.append({
                 "batch": batch,
                 "config": name,
-                "tokens_per_s": round(tps, 1),
+                "tokens_per_cpu_s": round(tps, 1),
                 "x_plain": round(tps / plain_tps, 3),
+                "tokens_per_wall_s": round(wall_tps, 1),
+                "x_plain_wall": round(wall_tps / plain_wall, 3),
                 "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
                 "tokens_per_target_forward": round(total / sum(m["target_forward_passes"] for m in ms), 3),
                 "ms_per_step": round(1000 * seconds / steps, 3),
@@ -136,11 +149,11 @@ def _clock(engine) -> dict:
 
     def timed(fn, key):
         async def run(*args, **kwargs):
-            start = time.perf_counter()
+            start = time.process_time()
             try:
                 return await fn(*args, **kwargs)
             finally:
-                clock[key] += time.perf_counter() - start
+                clock[key] += time.process_time() - start
         return run
 
     executor.prefill = timed(executor.prefill, "forward")
@@ -162,10 +175,11 @@ def _forward_costs(runner, batch: int, qs, prefix: int = 200, repeats: int = 30)
     best = {q: float("inf") for q in qs}
     for _ in range(repeats):
         for q in qs:
-            layout = (torch.tril(torch.ones(q, q, dtype=torch.bool)).repeat(batch, 1, 1), torch.arange(q).repeat(batch, 1))
-            start = time.perf_counter()
+            mask = torch.tril(torch.ones(q, q, dtype=torch.bool)).repeat(batch, 1, 1)
+            layout = (mask, torch.arange(q).repeat(batch, 1))
+            start = time.process_time()
             runner.forward(slots, [[7] * q] * batch, torch.arange(q)[None].expand(batch, -1), layout)
-            best[q] = min(best[q], time.perf_counter() - start)
+            best[q] = min(best[q], time.process_time() - start)
             for s in slots:
                 runner.set_length(s, prefix)
     for s in slots:
@@ -175,17 +189,19 @@ def _forward_costs(runner, batch: int, qs, prefix: int = 200, repeats: int = 30)
 
 def _report(rows: list[dict], costs: list[dict], out: pathlib.Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
-    header = (f"{'batch':>5} {'config':<24} {'tok/s':>7} {'x plain':>8} {'acc.len':>8} {'tok/fwd':>8} "
-              f"{'ms/step':>8} {'new/step':>8} {'fwd %':>6} {'prop %':>6} {'mism':>5}")
+    header = (f"{'batch':>5} {'config':<24} {'tok/s':>7} {'x plain':>8} {'wall':>7} {'x plain':>8} {'acc.len':>8} "
+              f"{'tok/fwd':>8} {'ms/step':>8} {'new/step':>8} {'fwd %':>6} {'prop %':>6} {'mism':>5}")
     lines = [header] + [
-        f"{r['batch']:>5} {r['config']:<24} {r['tokens_per_s']:>7.1f} {r['x_plain']:>8.3f} "
+        f"{r['batch']:>5} {r['config']:<24} {r['tokens_per_cpu_s']:>7.1f} {r['x_plain']:>8.3f} "
+        f"{r['tokens_per_wall_s']:>7.1f} {r['x_plain_wall']:>8.3f} "
         f"{r['mean_accepted_length']:>8.3f} {r['tokens_per_target_forward']:>8.3f} {r['ms_per_step']:>8.3f} "
         f"{str(r['new_tokens_per_step']):>8} {100 * r['forward_share']:>6.1f} {100 * r['propose_share']:>6.1f} "
         f"{r['mismatches_vs_plain']:>5}"
         for r in rows
     ]
     batches = sorted({c["batch"] for c in costs})
-    lines += ["", "target forward, ms, by new tokens per row (200 cached tokens, every position scored):",
+    lines = [CLOCK_NOTE, ""] + lines
+    lines += ["", "target forward, CPU ms, by new tokens per row (200 cached tokens, every position scored):",
               f"{'batch':>5} " + " ".join(f"{q:>7}" for q in FORWARD_TOKENS)]
     lines += [f"{b:>5} " + " ".join(f"{c['ms_per_forward']:>7.2f}" for c in costs if c["batch"] == b) for b in batches]
     print("\n".join(lines))
@@ -205,15 +221,16 @@ def _report(rows: list[dict], costs: list[dict], out: pathlib.Path) -> int:
         part = [r for r in rows if r["batch"] == batch]
         ax.bar([r["config"] for r in part], [r["x_plain"] for r in part])
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_ylabel("tokens/s relative to plain")
+        ax.set_ylabel("tokens per CPU second relative to plain")
         ax.set_title(f"batch {batch}, greedy")
         plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     ax = axes[0][-1]
     for b in batches:
         part = [c for c in costs if c["batch"] == b]
-        ax.plot([c["new_tokens_per_row"] for c in part], [c["ms_per_forward"] for c in part], marker="o", label=f"batch {b}")
+        ax.plot([c["new_tokens_per_row"] for c in part], [c["ms_per_forward"] for c in part], marker="o",
+                label=f"batch {b}")
     ax.set_xlabel("new tokens per row")
-    ax.set_ylabel("ms per target forward")
+    ax.set_ylabel("CPU ms per target forward")
     ax.set_title("what verified tokens cost (CPU)")
     ax.legend()
     fig.suptitle("specray on the demo pair: lookahead (W:N:G) vs plain and prompt lookup")

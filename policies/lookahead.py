@@ -44,8 +44,11 @@ same N, which is bounded (``shared_pool_ngrams``; least recently used keys evict
 Room: a row verifies at most ``row.width`` new nodes (its KV room) and accepts at most
 ``row.num_tokens``; candidates are cut first to that depth, then the window loses columns
 (near the end of the context or of max_tokens a request gets a smaller window, never an
-error). On CPU a window token costs real compute, so the window also narrows with the
-number of lookahead rows in the step (``batch_window_tokens``).
+error). Every verified token costs compute where the target is compute-bound (on CPU, and
+on any device at large batches), so when several lookahead rows share a step they share
+fixed budgets of window tokens and of candidate tokens (``batch_window_tokens``,
+``batch_candidate_tokens``): the window narrows, then stops, and fewer candidates are
+verified as the batch grows; one row alone always gets its whole (W, N, G).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from functools import lru_cache
 from typing import Literal, Mapping, Sequence
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from specray.kernels.tree import TokenTree
 from specray.policies.base import CommitRow, Draft, DraftRow, ExtraNodes, ProposalRow
@@ -65,9 +68,11 @@ from specray.policies.registry import Limits, MethodOptions, MethodSpec, registe
 
 # The engine-wide bound of a shared pool, in N-grams (least recently used keys go first).
 SHARED_POOL_NGRAMS = 1 << 16
-# Window tokens per step summed over the step's lookahead rows before each row's window
-# narrows (an even share each); a single row always gets its whole window.
+# Window tokens, and candidate tokens, per step summed over the step's lookahead rows before
+# each row's window or candidate tree is cut (an even share each, at least one token); a row
+# alone in its step always gets its whole (W, N, G).
 BATCH_WINDOW_TOKENS = 16
+BATCH_CANDIDATE_TOKENS = 64
 
 
 class LookaheadOptions(MethodOptions):
@@ -77,6 +82,12 @@ class LookaheadOptions(MethodOptions):
     1 and 8 (``python -m specray.bench.lookahead``), where every verified token costs
     compute. The paper and TensorRT-LLM's example use wider settings on GPUs (7, 5, 7 in
     TensorRT-LLM's); those were not measured here.
+
+    (W, N, G) always count as given, defaults included: lookahead sizes itself (it narrows
+    its window and candidates as batches grow), so the self-tuning speculation length
+    (``policies/controller.py``) leaves its requests on. That controller would otherwise
+    switch a request off in its first steps — drafting nothing while the window fills the
+    pool — and, with trees only on or off, never try it again.
     """
 
     method: Literal["lookahead"] = "lookahead"
@@ -88,10 +99,20 @@ class LookaheadOptions(MethodOptions):
     shared_pool: bool = Field(False, description="Use the engine's n-gram pool shared with other requests "
                               "(bounded, LRU) instead of a pool of this request's own.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _sizes_given(cls, data):
+        if isinstance(data, dict):
+            data = {**{f: cls.model_fields[f].default for f in _SIZES}, **data}
+        return data
+
     @property
     def tokens_per_step(self) -> int:
         """New tokens a full step verifies: W x (N - 1) + G x (N - 1) (the root's included)."""
         return (self.window_size + self.verification_set_size) * (self.ngram_size - 1)
+
+
+_SIZES = ("window_size", "ngram_size", "verification_set_size")
 
 
 class NgramPool:
@@ -167,7 +188,8 @@ class JacobiWindow:
 
     def __init__(self, width: int, ngram: int, start: Sequence[int]):
         if len(start) != width + ngram - 3:
-            raise ValueError(f"a window of W={width}, N={ngram} starts with {width + ngram - 3} tokens, got {len(start)}")
+            raise ValueError(f"a window of W={width}, N={ngram} starts with {width + ngram - 3} tokens, "
+                             f"got {len(start)}")
         self.width, self.ngram = width, ngram
         self.levels: list[list[int]] = [list(start)]
 
@@ -285,8 +307,11 @@ class LookaheadProposer:
     """Per-row Jacobi windows and n-gram pools (see the module doc).
 
     history: also pool the committed tokens' N-grams (prompt and output).
+    window: run the Jacobi window (False, an ablation: the verification branch alone, the
+        pool holding only the committed tokens' N-grams).
     shared_pool_ngrams: bound of each shared pool (one per N).
-    batch_window_tokens: window tokens per step over all rows before windows narrow.
+    batch_window_tokens, batch_candidate_tokens: window / candidate tokens per step over all
+        rows (two or more) before each row's share is cut.
 
     >>> from specray.policies.base import ProposalRow
     >>> prop = LookaheadProposer()
@@ -298,11 +323,12 @@ class LookaheadProposer:
     2
     """
 
-    def __init__(self, history: bool = True, shared_pool_ngrams: int = SHARED_POOL_NGRAMS,
-                 batch_window_tokens: int = BATCH_WINDOW_TOKENS, **_ignored: object):
-        self.history = history
+    def __init__(self, history: bool = True, window: bool = True, shared_pool_ngrams: int = SHARED_POOL_NGRAMS,
+                 batch_window_tokens: int = BATCH_WINDOW_TOKENS, batch_candidate_tokens: int = BATCH_CANDIDATE_TOKENS,
+                 **_ignored: object):
+        self.history, self.run_window = history, window
         self.shared_pool_ngrams = shared_pool_ngrams
-        self.batch_window_tokens = batch_window_tokens
+        self.batch_window_tokens, self.batch_candidate_tokens = batch_window_tokens, batch_candidate_tokens
         self._rows: dict[int, _Row] = {}
         self.shared: dict[int, NgramPool] = {}  # ngram_size -> the pool requests share
 
@@ -316,21 +342,24 @@ class LookaheadProposer:
 
     # -- propose ---------------------------------------------------------------------------
     def propose(self, rows: Sequence[ProposalRow]) -> Draft:
-        share = max(1, self.batch_window_tokens // max(1, len(rows)))
-        return Draft([self._propose_row(r, share if len(rows) > 1 else None) for r in rows])
+        shares = None  # one row: its whole window and candidates
+        if len(rows) > 1:
+            shares = (max(1, self.batch_candidate_tokens // len(rows)), max(1, self.batch_window_tokens // len(rows)))
+        return Draft([self._propose_row(r, shares) for r in rows])
 
-    def _propose_row(self, r: ProposalRow, window_tokens: int | None) -> DraftRow:
+    def _propose_row(self, r: ProposalRow, shares: tuple[int, int] | None) -> DraftRow:
         if r.num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {r.num_tokens} for slot {r.slot}")
         state = self._sync(r)
         o, root = state.options, int(r.token_ids[-1])
         width = r.width if r.width is not None else o.tokens_per_step + o.ngram_size  # None: no KV limit
         candidates = state.pool.guess(root, o.verification_set_size)
-        tokens, parents = pack_candidates(candidates, min(o.ngram_size - 1, r.num_tokens), width)
+        budget = width if shares is None else min(width, shares[0])
+        tokens, parents = pack_candidates(candidates, min(o.ngram_size - 1, r.num_tokens), budget)
         room = width - len(tokens)
-        if window_tokens is not None:
-            room = min(room, window_tokens)
-        cols = state.window.columns_within(room)
+        if shares is not None:
+            room = min(room, shares[1])
+        cols = state.window.columns_within(room) if self.run_window else 0
         extra = state.window.nodes(cols, len(tokens) + 1) if cols > 0 else None
         if extra is not None and not extra.tokens:
             extra = None

@@ -79,6 +79,25 @@ def test_mixed_with_other_methods_in_one_batch(tiny_pair, references):
     assert all(o.metrics["num_drafts"] > 0 for o, s in zip(outs, specs) if s.method == "lookahead")
 
 
+def test_default_options_keep_drafting_under_the_self_tuning_controller(tiny_pair, references):
+    """Default (W, N, G) count as given: the speculation-length controller (the engine's
+    default policy) leaves lookahead on in every step, also while the window fills the pool."""
+    calls = []
+
+    class Counting(LookaheadProposer):
+        def propose(self, rows):
+            calls.append(len(rows))
+            return super().propose(rows)
+
+    assert SpeculationParams(method="lookahead").model_fields_set >= {"window_size", "ngram_size",
+                                                                      "verification_set_size"}
+    engine = engine_with(tiny_pair[0], 1, Counting())
+    out = engine.generate([ragged_prompts(8)[3]], GREEDY, SpeculationParams(method="lookahead"))[0]
+    assert out.token_ids == references[3]
+    # Every verification step but the last (one token left: nothing to draft) proposed.
+    assert len(calls) >= out.metrics["target_forward_passes"] - 2 and out.metrics["num_drafts"] > 0
+
+
 def test_small_room_gets_a_smaller_window_not_an_error(tiny_pair):
     """Near the end of the context and of max_tokens, and under a speculation-length cap,
     candidates and window shrink to the room the step has; the output stays the target's."""
@@ -301,7 +320,8 @@ def _sample(target, spec):
     """N seeded requests of 4 tokens (test_sampling_e2e's prompt and parameters)."""
     from tests.test_sampling_e2e import N, PARAMS, PROMPT
 
-    engine = engine_with(target, 64)
+    # 64 rows per step: lift the per-step budgets so every row verifies its whole tree and window.
+    engine = engine_with(target, 64, LookaheadProposer(batch_window_tokens=10**6, batch_candidate_tokens=10**6))
     params = [SamplingParams(seed=i, **PARAMS) for i in range(N)]
     outs = engine.generate([PROMPT] * N, params, spec)
     t = engine.totals
@@ -348,7 +368,8 @@ def test_lookahead_through_the_coordinator(ray_session, tiny_checkpoints, tiny_p
     c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 3, "placement": {"mode": mode}})
     try:
         outs = ray.get(c.generate.remote(PROMPTS, ACTOR_GREEDY, ACTOR_SPECS))
-        assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_pair[0], p, ACTOR_GREEDY["max_tokens"]) for p in PROMPTS]
+        refs = [hf_greedy(tiny_pair[0], p, ACTOR_GREEDY["max_tokens"]) for p in PROMPTS]
+        assert [o["token_ids"] for o in outs] == refs
         assert all(o["metrics"]["num_drafts"] > 0 for o, s in zip(outs, ACTOR_SPECS) if s["method"] == "lookahead")
         workers = ray.get(c.workers.remote())
         if mode == "separate":  # the window and the pools live in a proposer worker of their own
@@ -466,12 +487,13 @@ def test_benchmark_smoke(demo_pair, tmp_path):
 
     threads = torch.get_num_threads()
     rc = bench.main(["--prompts", "2", "--max-tokens", "16", "--repeats", "1", "--batches", "1,2",
-                     "--configs", "2:3:2,3:5:2:nohist", "--out", str(tmp_path)])
+                     "--configs", "2:3:2,3:5:2:nohist,2:3:2:nowin", "--out", str(tmp_path)])
     assert rc == 0 and torch.get_num_threads() == threads
     for name in ("lookahead.csv", "lookahead.json", "lookahead.png", "lookahead.txt"):
         assert (tmp_path / name).stat().st_size > 0, name
     report = json.loads((tmp_path / "lookahead.json").read_text())
     runs = report["runs"]
-    assert {r["config"] for r in runs} == {"plain", "ngram k=6", "lookahead 2:3:2", "lookahead 3:5:2 nohist"}
-    assert all(r["mismatches_vs_plain"] == 0 and r["tokens_per_s"] > 0 for r in runs)
+    assert {r["config"] for r in runs} == {"plain", "ngram k=6", "lookahead 2:3:2", "lookahead 3:5:2 nohist",
+                                           "lookahead 2:3:2 nowin"}
+    assert all(r["mismatches_vs_plain"] == 0 and r["tokens_per_cpu_s"] > 0 and r["tokens_per_wall_s"] > 0 for r in runs)
     assert len(report["forward_cost"]) == 2 * len(bench.FORWARD_TOKENS)
