@@ -50,8 +50,23 @@ def configs(args, engine) -> dict:
             out["eagle-2 " + ",".join(f"{k}={v}" for k, v in opts.items())] = SpeculationParams(
                 method="eagle", dynamic_tree=True, **opts)
     if getattr(args, "redrafter", None):
-        out["redrafter"] = SpeculationParams(method="redrafter")
+        from specray.policies.redrafter import ReDrafterOptions
+
+        shape = {k: ReDrafterOptions.model_fields[k].default for k in ("num_beams", "draft_len_per_beam")}
+        out[f"redrafter {shape['num_beams']}x{shape['draft_len_per_beam']}"] = SpeculationParams(
+            method="redrafter", **shape)
+        for extra in args.redrafter_opts:
+            opts = {**shape, **json.loads(extra)}
+            out[f"redrafter {opts['num_beams']}x{opts['draft_len_per_beam']}"] = SpeculationParams(
+                method="redrafter", **opts)
     return out
+
+
+def packing_counts(engine) -> dict:
+    """ReDrafter's verified-token counters (rows, packed, unpacked), if it runs here."""
+    if "redrafter" not in engine.resources:
+        return {}
+    return dict(getattr(engine.proposers.get("redrafter"), "counts", {}))
 
 
 class Timers:
@@ -91,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eagle", default=None, help="EAGLE head dir (specray train eagle --out ...)")
     p.add_argument("--redrafter", default=None, help="ReDrafter dir (specray train redrafter --out ...)")
     p.add_argument("--eagle2", action="append", default=[], help='extra EAGLE-2 settings as JSON, e.g. \'{"top_k": 4}\'')
+    p.add_argument("--redrafter-opts", action="append", default=[],
+                   help='extra ReDrafter settings as JSON, e.g. \'{"num_beams": 8, "draft_len_per_beam": 5}\'')
     p.add_argument("--batch", default="1,8")
     p.add_argument("--prompts", type=int, default=8, help="prompts per batch size")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -124,15 +141,16 @@ def main(argv: list[str] | None = None) -> int:
         result = {}
         for _ in range(args.repeats):
             for name, spec in specs.items():
-                before = engine.totals.to_dict()
+                before, packed_before = engine.totals.to_dict(), packing_counts(engine)
                 timers.take()
                 seconds, outs = run(engine, prompts, sampling, spec)
                 split = timers.take()
                 if seconds < best[name]:
-                    after = engine.totals.to_dict()
+                    after, packed_after = engine.totals.to_dict(), packing_counts(engine)
                     best[name] = seconds
-                    result[name] = (outs, {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens",
-                                                                             "num_accepted_tokens")}, split)
+                    m = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+                    m.update({f"pack_{k}": packed_after[k] - packed_before[k] for k in packed_after})
+                    result[name] = (outs, m, split)
         plain_tokens = [o.token_ids for o in result["plain"][0]]
         plain_tps = None
         for name in specs:
@@ -148,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                 "x_plain": round(tps / plain_tps, 3),
                 "mean_accepted_length": round(1 + m["num_accepted_tokens"] / m["num_drafts"], 3) if m["num_drafts"] else 1.0,
                 "tokens_verified_per_step": round(1 + m["num_draft_tokens"] / m["num_drafts"], 2) if m["num_drafts"] else 1.0,
+                # ReDrafter: the same beams verified without the packing (each beam with its root)
+                "unpacked_tokens_per_step": round(m["pack_unpacked"] / m["pack_rows"], 2) if m.get("pack_rows") else None,
                 "ms_per_step": round(1000 * best[name] / steps, 3),
                 "draft_ms_per_step": round(1000 * split.get("propose", 0.0) / steps, 3),
                 "verify_ms_per_step": round(1000 * split.get("verify", 0.0) / steps, 3),
@@ -159,11 +179,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _report(rows: list[dict], out: pathlib.Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    header = (f"{'batch':>5} {'config':<24} {'tok/s':>7} {'x plain':>8} {'acc.len':>8} {'verified':>8} "
+    header = (f"{'batch':>5} {'config':<24} {'tok/s':>7} {'x plain':>8} {'acc.len':>8} {'verified':>8} {'unpacked':>8} "
               f"{'ms/step':>8} {'draft ms':>8} {'verify ms':>9} {'mism':>5}")
     lines = [header] + [
         f"{r['batch']:>5} {r['config']:<24} {r['tokens_per_s']:>7.1f} {r['x_plain']:>8.3f} "
-        f"{r['mean_accepted_length']:>8.3f} {r['tokens_verified_per_step']:>8.2f} {r['ms_per_step']:>8.3f} "
+        f"{r['mean_accepted_length']:>8.3f} {r['tokens_verified_per_step']:>8.2f} "
+        f"{'-' if r['unpacked_tokens_per_step'] is None else r['unpacked_tokens_per_step']:>8} {r['ms_per_step']:>8.3f} "
         f"{r['draft_ms_per_step']:>8.3f} {r['verify_ms_per_step']:>9.3f} {r['mismatches_vs_plain']:>5}"
         for r in rows
     ]
