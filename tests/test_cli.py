@@ -61,3 +61,33 @@ def test_medusa_flags_are_checked(capsys):
         main(["generate", "--prompt", "x", "--method", "medusa"])
     assert main(["generate", "--prompt", "x", "--method", "medusa", "--medusa", "/x", "--tree", "bushy"]) == 2
     assert "unknown tree" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_eagle_equals_plain(demo_pair, tmp_path, capsys):
+    """A random EAGLE head on the demo target, static and dynamic trees: the target's output."""
+    import torch
+
+    from specray.cluster.train_eagle import head_config
+    from specray.policies.eagle import EagleHead
+
+    torch.manual_seed(0)
+    head = EagleHead(head_config(demo_pair.target))
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    head.save(tmp_path)
+    common = ["generate", "--prompt", "import os\n", "--max-tokens", "16", "--json"]
+    assert main([*common, "--method", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    for extra in (["--tree", "chain"], ["--dynamic-tree", "true", "--eagle-top-k", "3", "--depth", "3"]):
+        assert main([*common, "--method", "eagle", "--eagle", str(tmp_path), *extra]) == 0
+        eagle = json.loads(capsys.readouterr().out)
+        assert eagle["token_ids"] == plain["token_ids"] and eagle["metrics"]["num_drafts"] > 0, extra
+
+
+def test_eagle_flags_are_checked(capsys):
+    with pytest.raises(SystemExit, match="needs --eagle"):
+        main(["generate", "--prompt", "x", "--method", "eagle"])
+    assert main(["generate", "--prompt", "x", "--method", "eagle", "--eagle", "/x", "--dynamic-tree", "true",
+                 "--tree", "chain"]) == 2
+    assert "dynamic_tree" in capsys.readouterr().err

@@ -29,16 +29,19 @@ MAX_NUM_SEQS = 4
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory, tiny_pair, tiny_checkpoints):
-    """(target model in memory, a YAML config naming the saved tiny target, draft and Medusa heads)."""
+    """(target model in memory, a YAML config naming the saved tiny target, draft, Medusa and EAGLE heads)."""
+    from tests.test_eagle import random_head
     from tests.test_medusa import random_heads
 
     root = tmp_path_factory.mktemp("jobs")
     random_heads().save(root / "medusa")
+    random_head(tiny_pair[0]).save(root / "eagle")
     config = root / "specray.yaml"
     config.write_text(
         f"target: {tiny_checkpoints['target']}\n"
         f"draft: {tiny_checkpoints['draft']}\n"
         f"medusa: {root / 'medusa'}\n"
+        f"checkpoints:\n  eagle: {root / 'eagle'}\n"
         f"max_num_seqs: {MAX_NUM_SEQS}\n"
         "default_speculation:\n  method: draft\n  num_speculative_tokens: 3\n"
         "placement:\n  timeout_s: 60\n"
@@ -50,7 +53,8 @@ def _records():
     """Greedy records with different lengths, max_tokens and methods (+ ids or none)."""
     methods = [None, {"method": "none"}, {"method": "draft", "num_speculative_tokens": 2},
                {"method": "ngram", "num_speculative_tokens": 3, "max_matching_ngram_size": 2},
-               {"method": "medusa"}, {"method": "medusa", "tree": "wide"}]
+               {"method": "medusa"}, {"method": "medusa", "tree": "wide"},
+               {"method": "eagle"}, {"method": "eagle", "dynamic_tree": True, "top_k": 3, "total_tokens": 8}]
     recs = []
     for i in range(12):
         prompt = [(7 * i + 3 * j) % 64 for j in range(3 + i % 5)]
@@ -108,7 +112,7 @@ def _check_output(lines: list[dict], recs, target) -> None:
         method = (r.get("speculation") or {"method": "draft"})["method"]  # default: the config's
         if method == "none":
             assert o["metrics"]["num_drafts"] == 0
-        elif method == "medusa":
+        elif method in ("medusa", "eagle"):
             assert o["metrics"]["num_drafts"] > 0
         elif method == "draft":
             assert o["metrics"]["num_drafts"] > 0
@@ -186,14 +190,16 @@ def test_job_bad_input_lines(tiny_dirs, tmp_path, capsys):
         '{"id": "x"}\n'                                             # 10 no prompt
         '{"prompt": [1], "speculation": {"method": "medusa", "medusa_choices": [[0], [0, 0]]}}\n'  # 11 ok
         '{"prompt": [1], "speculation": {"method": "medusa", "medusa_choices": [[0, 0, 0, 0, 0]]}}\n'  # 12 deep
+        '{"prompt": [1], "speculation": {"method": "eagle", "dynamic_tree": true, "tree": "chain"}}\n'  # 13
+        '{"prompt": [1], "speculation": {"method": "eagle", "dynamic_tree": true}}\n'  # 14 ok
     )
     out = tmp_path / "out.jsonl"
     assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 2
     err = capsys.readouterr().err
-    for n in (2, 4, 5, 6, 7, 8, 9, 10, 12):
+    for n in (2, 4, 5, 6, 7, 8, 9, 10, 12, 13):
         assert f"line {n}:" in err, (n, err)
-    assert "exceeds the 4 draft heads" in err
-    for n in (1, 3, 11):
+    assert "exceeds the 4 draft heads" in err and "dynamic_tree builds its own tree" in err
+    for n in (1, 3, 11, 14):
         assert f"line {n}:" not in err
     assert "max_tokens" in err and "medusa9" in err and "temprature" in err
     assert not out.exists()

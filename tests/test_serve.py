@@ -144,11 +144,22 @@ def tiny_heads(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def main_url(server, tiny_tok, tiny_heads):
-    """Separate target/draft/n-gram actors (Medusa heads on the target), 4 sequences, no API key."""
+def tiny_eagle(tmp_path_factory, target_model) -> str:
+    """A random EAGLE head for the tiny target, in the public layout."""
+    from tests.test_eagle import random_head
+
+    path = tmp_path_factory.mktemp("tiny-eagle")
+    random_head(target_model).save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def main_url(server, tiny_tok, tiny_heads, tiny_eagle):
+    """Separate target/draft/n-gram actors (Medusa and EAGLE heads on the target), 4 sequences, no API key."""
     cfg = {
         "model_name": MAIN,
-        "engine": {**tiny_tok, "medusa": tiny_heads, "max_num_seqs": 4, "placement": cpu_placement("separate")},
+        "engine": {**tiny_tok, "medusa": tiny_heads, "checkpoints": {"eagle": tiny_eagle}, "max_num_seqs": 4,
+                   "placement": cpu_placement("separate")},
         "max_ongoing_requests": 16,
     }
     serve.run(build_app(cfg), name="main", route_prefix="/main")
@@ -271,6 +282,29 @@ def test_medusa_over_http_is_lossless_and_validated(client, main_url, target_mod
     assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400, "exceeds the 4")
     body["speculation"] = {"method": "medusa", "medusa_choices": [[0], [0]]}
     assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400, "twice")
+
+
+def test_eagle_over_http_is_lossless_and_validated(client, main_url, target_model):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    ref = greedy_text(target_model, prompt, 20)
+    for spec in ({"method": "eagle"}, {"method": "eagle", "tree": "chain"},
+                 {"method": "eagle", "eagle_choices": [[0], [1], [0, 0]]},
+                 {"method": "eagle", "dynamic_tree": True, "top_k": 3, "depth": 3, "total_tokens": 8}):
+        r = client.completions.create(model=MAIN, prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"speculation": spec})
+        assert r.choices[0].text == ref, spec
+        assert r.model_dump()["speculation_metrics"][0]["num_drafts"] > 0, spec
+    stream = client.completions.create(model=MAIN, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                       extra_body={"speculation": {"method": "eagle", "dynamic_tree": True}})
+    assert "".join(c.choices[0].text for c in stream) == ref
+    sampled = client.completions.create(model=MAIN, prompt=prompt, max_tokens=12, temperature=0.8, seed=3,
+                                        extra_body={"speculation": {"method": "eagle"}})
+    assert sampled.usage.completion_tokens == 12
+    body = {"model": MAIN, "prompt": prompt, "max_tokens": 4,
+            "speculation": {"method": "eagle", "dynamic_tree": True, "tree": "chain"}}
+    assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400, "dynamic_tree")
+    body["speculation"] = {"method": "eagle", "top_k": 0}
+    assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400, "speculation.top_k")
 
 
 def test_completion_text_prompt_and_default_max_tokens(client, target_model):
