@@ -6,7 +6,7 @@ import json
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 
@@ -15,6 +15,7 @@ from specray.engine.scheduler import ContextLengthError, encode_prompt
 from specray.serve import protocol as P
 from specray.serve.config import ServeConfig
 from specray.serve.metrics import scrape
+from specray.serve.playground import SpeculationTrack, methods_listing, static_files
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="specray", description="OpenAI-compatible speculative decoding server")
@@ -68,6 +69,8 @@ class OpenAIIngress:
         self.api_key = cfg.resolved_api_key()
         self.tokenizer = load_tokenizer(cfg.engine.tokenizer or cfg.engine.target)
         self.context = _context_length(cfg)
+        self.engine_config = cfg.engine
+        self.static = static_files()
 
     # -- routes ----------------------------------------------------------------------------
     @app.get("/health")
@@ -81,6 +84,23 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self, request: Request):
         return await self._guard(request, self._models)
+
+    # The playground: a page (open to all, it asks for the key) over the API above.
+    @app.get("/playground")
+    async def playground(self):
+        return self._static_file("playground.html")
+
+    @app.get("/playground/static/{name}")
+    async def playground_static(self, name: str):
+        return self._static_file(name)
+
+    @app.get("/playground/methods")
+    async def playground_methods(self, request: Request):
+        async def listing():
+            methods = await asyncio.to_thread(methods_listing, self.engine_config)
+            return {"model": self.model, "methods": methods}
+
+        return await self._guard(request, listing)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
@@ -103,6 +123,12 @@ class OpenAIIngress:
             return
         if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
             raise HTTPError(401, "missing or invalid API key (Authorization: Bearer ...)", "authentication_error")
+
+    def _static_file(self, name: str):
+        if name not in self.static:  # only the package's own files, by name
+            return JSONResponse(P.error_body(f"no such file: {name}", "not_found_error", 404), status_code=404)
+        body, media_type = self.static[name]
+        return Response(body, media_type=media_type, headers={"Cache-Control": "no-cache"})
 
     async def _models(self):
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "specray"}]}
@@ -169,9 +195,10 @@ class OpenAIIngress:
         max_stop = max((len(s) for s in samplings[0].stop), default=0)
         if req.stream:
             first = await self._first_items(streams)
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            options = req.stream_options or P.StreamOptions()
             return StreamingResponse(
-                self._sse(rid, streams, first, chat, max_stop, include_usage), media_type="text/event-stream"
+                self._sse(rid, streams, first, chat, max_stop, options.include_usage, options.include_speculation),
+                media_type="text/event-stream",
             )
         finals = await asyncio.gather(*(self._last(s) for s in streams))
         choices = [P.choice(i, o["text"], P.finish_reason(o["finish_reason"]), chat) for i, o in enumerate(finals)]
@@ -195,8 +222,10 @@ class OpenAIIngress:
                 s.cancel()
             raise _error_status(e) from None
 
-    async def _sse(self, rid, streams, first, chat, max_stop, include_usage):
+    async def _sse(self, rid, streams, first, chat, max_stop, include_usage, include_speculation=False):
         queue: asyncio.Queue = asyncio.Queue()
+        # With include_speculation each choice's steps travel with the text they make up.
+        tracks = [SpeculationTrack(self.tokenizer) for _ in streams] if include_speculation else None
 
         async def pump(index, stream, head):
             try:
@@ -221,14 +250,19 @@ class OpenAIIngress:
                     err = _error_status(out)
                     yield P.sse(P.error_body(err.message, err.kind, err.status))
                     return
-                text = out["text"]
-                # Hold back a possible stop-string prefix until it is decided.
-                upto = len(text) if out["finished"] or not max_stop else max(sent[index], len(text) - max_stop + 1)
+                text, steps = out["text"], None
+                if tracks is not None:
+                    upto, steps = tracks[index].advance(out, sent[index], max_stop)
+                else:  # hold back a possible stop-string prefix until it is decided
+                    upto = len(text) if out["finished"] or not max_stop else max(sent[index], len(text) - max_stop + 1)
                 delta = text[sent[index]:upto]
                 sent[index] = upto
                 reason = P.finish_reason(out["finish_reason"]) if out["finished"] else None
-                if delta or reason:
-                    yield P.sse(P.chunk(rid, self.model, [P.choice(index, delta, reason, chat, delta=True)], chat))
+                if delta or reason or steps:
+                    choice = P.choice(index, delta, reason, chat, delta=True)
+                    if steps is not None:
+                        choice["speculation"] = steps
+                    yield P.sse(P.chunk(rid, self.model, [choice], chat))
                 if out["finished"]:
                     finals[index] = out
             if include_usage:

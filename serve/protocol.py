@@ -21,6 +21,10 @@ from specray.engine.scheduler import check_context_length
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_speculation: bool = Field(
+        False, description="specray extension: each chunk's choice lists the speculation steps that produced "
+        "its text (``speculation``: drafted, accepted, rejected and bonus tokens; see serve/playground.py)"
+    )
 
 
 class _Common(BaseModel):
