@@ -35,6 +35,10 @@ from typing import Sequence
 import numpy as np
 
 
+MIN_GAIN = 0.02
+"""Speculating must beat plain decoding's predicted tokens/s by this share to be chosen."""
+
+
 @dataclass(frozen=True)
 class RowView:
     """What the controller knows of a row: its request and method; ``fixed``: the request set
@@ -132,7 +136,13 @@ class AdaptiveSpeculation:
                 choice[m] = None if tree else min(4, self.max_k)
                 continue
             values = [self._rate(rows, m, k, choice, costs, methods) for k in options]
+            # Speculate only where it clearly pays (noise in measured costs must not keep a
+            # useless draft on), and of near-equal choices take the shortest.
             best = int(np.argmax(values))
+            if values[best] < values[0] * (1 + MIN_GAIN):
+                best = 0
+            else:
+                best = next(i for i, v in enumerate(values) if v >= values[best] * (1 - MIN_GAIN / 2))
             if not tree and self.explore_every and self._steps % self.explore_every == 0:
                 best = min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
             choice[m] = options[best]

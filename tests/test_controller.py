@@ -89,9 +89,13 @@ class Oracle:
 
 
 class Wrong(Oracle):
-    """Drafts a token the target does not choose: never accepted."""
+    """Drafts a token the target does not choose: never accepted (and, like a real drafter,
+    drafting costs time per token)."""
 
     def propose(self, rows):
+        import time
+
+        time.sleep(0.0005 * max((r.num_tokens for r in rows), default=0))
         right = super().propose(rows)
         return Draft([DraftRow([(t + 1) % 64 for t in d.tokens]) for d in right.rows])
 
