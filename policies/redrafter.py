@@ -14,8 +14,12 @@ the drafted tokens, read through the target's own embedding table ``E``::
 
 Beam search (``num_beams`` M x ``draft_len_per_beam`` L): every beam starts at the root; the
 first level takes the M best tokens of ``log p_1``, each later level keeps the M best of the
-M x V extensions scored by the sum of the drafter's log-probabilities (each level's logits
-top-50 warped first, as Apple's drafter does). M distinct beams of L tokens come out.
+M x V extensions scored by the sum of the drafter's log-probabilities. M distinct beams of L
+tokens come out. (Apple's drafter also renormalises each level over its 50 best tokens; for
+M <= 50 that admits the same candidates and only shifts each beam's score by its level's
+normaliser. specray scores with the drafter's own log-probabilities, which spares a top-50
+per beam and level — the largest cost of drafting on CPU. Either way the beams are
+deterministic proposals, and acceptance is exact.)
 
 Dynamic tree attention: beams sharing a prefix are de-duplicated into one token tree below
 the root (beams in score order; each beam adds only the nodes its prefix does not already
@@ -63,8 +67,7 @@ from specray.policies.registry import Limits, MethodSpec, TreeAcceptanceOptions,
 
 MODEL_TYPE = "recurrent_drafting_drafter"
 WEIGHT_FILES = ("model.safetensors", "model.pt", "pytorch_model.bin")
-DRAFTER_TOP_K = 50  # Apple's drafter keeps each level's 50 best tokens before log_softmax
-MAX_DRAFT_LEN = 16
+MAX_BEAMS, MAX_DRAFT_LEN = 50, 16
 # Other spellings of the same tensors that TensorRT-LLM's converter accepts.
 _ALIASES = (("lm_heads.", "lm_head."), ("input_projs.", "input_proj."), ("0.", "lm_head."))
 
@@ -73,7 +76,7 @@ class ReDrafterOptions(TreeAcceptanceOptions):
     """Beam search of ``num_beams`` x ``draft_len_per_beam`` tokens, packed into a tree."""
 
     method: Literal["redrafter"] = "redrafter"
-    num_beams: int = Field(4, ge=1, le=DRAFTER_TOP_K, description="Beams kept by the drafter's beam search "
+    num_beams: int = Field(4, ge=1, le=MAX_BEAMS, description="Beams kept by the drafter's beam search "
                            "(TensorRT-LLM's redrafter_num_beams).")
     draft_len_per_beam: int = Field(4, ge=1, le=MAX_DRAFT_LEN, description="Tokens drafted per beam "
                                     "(redrafter_draft_len_per_beam; at most the length the drafter was trained for "
@@ -116,11 +119,8 @@ class Drafter(nn.Module):
         return self.lm_head(x)
 
     def log_probs(self, context: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """Beam-search scores: log_softmax over the level's ``DRAFTER_TOP_K`` best tokens (others -inf)."""
-        logits = self.logits(context, state).float()
-        k = min(DRAFTER_TOP_K, logits.shape[-1])
-        kth = logits.topk(k, dim=-1).values[..., -1:]
-        return logits.masked_fill(logits < kth, float("-inf")).log_softmax(dim=-1)
+        """[..., V] the drafter's log-probabilities (beam-search scores)."""
+        return self.logits(context, state).float().log_softmax(dim=-1)
 
     def forward_sequence(self, context: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """Training / teacher forcing: context [N, H], embeddings of g_0 .. g_{L-1} [N, L, H]
@@ -347,10 +347,8 @@ def _build(ctx) -> ReDrafterProposer:
 
 
 def _check(options: ReDrafterOptions, facts: dict, limits: Limits) -> None:
-    most = min(DRAFTER_TOP_K, limits.vocab_size)
-    if options.num_beams > most:
-        raise ValueError(f"speculation.num_beams: {options.num_beams} exceeds the {most} tokens the drafter "
-                         f"keeps per level")
+    if options.num_beams > limits.vocab_size:
+        raise ValueError(f"speculation.num_beams: {options.num_beams} exceeds the vocabulary ({limits.vocab_size})")
 
 
 def _offline_facts(path: str) -> dict:
