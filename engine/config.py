@@ -55,6 +55,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"unknown dtype {self.dtype!r} (e.g. float32, bfloat16, float16)")
+        if self.speculation_length is not None and not callable(getattr(self.speculation_length, "caps", None)):
+            raise TypeError(f"speculation_length must be None (self-tuning) or a policy with caps(), such as "
+                            f"SpeculationLengthPolicy(); got {self.speculation_length!r}")
 
     def require_target(self) -> str:
         if self.target is None:

@@ -158,6 +158,11 @@ def register_method(spec: MethodSpec) -> MethodSpec:
     return spec
 
 
+def unregister_method(name: str) -> None:
+    """Undo ``register_method`` (a plugin unloaded, a test's method cleaned up)."""
+    _METHODS.pop(name, None)
+
+
 def method_spec(name: str) -> MethodSpec:
     if name not in _METHODS:
         raise ValueError(f"unknown speculation method {name!r}; known: {registered_methods()}")

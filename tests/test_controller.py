@@ -11,7 +11,7 @@ from specray.engine.engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.policies.base import Draft, DraftRow
 from specray.policies.controller import AdaptiveSpeculation, RowView
-from specray.policies.registry import LinearOptions, MethodSpec, register_method
+from specray.policies.registry import LinearOptions, MethodSpec, register_method, unregister_method
 from tests.conftest import hf_greedy
 from tests.test_engine import ragged_prompts
 
@@ -106,7 +106,9 @@ def fakes(tiny_pair):
     Oracle.references = {tuple(p): hf_greedy(tiny_pair[0], p, 200) for p in prompts}
     register_method(MethodSpec("test_oracle", OracleOptions, build=lambda ctx: Oracle()))
     register_method(MethodSpec("test_wrong", WrongOptions, build=lambda ctx: Wrong()))
-    return prompts
+    yield prompts
+    unregister_method("test_oracle")
+    unregister_method("test_wrong")
 
 
 @pytest.mark.parametrize("method, expect", [("test_oracle", "long"), ("test_wrong", "off")])

@@ -17,7 +17,7 @@ from specray.engine.params import SamplingParams, SpeculationParams
 from specray.engine.scheduler import Scheduler
 from specray.engine.verify import TargetScores
 from specray.policies.base import Draft, DraftRow
-from specray.policies.registry import Limits, LinearOptions, MethodSpec, register_method
+from specray.policies.registry import Limits, LinearOptions, MethodSpec, register_method, unregister_method
 from tests.conftest import hf_greedy
 from tests.test_engine import GREEDY, ragged_prompts
 
@@ -111,6 +111,8 @@ def _check(options, facts, limits):
 @pytest.fixture(scope="module")
 def toy_method():
     register_method(MethodSpec("toy_repeat", RepeatOptions, build=lambda ctx: RepeatProposer(), check=_check))
+    yield
+    unregister_method("toy_repeat")
 
 
 def test_a_toy_method_is_one_spec(toy_method, tiny_pair):

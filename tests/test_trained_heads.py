@@ -26,7 +26,7 @@ def trained(demo_pair, tmp_path_factory):
 def engine(demo_pair, trained):
     root, _ = trained
     return LLMEngine(EngineConfig(target=demo_pair.target, tokenizer=demo_pair.tokenizer, medusa=str(root / "medusa"),
-                                  checkpoints={"eagle": str(root / "eagle")}, max_num_seqs=4))
+                                  checkpoints={"eagle": str(root / "eagle")}, max_num_seqs=8))
 
 
 @pytest.mark.parametrize("spec, floor", [
@@ -37,8 +37,9 @@ def engine(demo_pair, trained):
 def test_trained_heads_are_lossless_and_accept(demo_pair, engine, trained, spec, floor):
     from specray.demo import held_out_prompts
 
-    prompts = held_out_prompts(4, demo_pair.tokenizer)
-    sampling = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    # 16 prompts: acceptance varies a lot from one file of the corpus to the next
+    prompts = held_out_prompts(16, demo_pair.tokenizer)
+    sampling = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     plain = [o.token_ids for o in engine.generate(prompts, sampling, SpeculationParams(method="none"))]
     before = engine.totals.num_drafts, engine.totals.num_accepted_tokens
     outs = engine.generate(prompts, sampling, SpeculationParams(**spec))
