@@ -90,12 +90,15 @@ def eagle_loss(head: EagleHead, lm_head: torch.Tensor, batch, noise: float, toke
 
 @torch.no_grad()
 def chain_ranks(head: EagleHead, lm_head: torch.Tensor, data: SequenceSet, depth: int, top: int,
-                stride: int = 4, max_positions: int = 4096) -> torch.Tensor:
+                stride: int = 4, max_positions: int = 4096, nll: dict[float, float] | None = None) -> torch.Tensor:
     """[M, depth] ranks of the true tokens when the head drafts ``depth`` levels along the true
     continuation from position t on its own predicted features, as it does at inference.
 
     One re-fed pass per level over [true pairs | a chain of predicted pairs per sampled t];
-    each chain pair sees the true pairs up to t and its own chain (an explicit mask)."""
+    each chain pair sees the true pairs up to t and its own chain (an explicit mask).
+
+    ``nll``: {temperature: summed negative log-likelihood of the true tokens under
+    softmax(logits / temperature)}, accumulated over every level (for ``greedy_temperature``)."""
     out = []
     for i in range(len(data.lengths)):
         n, p = int(data.lengths[i]), int(data.prompt_lens[i])
@@ -127,7 +130,10 @@ def chain_ranks(head: EagleHead, lm_head: torch.Tensor, data: SequenceSet, depth
             hidden = hidden[0]
             at = torch.tensor(starts) if level == 0 else c + torch.arange(m) * (depth - 1) + (level - 1)
             labels = data.tokens[i, torch.tensor(starts) + level + 2]
-            ranks[:, level] = ranks_of(hidden[at] @ lm_head.T, labels, top)
+            level_logits = hidden[at] @ lm_head.T
+            ranks[:, level] = ranks_of(level_logits, labels, top)
+            for tau in nll or ():
+                nll[tau] += F.cross_entropy(level_logits / tau, labels, reduction="sum").item()
             if level + 1 < depth:  # the next chain pair reads this level's predicted feature
                 pred_feats[torch.arange(m) * (depth - 1) + level] = hidden[at]
         out.append(ranks)
@@ -211,7 +217,9 @@ def train_eagle(target: str, out: str, tokenizer: str | None = None, steps: int 
                                                                 noise, token_weight, unroll),
                      steps, lr, "eagle head", clip=0.5)
     head.eval()
-    ranks = chain_ranks(head, lm_head, data.held_out, depth, top=8)
+    nll = {round(0.1 * 1.15 ** i, 4): 0.0 for i in range(25)}  # 0.1 .. ~2.9
+    ranks = chain_ranks(head, lm_head, data.held_out, depth, top=8, nll=nll)
+    head.greedy_temperature = min(nll, key=nll.get)
     accuracy = [round((ranks[:, d] == 0).float().mean().item(), 3) for d in range(depth)]
     # k-step accuracy: the first k levels all right (a chain of k accepted tokens)
     chain = [round((ranks[:, : d + 1] == 0).all(-1).float().mean().item(), 3) for d in range(depth)]
@@ -223,7 +231,7 @@ def train_eagle(target: str, out: str, tokenizer: str | None = None, steps: int 
         "head_dir": out, "steps": steps, "final_loss": round(final, 4), "positions": int(ranks.shape[0]),
         "held_out_top1_per_depth": accuracy, "held_out_chain_accuracy": chain, "tree_size": len(choices),
         "expected_accepted_length": round(expected, 3), "chain_expected_accepted_length": round(1 + sum(chain), 3),
-        "tree_depth": max(len(c) for c in choices),
+        "tree_depth": max(len(c) for c in choices), "greedy_temperature": head.greedy_temperature,
         "step_ms_plain": round(1000 * cost(0, 0), 3), "step_ms_tree": round(1000 * cost(len(choices), max(len(c) for c in choices)), 3),
         "data_seconds": round(data.seconds, 1), "seconds": round(time.time() - start, 1),
     }

@@ -224,7 +224,9 @@ def recipes() -> dict[str, Callable[[list[str]], int]]:
 
 def main(argv: list[str] | None = None) -> int:
     known = recipes()
-    p = argparse.ArgumentParser(prog="specray train", description="Train a draft head on a frozen target.")
+    # No -h here: `specray train eagle --help` shows the recipe's own options.
+    p = argparse.ArgumentParser(prog="specray train", description="Train a draft head on a frozen target.",
+                                add_help=False)
     p.add_argument("method", choices=sorted(known))
     args, rest = p.parse_known_args(argv)
     return known[args.method](rest)

@@ -123,6 +123,13 @@ class EagleHead(nn.Module):
         self.rotary_emb = LlamaRotaryEmbedding(config)
         self.norm = nn.Identity()  # f̂ is compared with the target's final-norm features
         self.choices: list[list[int]] | None = None
+        # EAGLE-2 confidence for greedy rows: softmax(logits / greedy_temperature) estimates
+        # P(the target's argmax is this token). The head is trained on the target's whole
+        # distribution, which is flatter than "is it the argmax" (what greedy acceptance
+        # asks), so under the raw probabilities deep nodes look worse than they are and the
+        # dynamic tree comes out too shallow. Fitted on held-out data at training (temperature
+        # scaling, Guo et al. 2017); 1.0 (EAGLE-2's raw probabilities) for heads without it.
+        self.greedy_temperature = 1.0
         self._target = ()  # (embed_tokens, lm_head) of the target: bound, not parameters
 
     # The decoder surface a ModelRunner reads.
@@ -184,6 +191,7 @@ class EagleHead(nn.Module):
         cfg.pop("_attn_implementation", None)
         if self.choices is not None:
             cfg["eagle_choices"] = self.choices
+        cfg["greedy_temperature"] = self.greedy_temperature
         (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
         state = {k: v.contiguous() for k, v in self.state_dict().items()}
         if self._target:  # the public layout carries the embedding; specray reads the target's
@@ -218,8 +226,8 @@ class EagleHead(nn.Module):
             state = torch.load(weights, map_location="cpu", weights_only=True)
         state = {k.removeprefix("model."): v for k, v in state.items() if k not in ("embed_tokens.weight",
                                                                                       "model.embed_tokens.weight")}
-        config = LlamaConfig(**{**{k: v for k, v in raw.items() if k not in ("eagle_choices", "bias")},
-                                "num_hidden_layers": 1})
+        extra = ("eagle_choices", "bias", "greedy_temperature")
+        config = LlamaConfig(**{**{k: v for k, v in raw.items() if k not in extra}, "num_hidden_layers": 1})
         head = cls(config, bias=bool(raw.get("bias", "fc.bias" in state)))
         try:
             head.load_state_dict(state)
@@ -231,6 +239,10 @@ class EagleHead(nn.Module):
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{cfg_file}: bad eagle_choices: {exc}") from None
             head.choices = raw["eagle_choices"]
+        tau = raw.get("greedy_temperature", 1.0)
+        if not isinstance(tau, (int, float)) or not 0 < tau <= 100:
+            raise ValueError(f"{cfg_file}: greedy_temperature must be a positive number, got {tau!r}")
+        head.greedy_temperature = float(tau)
         return head.eval()
 
 
@@ -359,6 +371,8 @@ class EagleProposer:
             plan.frontier = [n for n in new if plan.nodes[n].rank in kids] if level < plan.depth else []
         else:  # dynamic: top_k children per expanded node, the best top_k are expanded next
             k = plan.row.options.top_k
+            if plan.row.sampling.greedy and self.head.greedy_temperature != 1.0:
+                logp = torch.log_softmax(logits.float() / self.head.greedy_temperature, dim=-1)
             top = logp.topk(min(k, logp.shape[-1]))
             for p, idx, vals in zip(parents, top.indices.tolist(), top.values.tolist()):
                 base = plan.nodes[p].score if p >= 0 else 0.0

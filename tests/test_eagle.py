@@ -67,13 +67,17 @@ SPECS = {
     "eagle-1 explicit": {"eagle_choices": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]},
     "eagle-2": {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12},
     "eagle-2 wide": {"dynamic_tree": True, "top_k": 8, "depth": 6, "total_tokens": 40},
+    "eagle-2 sharpened confidence": {"dynamic_tree": True, "top_k": 4, "depth": 5, "total_tokens": 16},
 }
 
 
 @pytest.mark.parametrize("name", list(SPECS))
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_eagle_equals_hf_generate(target, references, name, batch):
-    engine = eagle_engine(target, random_head(target), max_num_seqs=batch)
+    head = random_head(target)
+    if "sharpened" in name:
+        head.greedy_temperature = 0.3  # what training fits (greedy rows' EAGLE-2 confidence)
+    engine = eagle_engine(target, head, max_num_seqs=batch)
     prompts = ragged_prompts(8 if batch > 1 else 3)  # 8 prompts on 4 slots: requests join mid-run
     outs = engine.generate(prompts, GREEDY, SpeculationParams(method="eagle", **SPECS[name]))
     assert [o.token_ids for o in outs] == references[: len(prompts)]
@@ -145,9 +149,10 @@ def test_tree_sampling_keeps_the_target_distribution(spec):
 def test_public_layout_round_trip(target, tmp_path):
     head = random_head(target).bind(target.model.embed_tokens, target.lm_head)
     head.choices = [[0], [1], [0, 0]]
+    head.greedy_temperature = 0.35
     head.save(tmp_path / "st")
     loaded = EagleHead.load(tmp_path / "st", hidden_size=32).bind(target.model.embed_tokens, target.lm_head)
-    assert loaded.choices == [[0], [1], [0, 0]]
+    assert loaded.choices == [[0], [1], [0, 0]] and loaded.greedy_temperature == 0.35
     toks, feats = torch.tensor([[1, 2, 3]]), torch.randn(1, 3, 32)
     with torch.no_grad():
         torch.testing.assert_close(loaded.forward_sequence(toks, feats), head.forward_sequence(toks, feats))
@@ -161,6 +166,7 @@ def test_public_layout_round_trip(target, tmp_path):
     assert "layers.0.input_layernorm.weight" not in state  # EAGLE's layer has no input norm
     torch.save(state, tmp_path / "pt" / "pytorch_model.bin")
     other = EagleHead.load(tmp_path / "pt").bind(target.model.embed_tokens, target.lm_head)
+    assert other.greedy_temperature == 1.0  # public heads: EAGLE-2's raw probabilities
     with torch.no_grad():
         torch.testing.assert_close(other.forward_sequence(toks, feats), head.forward_sequence(toks, feats))
 
@@ -188,6 +194,10 @@ def test_bad_head_files_raise(target, tmp_path):
     cfg["eagle_choices"] = [[0], [0]]
     (tmp_path / "ok" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="bad eagle_choices"):
+        EagleHead.load(tmp_path / "ok")
+    cfg["eagle_choices"], cfg["greedy_temperature"] = None, -1
+    (tmp_path / "ok" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="greedy_temperature must be a positive number"):
         EagleHead.load(tmp_path / "ok")
 
 
@@ -233,6 +243,7 @@ def test_training_learns_and_saves_the_public_layout(tmp_path):
     assert last["held_out_top1_per_depth"][0] > first["held_out_top1_per_depth"][0] + 0.1  # a random target: hard
     head = EagleHead.load(tmp_path / "h2", hidden_size=32)
     assert head.choices is not None and len(head.choices) == last["tree_size"] <= 6
+    assert head.greedy_temperature == last["greedy_temperature"] and 0.1 <= head.greedy_temperature < 3
     engine = eagle_engine(target, head)
     outs = engine.generate(ragged_prompts(3), GREEDY, SpeculationParams(method="eagle"))
     assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(3)]
