@@ -11,13 +11,16 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="session")
 def trained(demo_pair, tmp_path_factory):
     """Heads trained briefly on the demo target (data built once for all of them)."""
-    from specray.cluster import train_eagle, train_medusa
+    from specray.cluster import train_eagle, train_medusa, train_redrafter
 
     root = tmp_path_factory.mktemp("heads")
     common = dict(tokenizer=demo_pair.tokenizer, sequences=256, gen_len=64, tree_size=8)
     reports = {
         "medusa": train_medusa.train_medusa(demo_pair.target, str(root / "medusa"), steps=300, **common),
         "eagle": train_eagle.train_eagle(demo_pair.target, str(root / "eagle"), steps=300, depth=5, **common),
+        "redrafter": train_redrafter.train_redrafter(demo_pair.target, str(root / "redrafter"), steps=300,
+                                                     shapes=((4, 4),), **{k: v for k, v in common.items()
+                                                                          if k != "tree_size"}),
     }
     return root, reports
 
@@ -26,14 +29,16 @@ def trained(demo_pair, tmp_path_factory):
 def engine(demo_pair, trained):
     root, _ = trained
     return LLMEngine(EngineConfig(target=demo_pair.target, tokenizer=demo_pair.tokenizer, medusa=str(root / "medusa"),
-                                  checkpoints={"eagle": str(root / "eagle")}, max_num_seqs=8))
+                                  checkpoints={"eagle": str(root / "eagle"), "redrafter": str(root / "redrafter")},
+                                  max_num_seqs=8))
 
 
 @pytest.mark.parametrize("spec, floor", [
     ({"method": "medusa"}, 1.5),
     ({"method": "eagle"}, 2.0),
     ({"method": "eagle", "dynamic_tree": True, "top_k": 4, "depth": 5, "total_tokens": 16}, 2.0),
-], ids=["medusa fitted", "eagle-1 fitted", "eagle-2"])
+    ({"method": "redrafter"}, 1.8),
+], ids=["medusa fitted", "eagle-1 fitted", "eagle-2", "redrafter 4x4"])
 def test_trained_heads_are_lossless_and_accept(demo_pair, engine, trained, spec, floor):
     from specray.demo import held_out_prompts
 
