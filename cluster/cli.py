@@ -175,6 +175,7 @@ def _serve(args) -> int:
         f"\"temperature\": 0, \"speculation\": {{\"method\": \"draft\"}}}}'",
         flush=True,
     )
+    print(f"  watch speculation live: {url}{(cfg.route_prefix or '').rstrip('/')}/playground", flush=True)
     if args.once:  # answer one request through HTTP, then stop (the README's main job)
         import httpx
 
