@@ -17,7 +17,6 @@ accuracies and the fitted default tree (``training.fit_tree``), saved in ``confi
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Callable
 
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specray.cluster.training import (
-    PromptSource, SequenceSet, add_common_args, distill_data, fit_tree, optimise, ranks_of, resolve_target,
+    PromptSource, SequenceSet, add_common_args, distill_data, fit_tree, optimise, ranks_of, run_recipe,
 )
 from specray.policies.eagle import EagleHead
 
@@ -237,22 +236,7 @@ def train_eagle(target: str, out: str, tokenizer: str | None = None, steps: int 
     }
 
 
-def evaluate(target: str, head_dir: str, tokenizer: str, num_prompts: int = 8, max_tokens: int = 64) -> dict:
-    """Measured mean accepted length of greedy EAGLE on held-out prompts."""
-    from specray.demo import held_out_prompts
-    from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
-
-    engine = LLMEngine(EngineConfig(target=target, tokenizer=tokenizer, checkpoints={"eagle": head_dir}, max_num_seqs=4))
-    prompts = held_out_prompts(num_prompts, tokenizer)
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    result = {}
-    for name, spec in {"fitted tree (EAGLE-1)": {}, "chain": {"tree": "chain"},
-                       "EAGLE-2": {"dynamic_tree": True}}.items():
-        before = engine.totals.num_drafts, engine.totals.num_accepted_tokens
-        engine.generate(prompts, sampling, SpeculationParams(method="eagle", **spec))
-        drafts = engine.totals.num_drafts - before[0]
-        result[name] = round(1 + (engine.totals.num_accepted_tokens - before[1]) / max(drafts, 1), 3)
-    return result
+EVAL_SPECS = {"fitted tree (EAGLE-1)": {}, "chain": {"tree": "chain"}, "EAGLE-2": {"dynamic_tree": True}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,19 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-weight", type=float, default=1.0, help="weight of the token loss")
     p.add_argument("--depth", type=int, default=6, help="levels measured for the fitted tree")
     p.add_argument("--unroll", type=int, default=1, help="passes on the head's own features per step (1 = EAGLE)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target, tokenizer = resolve_target(args.target, args.tokenizer)
-    report = train_eagle(target, args.out, tokenizer, steps=args.steps, batch_size=args.batch_size, width=args.width,
-                         lr=args.lr, noise=args.noise, token_weight=args.token_weight, unroll=args.unroll,
-                         sequences=args.sequences,
-                         gen_len=args.gen_len, tree_size=args.tree_size, depth=args.depth, seed=args.seed)
-    if not args.no_eval:
-        torch.set_num_threads(1)
-        report["mean_accepted_length"] = evaluate(target, args.out, tokenizer)
-    print(json.dumps(report))
-    return 0
-
+    return run_recipe(argv, p, "eagle", lambda a, target, tokenizer: train_eagle(
+        target, a.out, tokenizer, steps=a.steps, batch_size=a.batch_size, width=a.width, lr=a.lr, noise=a.noise,
+        token_weight=a.token_weight, unroll=a.unroll, sequences=a.sequences, gen_len=a.gen_len,
+        tree_size=a.tree_size, depth=a.depth, seed=a.seed), EVAL_SPECS)
 
 if __name__ == "__main__":
     import sys

@@ -12,15 +12,15 @@ held-out continuations (``training.fit_tree``) and saved in ``config.json`` as
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 
 from specray.cluster.training import (  # noqa: F401 (fit_tree re-exported)
-    PromptSource, SequenceSet, add_common_args, distill_data, fit_tree, optimise, ranks_of, resolve_target,
+    PromptSource, SequenceSet, add_common_args, distill_data, fit_tree, optimise, ranks_of, run_recipe,
 )
+from specray.kernels.tree import NAMED_TREES
 from specray.policies.medusa import MedusaHeads
 
 
@@ -87,43 +87,17 @@ def train_medusa(
     }
 
 
-def evaluate(target: str, heads_dir: str, tokenizer: str, num_prompts: int = 8, max_tokens: int = 64) -> dict:
-    """Measured mean accepted length of greedy Medusa on held-out prompts, per tree."""
-    from specray.demo import held_out_prompts
-    from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
-    from specray.kernels.tree import NAMED_TREES
-
-    engine = LLMEngine(EngineConfig(target=target, tokenizer=tokenizer, medusa=heads_dir, max_num_seqs=4))
-    prompts = held_out_prompts(num_prompts, tokenizer)
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    result = {}
-    for name in [None, *NAMED_TREES]:
-        before = engine.totals.num_drafts, engine.totals.num_accepted_tokens
-        engine.generate(prompts, sampling, SpeculationParams(method="medusa", tree=name))
-        drafts = engine.totals.num_drafts - before[0]
-        accepted = engine.totals.num_accepted_tokens - before[1]
-        result[name or "fitted (default)"] = round(1 + accepted / max(drafts, 1), 3)
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specray train medusa", description=__doc__.split("\n\n")[0])
     add_common_args(p, steps=1500, lr=3e-3)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=2048, help="positions per step")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target, tokenizer = resolve_target(args.target, args.tokenizer)
-    report = train_medusa(target, args.out, tokenizer, heads=args.heads, layers=args.layers, steps=args.steps,
-                          batch_size=args.batch_size, lr=args.lr, sequences=args.sequences, gen_len=args.gen_len,
-                          tree_size=args.tree_size, seed=args.seed)
-    if not args.no_eval:
-        torch.set_num_threads(1)
-        report["mean_accepted_length"] = evaluate(target, args.out, tokenizer)
-    print(json.dumps(report))
-    return 0
-
+    # the fitted tree (the heads' default) and each named tree
+    specs = {"fitted (default)": {}, **{name: {"tree": name} for name in NAMED_TREES}}
+    return run_recipe(argv, p, "medusa", lambda a, target, tokenizer: train_medusa(
+        target, a.out, tokenizer, heads=a.heads, layers=a.layers, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
+        sequences=a.sequences, gen_len=a.gen_len, tree_size=a.tree_size, seed=a.seed), specs)
 
 if __name__ == "__main__":
     import sys

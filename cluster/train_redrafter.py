@@ -18,14 +18,13 @@ for several beam shapes. The result is saved in Apple's public layout.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 
 from specray.cluster.training import (
-    DistillData, PromptSource, SequenceSet, add_common_args, distill_data, optimise, resolve_target,
+    DistillData, PromptSource, SequenceSet, add_common_args, distill_data, optimise, run_recipe,
 )
 from specray.policies.redrafter import Drafter, pack_beams
 
@@ -122,43 +121,16 @@ def fit(data: DistillData, steps: int, batch_size: int, length: int, layers: int
     return drafter.eval(), final
 
 
-def evaluate(target: str, drafter_dir: str, tokenizer: str, num_prompts: int = 8, max_tokens: int = 64,
-             shapes=((4, 4), (1, 4), (5, 5))) -> dict:
-    """Measured mean accepted length of greedy ReDrafter on held-out prompts, per beam shape."""
-    from specray.demo import held_out_prompts
-    from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
-
-    engine = LLMEngine(EngineConfig(target=target, tokenizer=tokenizer, checkpoints={"redrafter": drafter_dir},
-                                    max_num_seqs=4))
-    prompts = held_out_prompts(num_prompts, tokenizer)
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    result = {}
-    for m, length in shapes:
-        before = engine.totals.num_drafts, engine.totals.num_accepted_tokens
-        engine.generate(prompts, sampling, SpeculationParams(method="redrafter", num_beams=m, draft_len_per_beam=length))
-        drafts = engine.totals.num_drafts - before[0]
-        result[f"{m}x{length}"] = round(1 + (engine.totals.num_accepted_tokens - before[1]) / max(drafts, 1), 3)
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specray train redrafter", description=__doc__.split("\n\n")[0])
     add_common_args(p, steps=1000, lr=3e-3)
     p.add_argument("--batch-size", type=int, default=512, help="positions per step")
     p.add_argument("--length", type=int, default=5, help="levels trained (the longest advised draft_len_per_beam)")
     p.add_argument("--layers", type=int, default=2, help="ResBlocks (num_draft_layers)")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target, tokenizer = resolve_target(args.target, args.tokenizer)
-    report = train_redrafter(target, args.out, tokenizer, steps=args.steps, batch_size=args.batch_size,
-                             length=args.length, layers=args.layers, lr=args.lr, sequences=args.sequences,
-                             gen_len=args.gen_len, seed=args.seed)
-    if not args.no_eval:
-        torch.set_num_threads(1)
-        report["mean_accepted_length"] = evaluate(target, args.out, tokenizer)
-    print(json.dumps(report))
-    return 0
-
+    specs = {f"{m}x{n}": {"num_beams": m, "draft_len_per_beam": n} for m, n in ((4, 4), (1, 4), (5, 5))}
+    return run_recipe(argv, p, "redrafter", lambda a, target, tokenizer: train_redrafter(
+        target, a.out, tokenizer, steps=a.steps, batch_size=a.batch_size, length=a.length, layers=a.layers, lr=a.lr,
+        sequences=a.sequences, gen_len=a.gen_len, seed=a.seed), specs)
 
 if __name__ == "__main__":
     import sys

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -254,3 +255,38 @@ def add_common_args(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-eval", action="store_true", help="skip measuring the mean accepted length")
+
+
+def measure_accepted_length(target: str, tokenizer: str, method: str, head_dir: str, specs: dict[str, dict],
+                            num_prompts: int = 8, max_tokens: int = 64) -> dict[str, float]:
+    """Per named spec: the engine's mean accepted length (1 + accepted / drafts) of greedy
+    ``method`` with its weights from ``head_dir``, on held-out prompts."""
+    from specray.demo import held_out_prompts
+    from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
+
+    engine = LLMEngine(EngineConfig(target=target, tokenizer=tokenizer, checkpoints={method: head_dir},
+                                    max_num_seqs=4))
+    prompts = held_out_prompts(num_prompts, tokenizer)
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    result = {}
+    for name, spec in specs.items():
+        before = engine.totals.num_drafts, engine.totals.num_accepted_tokens
+        engine.generate(prompts, sampling, SpeculationParams(method=method, **spec))
+        drafts = engine.totals.num_drafts - before[0]
+        result[name] = round(1 + (engine.totals.num_accepted_tokens - before[1]) / max(drafts, 1), 3)
+    return result
+
+
+def run_recipe(argv: list[str] | None, parser: argparse.ArgumentParser, method: str,
+               train: Callable[[argparse.Namespace, str, str], dict], specs: dict[str, dict]) -> int:
+    """A recipe's command line: parse, train on the resolved target, measure the saved head
+    with each of ``specs`` (unless --no-eval), print the report as JSON."""
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target, tokenizer = resolve_target(args.target, args.tokenizer)
+    report = train(args, target, tokenizer)
+    if not args.no_eval:
+        torch.set_num_threads(1)
+        report["mean_accepted_length"] = measure_accepted_length(target, tokenizer, method, args.out, specs)
+    print(json.dumps(report))
+    return 0

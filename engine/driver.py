@@ -144,7 +144,9 @@ class LocalExecutor:
 
     async def propose(self, plan):
         pending, parts = {}, {}
-        for method, (_, rows) in plan.rows.items():  # remote proposers start first, then local ones run
+        # Local proposers draft here; a remote proxy returns an awaitable, awaited after them
+        # (with overlap on, its worker has been drafting ahead since the last verification).
+        for method, (_, rows) in plan.rows.items():
             proposer = self.proposers.get(method)
             parts[method] = proposer.propose(rows) if proposer is not None else None
             if inspect.isawaitable(parts[method]):

@@ -340,7 +340,10 @@ class EagleProposer:
 
     def _children(self, plan: _RowPlan, level: int, parents: list[int], logits: torch.Tensor) -> None:
         """Add level ``level``'s nodes below ``parents`` (their logits [len(parents), V])."""
-        logp = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
+        # EAGLE-2 scores greedy rows with the head's calibrated confidence (see greedy_temperature)
+        calibrate = plan.tree is None and plan.row.sampling.greedy
+        scale = self.head.greedy_temperature if calibrate else 1.0
+        logp = torch.log_softmax(logits.float() / scale, dim=-1)  # [P, V]
         new: list[int] = []
         if plan.tree is not None:  # static: each parent's children are given by the tree's ranks
             kids = _kids_by_rank(plan.tree.choices)
@@ -371,8 +374,6 @@ class EagleProposer:
             plan.frontier = [n for n in new if plan.nodes[n].rank in kids] if level < plan.depth else []
         else:  # dynamic: top_k children per expanded node, the best top_k are expanded next
             k = plan.row.options.top_k
-            if plan.row.sampling.greedy and self.head.greedy_temperature != 1.0:
-                logp = torch.log_softmax(logits.float() / self.head.greedy_temperature, dim=-1)
             top = logp.topk(min(k, logp.shape[-1]))
             for p, idx, vals in zip(parents, top.indices.tolist(), top.values.tolist()):
                 base = plan.nodes[p].score if p >= 0 else 0.0

@@ -125,6 +125,30 @@ def tiny_checkpoints(tmp_path_factory, tiny_pair):
     return {"target": str(root / "target"), "draft": str(root / "draft")}
 
 
+@pytest.fixture(scope="session")
+def tiny_tok(tiny_checkpoints, tmp_path_factory) -> dict:
+    """The tiny checkpoints plus a character tokenizer folder of their own (serve tests)."""
+    from tests.test_serve import save_char_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-tokenizer")
+    save_char_tokenizer(path)
+    return {**tiny_checkpoints, "tokenizer": str(path)}
+
+
+@pytest.fixture(scope="session")
+def target(tiny_pair):
+    """The tiny target model (tests copy it before handing it to an engine)."""
+    return tiny_pair[0]
+
+
+@pytest.fixture(scope="session")
+def references(tiny_pair):
+    """HF greedy continuations of the tiny target for ``ragged_prompts(8)`` (``GREEDY``)."""
+    from tests.test_engine import GREEDY, ragged_prompts
+
+    return [hf_greedy(tiny_pair[0], p, GREEDY.max_tokens) for p in ragged_prompts(8)]
+
+
 def free_port() -> int:
     import socket
 

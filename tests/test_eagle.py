@@ -51,16 +51,6 @@ def eagle_engine(target, head, max_num_seqs=4, **kw):
                      resources={"eagle": copy.deepcopy(head)})
 
 
-@pytest.fixture(scope="module")
-def target(tiny_pair):
-    return tiny_pair[0]
-
-
-@pytest.fixture(scope="module")
-def references(target):
-    return [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(8)]
-
-
 SPECS = {
     "eagle-1 default tree": {},
     "eagle-1 chain": {"tree": "chain"},

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from specray.engine.params import SamplingParams, SpeculationParams
-from tests.conftest import hf_greedy
 
 METHODS = ["none", "draft", "ngram"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -18,12 +17,6 @@ def ragged_prompts(n: int, seed: int = 0, vocab: int = 64):
         base = torch.randint(0, vocab, (length,), generator=g).tolist()
         prompts.append(base + base[: length // 2])  # repeats give prompt lookup something to match
     return prompts
-
-
-@pytest.fixture(scope="module")
-def references(tiny_pair):
-    target, _ = tiny_pair
-    return [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(8)]
 
 
 @pytest.mark.parametrize("method", METHODS)

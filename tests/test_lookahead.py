@@ -33,11 +33,6 @@ def engine_with(target, max_num_seqs=4, proposer=None, **config):
                      target_model=copy.deepcopy(target), proposers=proposers)
 
 
-@pytest.fixture(scope="module")
-def references(tiny_pair):
-    return [hf_greedy(tiny_pair[0], p, GREEDY.max_tokens) for p in ragged_prompts(8)]
-
-
 # -- options -------------------------------------------------------------------------------
 def test_options_defaults_and_validation(make_engine):
     o = SpeculationParams(method="lookahead")

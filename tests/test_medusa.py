@@ -56,11 +56,6 @@ def test_bad_head_files_raise(tmp_path):
         MedusaHeads.load(tmp_path)
 
 
-@pytest.fixture(scope="module")
-def references(tiny_pair):
-    return [hf_greedy(tiny_pair[0], p, GREEDY.max_tokens) for p in ragged_prompts(8)]
-
-
 @pytest.mark.parametrize("tree", list(NAMED_TREES))
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_medusa_equals_hf_generate(tiny_pair, references, tree, batch):

@@ -25,7 +25,7 @@ import time
 import httpx
 import pytest
 
-from tests.test_serve import ALPHABET, cpu_placement, decode, save_char_tokenizer, sse_events, wait_until_serving
+from tests.test_serve import ALPHABET, cpu_placement, decode, sse_events, wait_until_serving
 
 serve = pytest.importorskip("ray.serve")
 
@@ -157,13 +157,6 @@ def test_a_character_split_across_steps_belongs_to_the_token_that_completes_it(b
 
 
 # -- the server -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_tok(tiny_checkpoints, tmp_path_factory) -> dict:
-    path = tmp_path_factory.mktemp("playground-tokenizer")
-    save_char_tokenizer(path)
-    return {**tiny_checkpoints, "tokenizer": str(path)}
-
-
 @pytest.fixture(scope="module")
 def url(server, tiny_tok):
     """The tiny pair (draft model and n-gram actors), with an API key, under a route prefix."""

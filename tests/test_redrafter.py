@@ -40,16 +40,6 @@ def redrafter_engine(target, drafter, max_num_seqs=4, **kw):
 
 
 @pytest.fixture(scope="module")
-def target(tiny_pair):
-    return tiny_pair[0]
-
-
-@pytest.fixture(scope="module")
-def references(target):
-    return [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(8)]
-
-
-@pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_checkpoints):
     """A drafter self-distilled on the tiny target (and a 1-step one to compare with)."""
     from specray.cluster import train_redrafter as T

@@ -107,14 +107,6 @@ def sse_events(lines) -> list:
 
 # -- fixtures ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_tok(tiny_checkpoints, tmp_path_factory) -> dict:
-    """The session's tiny checkpoints plus a tokenizer folder of their own."""
-    path = tmp_path_factory.mktemp("tiny-tokenizer")
-    save_char_tokenizer(path)
-    return {**tiny_checkpoints, "tokenizer": str(path)}
-
-
-@pytest.fixture(scope="module")
 def long_tok(tmp_path_factory) -> dict:
     """A tiny pair with a 4096-token context (long, slow requests on purpose)."""
     from transformers import LlamaConfig, LlamaForCausalLM
