@@ -125,6 +125,8 @@ class AdaptiveSpeculation:
         self._steps += 1
         methods = sorted({r.method for r in rows if r.method != "none"})
         costs = self._cost_model(len(rows), methods).theta()
+        # each row's expected tokens for every k, once per step (not once per candidate k)
+        expected = {r.request_id: self._expected_tokens(r) for r in rows}
         choice = {}
         for m in methods:
             auto = [r for r in rows if r.method == m and not r.fixed]
@@ -135,7 +137,7 @@ class AdaptiveSpeculation:
             if costs is None:  # no measurement yet: draft, to learn
                 choice[m] = None if tree else min(4, self.max_k)
                 continue
-            values = [self._rate(rows, m, k, choice, costs, methods) for k in options]
+            values = [self._rate(rows, m, k, choice, costs, methods, expected) for k in options]
             # Speculate only where it clearly pays (noise in measured costs must not keep a
             # useless draft on), and of near-equal choices take the shortest.
             best = int(np.argmax(values))
@@ -149,32 +151,37 @@ class AdaptiveSpeculation:
         self._choice.update(choice)
         return [r.requested if r.fixed else choice.get(r.method) for r in rows]
 
-    def _rate(self, rows, method, k, choice, costs, methods) -> float:
+    def _rate(self, rows, method, k, choice, costs, methods, expected) -> float:
         """Expected tokens per second of the whole batch if ``method`` drafts k."""
         tokens, ks = 0.0, {}
         for r in rows:
             kr = r.requested if r.fixed else (k if r.method == method else
                                               choice.get(r.method, self._choice.get(r.method)))
             nodes = self._tree_nodes(r) if kr is None else kr
-            tokens += self._expected(r, kr)
+            table = expected[r.request_id]
+            tokens += table[0] if r.method == "none" else table[self._depth(r) if kr is None else kr]
             ks[r.method] = max(ks.get(r.method, 0), nodes)
         seconds = costs[0] + sum(costs[1 + i] * ks.get(m, 0) for i, m in enumerate(methods))
         return tokens / seconds
 
-    def _expected(self, row: RowView, k: int | None) -> float:
-        if row.method == "none" or k == 0:
-            return 1.0
+    def _depth(self, row: RowView) -> int:
+        """A tree's draft positions so far (its expected tokens: 1 + its mean accepted length)."""
+        return max(len(self._methods.get(row.method, _Acceptance()).reached), 1)
+
+    def _expected_tokens(self, row: RowView) -> list[float]:
+        """[E(0), E(1), ...]: expected tokens of a step in which the row drafts k, for every k
+        it may take (1.0 for plain rows)."""
+        if row.method == "none":
+            return [1.0]
+        upto = max(self.max_k, row.requested or 0, self._depth(row))
         method = self._methods.get(row.method, _Acceptance())
         own = self._requests.get(row.request_id, _Acceptance())
-        if k is None:  # a tree: 1 + its mean accepted length so far
-            depth = max(len(method.reached), 1)
-            k = depth
-        total, alive, prior = 1.0, 1.0, self.prior_acceptance
-        for j in range(k):  # a position never reached inherits the estimate of the one before
+        out, alive, prior = [1.0], 1.0, self.prior_acceptance
+        for j in range(upto):  # a position never reached inherits the estimate of the one before
             prior = method.rate(j, prior, self.pseudo)
             alive *= own.rate(j, prior, self.pseudo)
-            total += alive
-        return total
+            out.append(out[-1] + alive)
+        return out
 
     def _tree_nodes(self, row: RowView) -> int:
         return self._nodes.get(row.method, 8)
