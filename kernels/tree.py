@@ -124,6 +124,12 @@ class TokenTree:
         return kids
 
     @cached_property
+    def children_table(self) -> torch.Tensor:
+        """[T, C] each node's children in node order, padded with -1 (C >= 1)."""
+        width = max(1, max(len(k) for k in self.children))
+        return torch.tensor([k + [-1] * (width - len(k)) for k in self.children], dtype=torch.long)
+
+    @cached_property
     def paths(self) -> torch.Tensor:
         """[P, D+1] int64 root-to-leaf node indices, padded with -1 (one row per leaf)."""
         parents = self.parents.tolist()

@@ -180,6 +180,17 @@ class Draft:
         return out
 
 
+class DeviceDraft(Draft):
+    """Chains drafted on the device whose tokens stay there until the step's one read-back
+    (``engine/device_step.py``). ``rows`` hold placeholders of the right sizes;
+    device_tokens: [n, k] int64; device_probs: [n, k, V] float32 the distribution each
+    token was drawn from (sampled rows; greedy rows' entries unused), or None."""
+
+    def __init__(self, rows: Sequence[DraftRow], device_tokens: torch.Tensor, device_probs: torch.Tensor | None):
+        super().__init__(rows)
+        self.device_tokens, self.device_probs = device_tokens, device_probs
+
+
 @dataclass(frozen=True)
 class CommitRow:
     """What one row kept this step.
