@@ -188,8 +188,8 @@ class StaticForward:
             tree = torch.eye(width, dtype=torch.bool).repeat(rows_b, 1, 1)
             offsets = torch.arange(width).repeat(rows_b, 1)
             m, o = layout
-            tree[: len(slots), : m.shape[1], : m.shape[2]] = m.cpu()
-            offsets[: len(slots), : o.shape[1]] = o.cpu()
+            tree[: len(slots), : m.shape[1], : m.shape[2]] = m  # host tensors (engine/step.py)
+            offsets[: len(slots), : o.shape[1]] = o
         return ids, lens, q, rows, tree, offsets
 
     # -- CUDA graphs -----------------------------------------------------------------------
