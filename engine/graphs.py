@@ -16,12 +16,15 @@ and computes everything that depends on the rows' lengths on the device, from sm
 index tensors: write positions, position ids and the additive mask (prefix + chain or
 tree). Nothing in the function reads a tensor back or branches on a value, so it can be
 
-* ``eager`` — run as is (the CPU reference of the static path),
+* ``static`` — run as is (the CPU reference of the static path),
 * ``compile`` — ``torch.compile(dynamic=True, fullgraph=True)``: one graph for every
-  batch, width and kv size (dynamo specializes sizes 0 and 1 only, so at most four
-  variants per model), and no recompiles as lengths change (they are tensor values),
-* ``graphs`` (CUDA) — the compiled function captured as a CUDA graph per (batch, width,
-  kv) key on first use and replayed (vLLM and SGLang capture per batch size the same way).
+  batch, width and kv size, and no recompiles as lengths change (they are tensor values).
+  Dynamo specializes sizes 0 and 1, so compiled forwards pad batch and width to at least
+  2: one variant per model, compiled once,
+* ``cudagraph`` (CUDA) — the uncompiled function captured as a CUDA graph per (batch,
+  width, kv) key on first use and replayed (vLLM and SGLang capture per batch size the
+  same way),
+* ``graphs`` (CUDA) — the compiled function captured the same way.
 
 The eager ``ModelRunner.forward`` stays the reference: tests check the static path
 against it token for token.
@@ -39,11 +42,13 @@ from specray.kernels import attention
 
 log = logging.getLogger(__name__)
 
-StepMode = Literal["eager", "static", "compile", "graphs"]
-STEP_MODES = ("eager", "static", "compile", "graphs")
+StepMode = Literal["eager", "static", "compile", "cudagraph", "graphs"]
+STEP_MODES = ("eager", "static", "compile", "cudagraph", "graphs")
 """eager: ModelRunner.forward + host acceptance (the reference); static: fixed shapes,
 device acceptance, one read-back per step, uncompiled; compile: the same compiled;
-graphs: the same compiled and captured as CUDA graphs (CUDA only)."""
+cudagraph: static captured as CUDA graphs; graphs: compiled and captured (CUDA only)."""
+COMPILED = ("compile", "graphs")
+CAPTURED = ("cudagraph", "graphs")
 
 KV_BLOCK = 64  # keys are attended in multiples of this (fewer distinct shapes)
 
@@ -89,19 +94,24 @@ class StaticForward:
 
     def __init__(self, runner, mode: StepMode = "static", kv_block: int = KV_BLOCK):
         if mode not in STEP_MODES or mode == "eager":
-            raise ValueError(f"StaticForward mode must be one of static, compile, graphs; got {mode!r}")
-        if mode == "graphs" and runner.device.type != "cuda":
-            raise ValueError("mode 'graphs' captures CUDA graphs and needs a CUDA device; use 'compile' on CPU")
+            raise ValueError(f"StaticForward mode must be one of {', '.join(STEP_MODES[1:])}; got {mode!r}")
+        if mode in CAPTURED and runner.device.type != "cuda":
+            raise ValueError(f"mode {mode!r} captures CUDA graphs and needs a CUDA device; use 'compile' on CPU")
         self.runner, self.mode, self.kv_block = runner, mode, kv_block
         self.limit = runner.num_slots
+        # Compiled forwards never see a batch or width of 1 (see the module docstring).
+        self.min_size = 2 if mode in COMPILED else 1
         fn = self._forward
-        if mode in ("compile", "graphs"):
+        if mode in COMPILED:
             import torch._dynamo
 
-            # Every runner compiles its own function; lift the per-code cache limit so two
-            # models (draft and target) each keep their variants.
+            # The draft's and the target's runners share this code object: lift the per-code
+            # cache limit so each keeps its variant.
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            fn = torch.compile(self._forward, dynamic=True, fullgraph=True)
+            # The model's modules never change after start-up, so their guards are skipped:
+            # checking every parameter on each call cost more than a small model's forward.
+            fn = torch.compile(self._forward, dynamic=True, fullgraph=True,
+                               options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self._fn = fn
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
         self._pool = None
@@ -152,8 +162,8 @@ class StaticForward:
         for s, n, L in zip(slots, q_lens, lengths):
             if n < 1 or L + n > runner.capacity:
                 raise ValueError(f"slot {s}: {L} cached + {n} new tokens must fit capacity {runner.capacity}")
-        width = max(q_lens)
-        rows_b = batch_bucket(batch, self.limit)
+        width = max(max(q_lens), self.min_size)
+        rows_b = max(batch_bucket(batch, self.limit), self.min_size)
         kv = min(-(-(max(L + n for L, n in zip(lengths, q_lens))) // self.kv_block) * self.kv_block,
                  runner.capacity + 1)
         inputs = self._host_inputs(slots, tokens, q_lens, lengths, layout, rows_b, width)
@@ -162,7 +172,7 @@ class StaticForward:
         for rows, col, toks in spliced:  # device drafts
             dev[0][rows, col : col + toks.shape[1]] = toks
         kv_keys = torch.arange(kv, device=device)
-        if self.mode == "graphs":
+        if self.mode in CAPTURED:
             logits, hidden = self._replay((rows_b, width, kv), dev, kv_keys)
         else:
             logits, hidden = self._fn(*dev, kv_keys)
