@@ -61,7 +61,7 @@ class LLMEngine:
         self.target = ModelRunner(target_model, config.max_num_seqs, self.capacity)
         context = ProposerContext(
             vocab_size=self.target.vocab_size, max_num_seqs=config.max_num_seqs, capacity=self.capacity,
-            device=str(self.target.device), dtype=config.dtype, target=self.target, runner_for=self._runner_for,
+            device=str(self.target.device), dtype=config.resolved_dtype, target=self.target, runner_for=self._runner_for,
         )
         given = dict(resources or {})
         if draft_model is not None:
