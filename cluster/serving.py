@@ -163,13 +163,31 @@ def _start(cfg, address: str | None, local: bool) -> None:
     from specray.serve.app import build_app
 
     if local:
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+        hook = {"worker_process_setup_hook": "specray.cluster.serving.loopback_worker"} if cfg.host in LOOPBACK else {}
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, runtime_env=hook)
     else:
         ray.init(address=address, log_to_driver=False)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its start-up lines repeat ours
     serve.start(http_options={"host": cfg.host, "port": cfg.port}, logging_config={"log_level": "WARNING"})
     serve.run(build_app(cfg), name="specray",
               route_prefix=cfg.route_prefix, blocking=False)
+
+
+def loopback_worker() -> None:
+    """In each worker of a loopback-only local Ray: Serve replicas open their
+    inter-deployment gRPC server on every interface ("[::]:0", hard-coded); bind it to the
+    loopback interface instead, which is where the rest of this Ray listens and connects."""
+    from ray.serve._private import replica
+
+    bind = replica.add_port_to_grpc_server
+    if getattr(bind, "specray_loopback", False):
+        return
+
+    def loopback(server, address: str):
+        return bind(server, address.replace("[::]:", "127.0.0.1:", 1))
+
+    loopback.specray_loopback = True
+    replica.add_port_to_grpc_server = loopback
 
 
 def _warm_up(url: str, cfg, headers: dict) -> None:
