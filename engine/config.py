@@ -13,6 +13,8 @@ from specray.policies.spec_length import SpeculationLengthPolicy
 
 log = logging.getLogger(__name__)
 
+STEP_CHOICES = ("auto", "eager", "static", "compile", "graphs")
+
 # Without an explicit max_model_len, contexts are capped here: the KV cache is
 # preallocated for max_num_seqs x context tokens.
 DEFAULT_CONTEXT_CAP = 4096
@@ -58,6 +60,10 @@ class EngineConfig:
     device: cpu | cuda[:N] | auto (CUDA where this process sees a GPU).
     max_num_seqs: rows of the batch (KV cache slots).
     max_model_len: context per sequence; default min(model max positions, 4096).
+    step: how a step runs (``engine/graphs.py``): ``eager`` (HF modules as they are, host
+        acceptance: the reference), ``static`` (fixed shapes, acceptance on the device, one
+        read-back per step), ``compile`` (the same under torch.compile), ``graphs`` (the
+        same captured as CUDA graphs), ``auto`` (graphs on CUDA, eager on CPU).
     default_speculation: for requests that do not say; None (default) = the best method
         the loaded weights allow (``params.best_speculation``: draft, then heads, then
         prompt lookup), its length left to the self-tuning controller.
@@ -76,6 +82,7 @@ class EngineConfig:
     device: str = "auto"
     max_num_seqs: int = 8
     max_model_len: int | None = None
+    step: str = "auto"
     default_speculation: MethodOptions | None = None
     speculation_length: SpeculationLengthPolicy | None = None
 
@@ -86,9 +93,20 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype != "auto" and not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
+        if self.step not in STEP_CHOICES:
+            raise ValueError(f"unknown step {self.step!r}: one of {', '.join(STEP_CHOICES)}")
         if self.speculation_length is not None and not callable(getattr(self.speculation_length, "caps", None)):
             raise TypeError(f"speculation_length must be None (self-tuning) or a policy with caps(), such as "
                             f"SpeculationLengthPolicy(); got {self.speculation_length!r}")
+
+    def step_mode(self, device: torch.device) -> str:
+        """The step mode this config runs on ``device`` (``auto`` resolved)."""
+        if self.step == "auto":
+            return "graphs" if device.type == "cuda" else "eager"
+        if self.step == "graphs" and device.type != "cuda":
+            raise ValueError("step 'graphs' captures CUDA graphs and needs a CUDA device; on CPU use "
+                             "'compile' (or 'static', or 'eager')")
+        return self.step
 
     def require_target(self) -> str:
         if self.target is None:
