@@ -62,7 +62,7 @@ class LLMEngine:
         self.step_mode = config.step_mode(self.target.device)
         context = ProposerContext(
             vocab_size=self.target.vocab_size, max_num_seqs=config.max_num_seqs, capacity=self.capacity,
-            device=str(self.target.device), dtype=config.dtype, target=self.target, runner_for=self._runner_for,
+            device=str(self.target.device), dtype=config.resolved_dtype, target=self.target, runner_for=self._runner_for,
         )
         given = dict(resources or {})
         if draft_model is not None:

@@ -9,7 +9,9 @@ linear-draft verification and (later) tree verification differ only in that mask
 
 CUDA: ``xformers.ops.memory_efficient_attention`` with the same mask as an explicit
 attention bias (the prefix is block-diagonal with padded keys per row, the suffix the
-causal or tree mask). CPU (or ``SPECRAY_ATTENTION=sdpa``):
+causal or tree mask), where a start-up probe saw its CUDA kernels run
+(``kernels/backends.py``; xformers is optional). Otherwise (CPU, no working xformers, or
+``SPECRAY_ATTENTION=sdpa``):
 ``torch.nn.functional.scaled_dot_product_attention`` with the materialized mask.
 Both get the same mask; tests/test_gpu.py compares them on a GPU (not yet run: no GPU
 has been available to this project's sessions).
@@ -24,12 +26,12 @@ switches to :func:`softcapped_attention`, the one path that caps scores before t
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+
+from specray.kernels.backends import attention_backend
 
 ATTENTION_NAME = "specray"
 
@@ -259,15 +261,9 @@ def xformers_attention(query, keys, values, mask, scaling):
     )
 
 
-@lru_cache(maxsize=1)
 def _use_xformers() -> bool:
-    if os.environ.get("SPECRAY_ATTENTION", "auto") == "sdpa":
-        return False
-    try:
-        import xformers.ops  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """xformers only where its CUDA kernels were seen to run (``kernels/backends.py``)."""
+    return attention_backend("cuda")[0] == "xformers"
 
 
 def _no_mask(*args, **kwargs):

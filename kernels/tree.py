@@ -1,4 +1,4 @@
-"""Token trees for tree speculation (Medusa ``medusa_choices``), built with xformers.
+"""Token trees for tree speculation (Medusa ``medusa_choices``), built with xformers when installed.
 
 A tree is a list of candidates, each a path of top-k indices: ``(0,)`` is head 0's
 most likely token, ``(0, 1)`` head 1's second choice after it, and so on. The root (the
@@ -166,14 +166,18 @@ def chain_tree(length: int) -> TokenTree:
 
 @lru_cache(maxsize=64)
 def _build(choices: tuple) -> TokenTree:
-    from xformers.ops.tree_attention import TreeAttnMetadata
-
+    depth_levels = max(len(c) for c in choices)
+    topk = tuple(max(c[level] for c in choices if len(c) > level) + 1 for level in range(depth_levels))
+    try:
+        from xformers.ops.tree_attention import TreeAttnMetadata
+    except ImportError:  # xformers is optional: the same tree from the sorted choices' parents
+        index = {c: i + 1 for i, c in enumerate(choices)}
+        base = _from_parents(tuple(index.get(c[:-1], 0) for c in choices))
+        return TokenTree(parents=base.parents, mask=base.mask, depth=base.depth, choices=choices, topk=topk)
     meta = TreeAttnMetadata.from_tree_choices(list(choices), torch.float32, "cpu")
     mask = meta.attention_bias == 0  # [T, T], 0 = attend
     # xformers lists the parents of the non-root nodes, as root-inclusive node indices.
     parents = torch.cat([torch.tensor([-1]), meta.parent_node_indices.long()])
-    depth_levels = max(len(c) for c in choices)
-    topk = tuple(max(c[level] for c in choices if len(c) > level) + 1 for level in range(depth_levels))
     return TokenTree(parents=parents, mask=mask, depth=meta.tree_seq_position_ids.long(), choices=choices, topk=topk)
 
 

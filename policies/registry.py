@@ -121,7 +121,10 @@ class MethodSpec:
     def validate(self, options: MethodOptions, limits: Limits) -> None:
         """Raise ValueError (naming the field) unless these options can run on these models."""
         if self.name not in limits.methods:
-            raise ValueError(f"method {self.name!r} needs {self.requirement or 'resources this server lacks'}")
+            # Named as a user starts a server (the flag), not as the Python API spells it.
+            needs = self.requirement.split(" (")[0] or "resources this server lacks"
+            where = f", which this server was not started with (--{self.checkpoint} DIR)" if self.checkpoint else ""
+            raise ValueError(f"method {self.name!r} needs {needs}{where}")
         facts = limits.methods[self.name]
         if self.check is not None and facts is not None:
             self.check(options, facts, limits)
