@@ -13,12 +13,11 @@ reference, on the CPU.
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 import torch
 
+from specray.bench.probes import host_reads
 from specray.engine.config import EngineConfig
 from specray.engine.engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
@@ -83,33 +82,6 @@ def test_static_step_mixed_methods_and_abort(tiny_pair, references):
             assert done[rid] == references[i], names[i % len(names)]
 
 
-@contextmanager
-def counting_reads():
-    """Count the host reads of tensors: the calls that copy a value back (and, on a GPU,
-    wait for the device)."""
-    counts = {"n": 0}
-    patched = {}
-
-    def wrap(owner, name):
-        original = getattr(owner, name)
-        patched[(owner, name)] = original
-
-        def counted(*args, **kwargs):
-            counts["n"] += 1
-            return original(*args, **kwargs)
-
-        setattr(owner, name, counted)
-
-    for name in ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "nonzero"):
-        wrap(torch.Tensor, name)
-    wrap(torch, "nonzero")
-    try:
-        yield counts
-    finally:
-        for (owner, name), original in patched.items():
-            setattr(owner, name, original)
-
-
 @pytest.mark.parametrize("name", ["none", "draft", "ngram", "medusa"])
 def test_one_host_read_per_step(tiny_pair, name):
     engine = engine_for(tiny_pair, "static")
@@ -119,9 +91,9 @@ def test_one_host_read_per_step(tiny_pair, name):
     engine.step()  # admits everyone (prefill reads the first tokens)
     reads = []
     while engine.has_unfinished():
-        with counting_reads() as counts:
+        with host_reads() as counts:
             engine.step()
-        reads.append(counts["n"])
+        reads.append(counts["reads"])
     assert len(reads) >= 3 and max(reads) == 1, reads
 
 
@@ -133,9 +105,9 @@ def test_sampled_rows_read_once_too(tiny_pair):
     engine.step()
     reads = []
     while engine.has_unfinished():
-        with counting_reads() as counts:
+        with host_reads() as counts:
             engine.step()
-        reads.append(counts["n"])
+        reads.append(counts["reads"])
     assert max(reads) == 1, reads
 
 
