@@ -33,6 +33,7 @@ against it token for token.
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -105,15 +106,22 @@ class StaticForward:
         if mode in COMPILED:
             import torch._dynamo
 
-            # The draft's and the target's runners share this code object: lift the per-code
-            # cache limit so each keeps its variant.
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            # Dynamo caches compiled code per code object: give each runner (draft, target) a
+            # copy of _forward's, so that each model compiles once and neither shows up as a
+            # recompile of the other.
+            own = types.FunctionType(StaticForward._forward.__code__.replace(), globals(), "_forward")
+            fn = types.MethodType(own, self)
+            # No "duck sizing": a batch of 2 must not be tied to a width of 2, or to the cache's
+            # 2 kv heads, which would recompile when either changes.
+            torch.fx.experimental._config.use_duck_shape = False
             # The model's modules never change after start-up, so their guards are skipped:
             # checking every parameter on each call cost more than a small model's forward.
-            fn = torch.compile(self._forward, dynamic=True, fullgraph=True,
+            fn = torch.compile(fn, dynamic=True, fullgraph=True,
                                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self._fn = fn
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
+        self._chains: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (Bb, W) -> chain layout
+        self._kv_keys: dict[int, torch.Tensor] = {}
         self._pool = None
 
     # -- the pure fixed-shape function -------------------------------------------------
@@ -166,41 +174,59 @@ class StaticForward:
         rows_b = max(batch_bucket(batch, self.limit), self.min_size)
         kv = min(-(-(max(L + n for L, n in zip(lengths, q_lens))) // self.kv_block) * self.kv_block,
                  runner.capacity + 1)
-        inputs = self._host_inputs(slots, tokens, q_lens, lengths, layout, rows_b, width)
         device = runner.device
-        dev = [t.to(device, non_blocking=True) for t in inputs]
-        for rows, col, toks in spliced:  # device drafts
-            dev[0][rows, col : col + toks.shape[1]] = toks
-        kv_keys = torch.arange(kv, device=device)
-        if self.mode in CAPTURED:
-            logits, hidden = self._replay((rows_b, width, kv), dev, kv_keys)
+        ids, lens, q, rows = self._host_inputs(slots, tokens, q_lens, lengths, rows_b, width)
+        for r, col, toks in spliced:  # device drafts
+            ids[r, col : col + toks.shape[1]] = toks
+        if layout is None:  # chains: constant per shape, built once
+            tree, offsets = self._chain(rows_b, width)
         else:
-            logits, hidden = self._fn(*dev, kv_keys)
+            tree, offsets = self._tree(layout, rows_b, width)
+        dev = [ids, lens, q, rows, tree, offsets]
+        if self.mode in CAPTURED:
+            logits, hidden = self._replay((rows_b, width, kv), dev, self._keys(kv))
+        else:
+            logits, hidden = self._fn(*dev, self._keys(kv))
         for s, n in zip(slots, q_lens):
             runner.lengths[s] += n
-        ids, _, _, rows, tree, offsets = dev
         return StaticOutput(logits, hidden, ids, tree, offsets, rows, batch)
 
-    def _host_inputs(self, slots, tokens, q_lens, lengths, layout, rows_b, width):
-        """The small index tensors of one forward, built on the host (one copy each)."""
-        scratch = self.runner.num_slots  # the cache's padding row
-        ids = torch.zeros(rows_b, width, dtype=torch.long)
-        for i, t in enumerate(tokens):
-            ids[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+    def _host_inputs(self, slots, tokens, q_lens, lengths, rows_b, width):
+        """ids [Bb, W], lengths, new-token counts and cache rows [Bb]: built on the host as two
+        tensors, copied to the device once each."""
         pad = rows_b - len(slots)
-        lens = torch.tensor(list(lengths) + [0] * pad, dtype=torch.long)
-        q = torch.tensor(list(q_lens) + [width] * pad, dtype=torch.long)
-        rows = torch.tensor(list(slots) + [scratch] * pad, dtype=torch.long)
-        if layout is None:
-            tree = torch.ones(width, width, dtype=torch.bool).tril().expand(rows_b, -1, -1).contiguous()
-            offsets = torch.arange(width).expand(rows_b, -1).contiguous()
-        else:
-            tree = torch.eye(width, dtype=torch.bool).repeat(rows_b, 1, 1)
-            offsets = torch.arange(width).repeat(rows_b, 1)
-            m, o = layout
-            tree[: len(slots), : m.shape[1], : m.shape[2]] = m  # host tensors (engine/step.py)
-            offsets[: len(slots), : o.shape[1]] = o
-        return ids, lens, q, rows, tree, offsets
+        flat = [t for row in tokens for t in (*row, *([0] * (width - len(row))))]
+        ids = torch.tensor(flat + [0] * (pad * width), dtype=torch.long).view(rows_b, width)
+        meta = torch.tensor([*lengths, *([0] * pad), *q_lens, *([width] * pad), *slots,
+                             *([self.runner.num_slots] * pad)], dtype=torch.long)  # padding rows: the scratch row
+        device = self.runner.device
+        meta = meta.to(device, non_blocking=True).view(3, rows_b)
+        return ids.to(device, non_blocking=True), meta[0], meta[1], meta[2]
+
+    def _chain(self, rows_b: int, width: int):
+        key = (rows_b, width)
+        hit = self._chains.get(key)
+        if hit is None:
+            device = self.runner.device
+            tree = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(rows_b, -1, -1).contiguous()
+            offsets = torch.arange(width, device=device).expand(rows_b, -1).contiguous()
+            hit = self._chains[key] = (tree, offsets)
+        return hit
+
+    def _tree(self, layout, rows_b: int, width: int):
+        m, o = layout  # host tensors (engine/step.py), [B, q, q] and [B, q]
+        tree = torch.eye(width, dtype=torch.bool).repeat(rows_b, 1, 1)
+        offsets = torch.arange(width).repeat(rows_b, 1)
+        tree[: m.shape[0], : m.shape[1], : m.shape[2]] = m
+        offsets[: o.shape[0], : o.shape[1]] = o
+        device = self.runner.device
+        return tree.to(device, non_blocking=True), offsets.to(device, non_blocking=True)
+
+    def _keys(self, kv: int) -> torch.Tensor:
+        keys = self._kv_keys.get(kv)
+        if keys is None:
+            keys = self._kv_keys[kv] = torch.arange(kv, device=self.runner.device)
+        return keys
 
     # -- CUDA graphs -----------------------------------------------------------------------
     def _replay(self, key, dev, kv_keys):

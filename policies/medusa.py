@@ -163,7 +163,7 @@ def _fit(tree: TokenTree, room: int) -> TokenTree:
     """The tree cut to its first ``room`` candidates (near the context or max_tokens, or
     under a speculation-length cap). Candidates are ordered by depth, so every kept node's
     parent is kept too."""
-    return tree if tree.size - 1 <= room else build_tree(tree.choices[:room], form="explicit")
+    return tree.prefix(room)
 
 
 class MedusaProposer:
