@@ -491,14 +491,11 @@ def _load(path: str, ctx) -> tuple[EagleHead, object]:
 
 def _bind(head: EagleHead, ctx):
     decoder = ctx.target.decoder
-    head = head.bind(decoder.embed_tokens, ctx.target.lm_head).to(ctx.device)
-    return head
+    return ctx.place(head.bind(decoder.embed_tokens, ctx.target.lm_head))
 
 
 def _build(ctx) -> EagleProposer:
-    head = ctx.resource
-    if not head._target:
-        head = _bind(head, ctx)
+    head = _bind(ctx.resource, ctx)  # in-memory heads too: the target's dtype and device
     # The head's cache holds the committed pairs plus one step's expanded nodes.
     runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256)
     return EagleProposer(head, runner, ctx.vocab_size)

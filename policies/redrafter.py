@@ -337,12 +337,12 @@ class ReDrafterProposer:
 # -- the spec ------------------------------------------------------------------------------
 def _load(path: str, ctx) -> Drafter:
     drafter = Drafter.load(path, hidden_size=ctx.target.hidden_size, vocab_size=ctx.vocab_size)
-    return drafter.to(device=ctx.device, dtype=getattr(torch, ctx.dtype))
+    return ctx.place(drafter)
 
 
 def _build(ctx) -> ReDrafterProposer:
     embed = ctx.target.decoder.get_input_embeddings()  # the target's own table
-    drafter = ctx.resource.to(device=embed.weight.device)
+    drafter = ctx.place(ctx.resource)
     return ReDrafterProposer(drafter, embed)
 
 

@@ -148,6 +148,15 @@ class ProposerContext:
     resource: Any = None
     runner_for: Callable[..., Any] | None = None
 
+    def place(self, module):
+        """``module`` (a head, a drafter) on the target's device and in the target's dtype:
+        its outputs meet the target's features and LM head (bf16/fp16 targets included)."""
+        import torch
+
+        if self.target is not None:
+            return module.to(device=self.target.device, dtype=self.target.dtype)
+        return module.to(device=self.device, dtype=getattr(torch, self.dtype))
+
 
 _METHODS: dict[str, MethodSpec] = {}
 
