@@ -15,6 +15,8 @@ import time
 from dataclasses import replace
 from typing import Mapping, Protocol, Sequence
 
+import torch
+
 from specray.engine import step as S
 from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
@@ -132,14 +134,14 @@ class LocalExecutor:
     def __init__(self, target, proposers: "ProposerTable"):
         self.target = target
         self.proposers = proposers
-        self._features = None  # [B, q, H] of the last forward, when a row's method reads them
+        self._last = None  # the last forward's output: the features rows' methods read
 
     async def prefill(self, reqs, sampled):
         for r in reqs:
             self.target.reset(r.slot)
         out = self.target.forward([r.slot for r in reqs], [r.prefill_ids for r in reqs],
-                                  features=self._wants_features(reqs))
-        self._features = out.features
+                                  **self._wants_features(reqs))
+        self._last = out
         return TargetScores.from_logits(out.logits, sampled)
 
     async def propose(self, plan):
@@ -157,8 +159,8 @@ class LocalExecutor:
 
     async def verify(self, reqs, inputs, sampled):
         out = self.target.forward([r.slot for r in reqs], inputs.tokens, inputs.logits_at, inputs.layout,
-                                  features=self._wants_features(reqs))
-        self._features = out.features
+                                  **self._wants_features(reqs))
+        self._last = out
         return TargetScores.from_logits(out.logits, sampled)
 
     def apply(self, commit):
@@ -168,26 +170,39 @@ class LocalExecutor:
             if proposer is None:
                 continue
             if method_spec(method).needs_features:
-                rows = [(i, _with_features(row, self._features[i])) for i, row in rows]
+                rows = [(i, _with_features(row, self._row_features(method, i))) for i, row in rows]
             prefill = [row for _, row in rows if isinstance(row, PrefillRow)]
             commits = [row for _, row in rows if not isinstance(row, PrefillRow)]
             if prefill and hasattr(proposer, "prefill"):
                 proposer.prefill(prefill)
             if commits:
                 proposer.commit(commits)
-        self._features = None
+        self._last = None
 
     def release(self, slots):
         for s in slots:
             self.target.reset(s)
         self.proposers.release(slots)
 
-    @staticmethod
-    def _wants_features(reqs) -> bool:
-        return any(method_spec(r.method).needs_features for r in reqs)
+    def _wants_features(self, reqs) -> dict:
+        """The forward's feature arguments: the final norm's and/or the layers the batch's methods read."""
+        final, layers = False, set()
+        for method in {r.method for r in reqs}:
+            if method_spec(method).needs_features:
+                taps = self.proposers.feature_layers(method)
+                final |= taps is None
+                layers.update(taps or ())
+        return {"features": final, "layers": tuple(sorted(layers))}
+
+    def _row_features(self, method: str, i: int):
+        """Row i's features of the last forward as ``method`` reads them: [q, H] or [q, n*H]."""
+        taps = self.proposers.feature_layers(method)
+        if taps is None:
+            return self._last.features[i]
+        return torch.cat([self._last.layers[k][i] for k in taps], dim=-1)
 
 
-def _with_features(row, feats):  # feats: [q, H] the row's new positions
+def _with_features(row, feats):  # feats: [q, F] the row's new positions
     if isinstance(row, PrefillRow):
         return replace(row, features=feats[: len(row.token_ids)])
     return replace(row, features=feats[row.path])
@@ -212,6 +227,13 @@ class ProposerTable:
                 return None
             self._built[method] = spec.build(replace(self.context, resource=self.resources.get(method)))
         return self._built[method]
+
+    def feature_layers(self, method: str) -> tuple[int, ...] | None:
+        """The target layers whose inputs ``method`` reads (None: the final norm's features)."""
+        spec = method_spec(method)
+        if spec.feature_layers is None or method not in self.resources:
+            return None
+        return tuple(spec.feature_layers(self.resources[method]))
 
     def release(self, slots: Sequence[int]) -> None:
         for proposer in self._built.values():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -29,11 +29,14 @@ DIRECT_LAYER_LOOP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 class ForwardOutput:
     """logits: [B, m, V] float32 at the requested positions; hidden: [B, m, H] (final norm)
     at the same positions; features: [B, q, H] final-norm hidden states of every new token
-    (only when asked for: feature-level drafters read them)."""
+    (only when asked for: feature-level drafters read them); layers: {k: [B, q, H]} the
+    residual stream entering decoder layer k at every new token, for each k asked for (EAGLE-3
+    reads three such taps)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
     features: torch.Tensor | None = None
+    layers: Mapping[int, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -62,7 +65,7 @@ class ModelRunner:
         )
         kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         shape = (num_slots, kv_heads, capacity + 1, head_dim)  # +1: scratch position
-        layers = text_config.num_hidden_layers
+        self.num_layers = layers = text_config.num_hidden_layers
         self.cache = attention.LayerCache(
             keys=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
             values=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
@@ -95,6 +98,7 @@ class ModelRunner:
         layout: tuple[torch.Tensor, torch.Tensor] | None = None,
         features: bool = False,
         embeds: Sequence[torch.Tensor] | None = None,
+        layers: Sequence[int] = (),
     ) -> ForwardOutput:
         """Append ``tokens[i]`` to ``slots[i]``'s cache and run the model.
 
@@ -111,10 +115,14 @@ class ModelRunner:
         embeds:    [B][q_i, H] input embeddings to use instead of the token ids' (a
                    feature-level drafter feeding fused features); ``tokens`` then only
                    give the rows' lengths.
+        layers:    also return the hidden states entering these decoder layers (0 = the
+                   embeddings' output, as HF's ``output_hidden_states[k]``; k < num layers).
         Lengths advance by len(tokens[i]); callers roll back with ``set_length``/``keep``.
         """
         q_lens = [len(t) for t in tokens]
         q = max(q_lens)
+        if any(not 0 <= k < self.num_layers for k in layers):
+            raise ValueError(f"layers {list(layers)}: the model has decoder layers 0..{self.num_layers - 1}")
         if min(q_lens) < 1:
             raise ValueError("every row needs at least one new token")
         lengths = [self.lengths[s] for s in slots]
@@ -127,7 +135,7 @@ class ModelRunner:
             inputs = torch.zeros(len(slots), q, embeds[0].shape[-1], dtype=self.dtype, device=self.device)
             for i, e in enumerate(embeds):
                 inputs[i, : e.shape[0]] = e
-        hidden = self._run_decoder(ids, pos_ids, ctx, inputs)  # [B, q, H]
+        hidden, taps = self._run_decoder(ids, pos_ids, ctx, inputs, layers)  # [B, q, H], {k: [B, q, H]}
         for s, n in zip(slots, q_lens):
             self.lengths[s] += n
 
@@ -138,7 +146,8 @@ class ModelRunner:
         logits = self.lm_head(picked).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return ForwardOutput(logits=logits, hidden=picked, features=hidden if features else None)
+        return ForwardOutput(logits=logits, hidden=picked, features=hidden if features else None,
+                             layers=taps if layers else None)
 
     def _batch(self, slots, tokens, q_lens, q, lengths, layout=None):
         """Attention context, input ids [B, q] and position ids [B, q] for one forward."""
@@ -180,8 +189,8 @@ class ModelRunner:
         )
         return ctx, ids.to(self.device), pos_ids.to(self.device)
 
-    def _run_decoder(self, ids, pos_ids, ctx, inputs=None) -> torch.Tensor:
-        """Final-norm hidden states [B, q, H].
+    def _run_decoder(self, ids, pos_ids, ctx, inputs=None, layers=()) -> tuple[torch.Tensor, dict]:
+        """Final-norm hidden states [B, q, H], and {k: [B, q, H]} entering each layer k in ``layers``.
 
         For architectures whose decoder forward is exactly embed -> rotary -> layers ->
         norm, the layers are called directly: transformers' wrapper (mask creation,
@@ -189,13 +198,18 @@ class ModelRunner:
         """
         if not self._direct:
             given = {"inputs_embeds": inputs} if inputs is not None else {"input_ids": ids}
-            return self.decoder(**given, position_ids=pos_ids, use_cache=False, specray_batch=ctx).last_hidden_state
+            out = self.decoder(**given, position_ids=pos_ids, use_cache=False, specray_batch=ctx,
+                               output_hidden_states=bool(layers))
+            return out.last_hidden_state, {k: out.hidden_states[k] for k in layers}
         dec = self.decoder
         hidden = dec.embed_tokens(ids) if inputs is None else inputs
         rope = dec.rotary_emb(hidden, position_ids=pos_ids)
-        for layer in dec.layers:
+        taps = {}
+        for k, layer in enumerate(dec.layers):
+            if k in layers:
+                taps[k] = hidden
             hidden = layer(hidden, attention_mask=None, position_embeddings=rope, position_ids=pos_ids, specray_batch=ctx)
-        return dec.norm(hidden)
+        return dec.norm(hidden), taps
 
 
     def keep(self, kept: Sequence[tuple[int, int, Sequence[int]]]) -> None:
