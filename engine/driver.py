@@ -231,7 +231,7 @@ class ProposerTable:
     def feature_layers(self, method: str) -> tuple[int, ...] | None:
         """The target layers whose inputs ``method`` reads (None: the final norm's features)."""
         spec = method_spec(method)
-        if spec.feature_layers is None or method not in self.resources:
+        if spec.feature_layers is None or self.get(method) is None:  # built first: it may resolve them
             return None
         return tuple(spec.feature_layers(self.resources[method]))
 

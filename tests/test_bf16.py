@@ -25,6 +25,9 @@ SPECS = {
     "eagle-1": {"method": "eagle"},
     "eagle-2": {"method": "eagle", "dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12},
     "redrafter": {"method": "redrafter"},
+    "eagle3 chain": {"method": "eagle3", "tree": "chain"},
+    "eagle3 static": {"method": "eagle3", "eagle_choices": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]},
+    "eagle3 dynamic": {"method": "eagle3", "dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12},
     "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "verification_set_size": 2},
 }
 
@@ -32,10 +35,12 @@ SPECS = {
 def resources(target) -> dict:
     """Every method's weights, random and in float32 (the engine must cast them)."""
     from tests.test_eagle import random_head
+    from tests.test_eagle3 import random_head3
     from tests.test_medusa import random_heads
     from tests.test_redrafter import random_drafter
 
-    return {"medusa": random_heads(), "eagle": random_head(target), "redrafter": random_drafter()}
+    return {"medusa": random_heads(), "eagle": random_head(target), "redrafter": random_drafter(),
+            "eagle3": random_head3(target)}
 
 
 def low_precision_engine(tiny_pair, dtype, max_num_seqs=4):
