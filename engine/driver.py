@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Mapping, Protocol, Sequence
 
 import torch
@@ -20,10 +20,11 @@ import torch
 from specray.engine import step as S
 from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
-from specray.engine.verify import TargetScores, accept, sampled_rows
+from specray.engine.device_step import verify_on_device
+from specray.engine.verify import TargetScores, Verified, accept_verified, sampled_rows
 from specray.kernels.sampling import sample
-from specray.policies.base import Draft, PrefillRow
-from specray.policies.registry import method_spec
+from specray.policies.base import Draft, DraftRow, PrefillRow
+from specray.policies.registry import method_spec, registered_methods
 from specray.policies.controller import AdaptiveSpeculation
 from specray.policies.spec_length import SpeculationLengthPolicy
 
@@ -39,8 +40,8 @@ class Executor(Protocol):
     async def propose(self, plan: S.ProposalPlan) -> Mapping[str, Draft | None]:
         """Each method's draft for its rows (None: that proposer is unavailable this step)."""
 
-    async def verify(self, reqs: Sequence[Request], inputs: S.VerifyInput, sampled: Sequence[int]) -> TargetScores:
-        """One target forward over every row's root + nodes: scores at every new position."""
+    async def verify(self, reqs: Sequence[Request], drafts: Sequence[DraftRow]) -> Verified:
+        """One target forward over every row's root + nodes, and acceptance."""
 
     def apply(self, commit: S.Commit) -> None:
         """Keep each row's accepted path in the target; tell proposers what was kept."""
@@ -84,13 +85,13 @@ class StepDriver:
         plan = S.plan_proposals(batch, self.capacity, self.length_policy.caps(views))
         drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
         proposed = time.perf_counter()
-        scores = await self.executor.verify(batch, S.verify_inputs(batch, drafts), sampled_rows(batch))
+        verified = await self.executor.verify(batch, drafts)
         self.phase_seconds["propose"] += proposed - start
         self.phase_seconds["verify"] += time.perf_counter() - proposed
         self.phase_seconds["steps"] += 1
-        result = accept(batch, drafts, scores)
-        outputs = self._apply(S.commit_step(batch, drafts, result, self.capacity, self.tokenizer, scores))
-        self.length_policy.observe(views, [d.size for d in drafts], result.num_accepted, time.perf_counter() - start)
+        outputs = self._apply(S.commit_step(batch, verified, self.capacity, self.tokenizer))
+        self.length_policy.observe(views, [d.size for d in drafts], verified.result.num_accepted,
+                                   time.perf_counter() - start)
         return outputs
 
     def _apply(self, commit: S.Commit) -> list[RequestOutput]:
@@ -129,12 +130,19 @@ def run_sync(coro):
 class LocalExecutor:
     """The target's runner in this process, and each method's proposer (local objects, or
     remote proxies whose ``propose`` returns an awaitable). Proposers that read features sit
-    here, beside the target: the hidden states of the last forward never leave the device."""
+    here, beside the target: the hidden states of the last forward never leave the device.
+
+    With a fixed-shape target (``target.static``, ``engine/graphs.py``), verification and
+    acceptance run on the device with one read-back per step (``engine/device_step.py``),
+    and proposers that can draft on the device (``propose_on_device``) do so; else the
+    eager forward and host acceptance (the reference)."""
 
     def __init__(self, target, proposers: "ProposerTable"):
         self.target = target
         self.proposers = proposers
-        self._last = None  # the last forward's output: the features rows' methods read
+        self._last = None  # the last forward's features (final norm's, layer taps) rows' methods read
+        self._device_parts: dict = {}  # method -> (batch indices, DeviceDraft) of this step
+        self._compacted = False  # the last verification kept its paths in the cache already
 
     async def prefill(self, reqs, sampled):
         for r in reqs:
@@ -148,8 +156,15 @@ class LocalExecutor:
         pending, parts = {}, {}
         # Local proposers draft here; a remote proxy returns an awaitable, awaited after them
         # (with overlap on, its worker has been drafting ahead since the last verification).
-        for method, (_, rows) in plan.rows.items():
+        self._device_parts = {}
+        for method, (idx, rows) in plan.rows.items():
             proposer = self.proposers.get(method)
+            if proposer is not None and self._device_step and hasattr(proposer, "propose_on_device"):
+                part = proposer.propose_on_device(rows)
+                if part is not None:
+                    parts[method] = part
+                    self._device_parts[method] = (idx, part)
+                    continue
             parts[method] = proposer.propose(rows) if proposer is not None else None
             if inspect.isawaitable(parts[method]):
                 pending[method] = parts.pop(method)
@@ -157,14 +172,25 @@ class LocalExecutor:
             parts[method] = await awaitable  # a remote proxy answers None when its worker is down
         return parts
 
-    async def verify(self, reqs, inputs, sampled):
+    async def verify(self, reqs, drafts):
+        if self._device_step:
+            done = verify_on_device(self.target, reqs, drafts, self._device_parts)
+            self._device_parts, self._compacted = {}, True
+            self._last = _Features(done.features if self._wants_features(reqs)["features"] else None, None)
+            return done.verified
+        inputs = S.verify_inputs(reqs, drafts)
         out = self.target.forward([r.slot for r in reqs], inputs.tokens, inputs.logits_at, inputs.layout,
                                   **self._wants_features(reqs))
         self._last = out
-        return TargetScores.from_logits(out.logits, sampled)
+        return accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs)))
 
     def apply(self, commit):
-        self.target.keep(commit.target_keep)
+        if self._compacted:  # the device kept the paths; the host learns the lengths
+            for slot, base, path in commit.target_keep:
+                self.target.set_length(slot, base + len(path))
+            self._compacted = False
+        else:
+            self.target.keep(commit.target_keep)
         for method, rows in commit.proposer_rows.items():
             proposer = self.proposers.get(method)
             if proposer is None:
@@ -184,6 +210,12 @@ class LocalExecutor:
             self.target.reset(s)
         self.proposers.release(slots)
 
+    @property
+    def _device_step(self) -> bool:
+        # The fixed-shape forward hands over final-norm features only: an engine that loads
+        # a method reading layer taps (EAGLE-3) verifies with the eager forward.
+        return self.target.static is not None and not self.proposers.reads_layers()
+
     def _wants_features(self, reqs) -> dict:
         """The forward's feature arguments: the final norm's and/or the layers the batch's methods read."""
         final, layers = False, set()
@@ -200,6 +232,12 @@ class LocalExecutor:
         if taps is None:
             return self._last.features[i]
         return torch.cat([self._last.layers[k][i] for k in taps], dim=-1)
+
+
+@dataclass
+class _Features:
+    features: torch.Tensor | None  # [B, q, H] final norm's
+    layers: Mapping[int, torch.Tensor] | None  # {k: [B, q, H]}
 
 
 def _with_features(row, feats):  # feats: [q, F] the row's new positions
@@ -234,6 +272,10 @@ class ProposerTable:
         if spec.feature_layers is None or self.get(method) is None:  # built first: it may resolve them
             return None
         return tuple(spec.feature_layers(self.resources[method]))
+
+    def reads_layers(self) -> bool:
+        """A loaded method reads target layer taps (``MethodSpec.feature_layers``)."""
+        return any(m in registered_methods() and method_spec(m).feature_layers is not None for m in self.resources)
 
     def release(self, slots: Sequence[int]) -> None:
         for proposer in self._built.values():

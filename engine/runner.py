@@ -64,12 +64,16 @@ class ModelRunner:
             text_config.hidden_size // text_config.num_attention_heads
         )
         kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        shape = (num_slots, kv_heads, capacity + 1, head_dim)  # +1: scratch position
+        # +1 row: scratch for the padding rows of fixed-shape batches; +1 position: scratch
+        # for padding tokens within a row.
+        shape = (num_slots + 1, kv_heads, capacity + 1, head_dim)
         self.num_layers = layers = text_config.num_hidden_layers
         self.cache = attention.LayerCache(
             keys=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
             values=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
         )
+        self.num_slots = num_slots
+        self.static = None  # a StaticForward once enable_static() is called
         self.lengths = [0] * num_slots  # cached tokens per slot (host-side ints)
         # The LM head's input width: the final hidden state's (OPT projects it below hidden_size).
         self.hidden_size = getattr(self.lm_head, "in_features", None) or text_config.hidden_size
@@ -135,7 +139,8 @@ class ModelRunner:
             inputs = torch.zeros(len(slots), q, embeds[0].shape[-1], dtype=self.dtype, device=self.device)
             for i, e in enumerate(embeds):
                 inputs[i, : e.shape[0]] = e
-        hidden, taps = self._run_decoder(ids, pos_ids, ctx, inputs, layers)  # [B, q, H], {k: [B, q, H]}
+        taps: dict[int, torch.Tensor] = {}  # {k: [B, q, H]}, filled for ``layers``
+        hidden = self._run_decoder(ids, pos_ids, ctx, inputs, layers, taps)  # [B, q, H]
         for s, n in zip(slots, q_lens):
             self.lengths[s] += n
 
@@ -143,11 +148,15 @@ class ModelRunner:
         idx = last if logits_at is None else torch.minimum(logits_at, last)  # [B, m]
         idx = idx.to(self.device)
         picked = hidden.gather(1, idx[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, m, H]
-        logits = self.lm_head(picked).float()
+        return ForwardOutput(logits=self.logits(picked), hidden=picked, features=hidden if features else None,
+                             layers=taps if layers else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] final hidden states -> [..., V] float32 logits (soft-capped if the model does)."""
+        logits = self.lm_head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return ForwardOutput(logits=logits, hidden=picked, features=hidden if features else None,
-                             layers=taps if layers else None)
+        return logits
 
     def _batch(self, slots, tokens, q_lens, q, lengths, layout=None):
         """Attention context, input ids [B, q] and position ids [B, q] for one forward."""
@@ -189,8 +198,8 @@ class ModelRunner:
         )
         return ctx, ids.to(self.device), pos_ids.to(self.device)
 
-    def _run_decoder(self, ids, pos_ids, ctx, inputs=None, layers=()) -> tuple[torch.Tensor, dict]:
-        """Final-norm hidden states [B, q, H], and {k: [B, q, H]} entering each layer k in ``layers``.
+    def _run_decoder(self, ids, pos_ids, ctx, inputs=None, layers=(), taps=None) -> torch.Tensor:
+        """Final-norm hidden states [B, q, H]; ``taps[k]`` = [B, q, H] entering layer k, for k in ``layers``.
 
         For architectures whose decoder forward is exactly embed -> rotary -> layers ->
         norm, the layers are called directly: transformers' wrapper (mask creation,
@@ -200,16 +209,17 @@ class ModelRunner:
             given = {"inputs_embeds": inputs} if inputs is not None else {"input_ids": ids}
             out = self.decoder(**given, position_ids=pos_ids, use_cache=False, specray_batch=ctx,
                                output_hidden_states=bool(layers))
-            return out.last_hidden_state, {k: out.hidden_states[k] for k in layers}
+            for k in layers:
+                taps[k] = out.hidden_states[k]
+            return out.last_hidden_state
         dec = self.decoder
         hidden = dec.embed_tokens(ids) if inputs is None else inputs
         rope = dec.rotary_emb(hidden, position_ids=pos_ids)
-        taps = {}
         for k, layer in enumerate(dec.layers):
             if k in layers:
                 taps[k] = hidden
             hidden = layer(hidden, attention_mask=None, position_embeddings=rope, position_ids=pos_ids, specray_batch=ctx)
-        return dec.norm(hidden), taps
+        return dec.norm(hidden)
 
 
     def keep(self, kept: Sequence[tuple[int, int, Sequence[int]]]) -> None:
@@ -241,6 +251,32 @@ class ModelRunner:
                 for buf in (*self.cache.keys, *self.cache.values):
                     buf[slot, :, dst] = buf[slot, :, src]  # advanced-index read copies first
             self.lengths[slot] = base + len(nodes)
+
+
+    @torch.inference_mode()
+    def compact_paths(self, rows: torch.Tensor, bases: torch.Tensor, paths: torch.Tensor,
+                      num_accepted: torch.Tensor) -> None:
+        """``compact`` for a whole batch on the device, without reading anything back.
+
+        rows [B] cache rows; bases [B] where each root was written; paths [B, W] kept node
+        indices by depth (valid up to num_accepted [B]). Node path[j] moves to base + j;
+        entries past a row's path copy its scratch position onto itself. Host lengths are
+        the caller's (it learns the counts from the step's read-back).
+        """
+        width = paths.shape[1]
+        col = torch.arange(width, device=paths.device)
+        keep = col[None, :] <= num_accepted[:, None]  # [B, W]
+        scratch = self.cache.scratch
+        src = torch.where(keep, bases[:, None] + paths, scratch)  # [B, W]
+        dst = torch.where(keep, bases[:, None] + col[None, :], scratch)
+        for buf in (*self.cache.keys, *self.cache.values):
+            buf[rows[:, None], :, dst] = buf[rows[:, None], :, src]  # advanced-index read copies first
+
+    def enable_static(self, mode: str) -> None:
+        """Serve fixed-shape forwards (``engine/graphs.py``) beside the eager one."""
+        from specray.engine.graphs import StaticForward
+
+        self.static = StaticForward(self, mode)
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):

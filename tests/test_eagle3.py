@@ -55,10 +55,16 @@ def eagle3_engine(target, head, max_num_seqs=4, **kw):
                      resources={"eagle3": copy.deepcopy(head)})
 
 
+_COPIES: dict[int, torch.nn.Module] = {}
+
+
 def taps_of(target, tokens: list[int], layers) -> torch.Tensor:
-    """[len(tokens), 3H]: the target's residual stream entering ``layers``, concatenated."""
+    """[len(tokens), 3H]: the target's residual stream entering ``layers``, concatenated.
+    (On a copy: HF's output_hidden_states installs capture hooks that torch.compile cannot
+    trace, and the shared fixture's later users compile it.)"""
+    model = _COPIES.setdefault(id(target), copy.deepcopy(target))
     with torch.no_grad():
-        states = target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        states = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
     return torch.cat([states[k][0] for k in layers], dim=-1)
 
 
@@ -97,6 +103,19 @@ def test_eagle3_mixes_with_eagle_and_draft_rows_in_one_batch(tiny_pair, referenc
     methods = ["eagle3", "eagle", "eagle3", "draft"]
     specs = [SpeculationParams(method=m, **({"tree": "chain"} if m != "draft" else {"num_speculative_tokens": 3}))
              for m in methods * 2]
+    outs = engine.generate(ragged_prompts(8), GREEDY, specs)
+    assert [o.token_ids for o in outs] == references
+    assert all(o.metrics["num_drafts"] > 0 for o in outs)
+
+
+def test_a_static_step_engine_with_eagle3_stays_lossless_mixed_with_device_drafts(tiny_pair, references):
+    """The fixed-shape forward hands over final-norm features only: an engine loading an
+    EAGLE-3 head verifies eagerly, device-drafting methods included, and stays exact."""
+    target, draft = tiny_pair
+    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4, step="static"), target_model=copy.deepcopy(target),
+                       draft_model=copy.deepcopy(draft), resources={"eagle3": random_head3(target)})
+    specs = [SpeculationParams(method="eagle3", tree="chain") if i % 2 else
+             SpeculationParams(method="draft", num_speculative_tokens=3) for i in range(8)]
     outs = engine.generate(ragged_prompts(8), GREEDY, specs)
     assert [o.token_ids for o in outs] == references
     assert all(o.metrics["num_drafts"] > 0 for o in outs)

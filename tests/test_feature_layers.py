@@ -15,6 +15,7 @@ from specray.engine.runner import ModelRunner
 from specray.policies.base import Draft
 from specray.policies.registry import LinearOptions, MethodSpec, register_method, unregister_method
 from tests.conftest import tiny_llama
+from tests.test_eagle3 import taps_of
 from tests.test_engine import GREEDY, ragged_prompts
 
 
@@ -84,9 +85,8 @@ def test_a_method_naming_feature_layers_gets_them_for_every_committed_token(targ
             seq = p + o.token_ids
             feats = torch.cat(recorder.seen[slot])  # [n, 2H]: layer 1's input, then layer 0's
             n = feats.shape[0]
-            with torch.no_grad():
-                ref = target(torch.tensor([seq[:n]]), output_hidden_states=True).hidden_states
-            torch.testing.assert_close(feats, torch.cat([ref[1][0], ref[0][0]], -1), atol=1e-4, rtol=1e-4)
+            ref = taps_of(target, seq[:n], (1, 0))
+            torch.testing.assert_close(feats, ref, atol=1e-4, rtol=1e-4)
             assert n == len(p) + len(o.token_ids) - 1  # every position the target has seen
     finally:
         unregister_method("taps")
