@@ -1,0 +1,330 @@
+"""Suffix decoding: the suffix trie against brute force, drafting (Arctic's rules), the global
+tree (LRU, budgets, replicas of one log), lossless greedy and sampling, warming up on
+repeated traffic, two engines sharing a tree, the controller, and every entry point."""
+
+import collections
+import copy
+import random
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from specray.engine.config import EngineConfig
+from specray.engine.engine import LLMEngine
+from specray.engine.params import SamplingParams, SpeculationParams
+from specray.policies.base import CommitRow, PrefillRow, ProposalRow
+from specray.policies.suffix import SuffixOptions, SuffixProposer, _within_budget
+from specray.policies.suffix_cache import (GlobalSuffixCache, LocalTransport, ReplicatedSuffixCache, SuffixCacheConfig,
+                                           SuffixCacheLog)
+from specray.policies.suffix_tree import SuffixMatcher, SuffixTree, TreeDraft
+from tests.conftest import hf_greedy, tiny_llama
+from tests.test_engine import GREEDY, ragged_prompts
+
+
+def suffix(**kw):
+    return SpeculationParams(method="suffix", **kw)
+
+
+def engine_with(target, max_num_seqs=4, proposer=None, cache=None, **config):
+    """An engine whose suffix proposer is ``proposer`` (or one over ``cache``, the global tree)."""
+    if proposer is None and cache is not None:
+        proposer = SuffixProposer(cache)
+    proposers = {"suffix": lambda ctx: proposer} if proposer is not None else None
+    return LLMEngine(EngineConfig(target="x", max_num_seqs=max_num_seqs, **config),
+                     target_model=copy.deepcopy(target), proposers=proposers)
+
+
+# -- the suffix trie -----------------------------------------------------------------------
+def substring_counts(seqs, depth):
+    counts = collections.Counter()
+    for s in seqs:
+        for j in range(len(s)):
+            for n in range(1, depth + 1):
+                if j + n <= len(s):
+                    counts[tuple(s[j : j + n])] += 1
+    return counts
+
+
+def tree_counts(tree: SuffixTree) -> dict:
+    """Every string the tree holds with its count, tails' implicit nodes included."""
+    out = {}
+
+    def walk(node, path):
+        for tok, child in (node.children or {}).items():
+            p = path + (tok,)
+            out[p] = child.count
+            if child.children is None:  # a tail: the single occurrence goes on implicitly
+                pos = child.end
+                while len(p) < tree.max_depth and pos < len(child.seq):
+                    p, pos = p + (child.seq[pos],), pos + 1
+                    out[p] = 1
+            else:
+                walk(child, p)
+
+    walk(tree.root, ())
+    return {k: v for k, v in out.items() if v}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_trie_counts_equal_brute_force_through_interleaved_inserts_and_removals(seed):
+    """Several sequences growing in turns (tails of open sequences made explicit by others),
+    closed and removed: every string's count is its number of occurrences (up to the depth)."""
+    rng = random.Random(seed)
+    depth, vocab = rng.randint(2, 7), rng.choice([2, 3, 5])
+    tree, seqs = SuffixTree(depth), {}
+    for _ in range(25):
+        op = rng.random()
+        if op < 0.65 or not seqs:
+            sid = rng.randrange(5)
+            if sid in seqs and sid not in tree._active:
+                continue  # closed
+            tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
+            tree.extend(sid, tokens)
+            seqs.setdefault(sid, []).extend(tokens)
+        elif op < 0.8:
+            tree.close(rng.choice(list(seqs)))
+        else:
+            sid = rng.choice(list(seqs))
+            tree.remove(sid)
+            del seqs[sid]
+        want = {k: v for k, v in substring_counts(seqs.values(), depth).items() if v}
+        assert tree_counts(tree) == want
+        assert tree.root.count == tree.num_tokens == sum(map(len, seqs.values())) and len(tree) == len(seqs)
+
+
+def test_tails_keep_the_trie_linear_on_text_that_does_not_repeat():
+    tree = SuffixTree(32)
+    tree.extend("a", list(range(1000)))
+    nodes = sum(1 for _ in _walk_nodes(tree.root))
+    assert nodes == 1000  # one tail per position, not one node per (position, depth)
+
+
+def _walk_nodes(node):
+    for child in (node.children or {}).values():
+        yield child
+        yield from _walk_nodes(child)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matcher_finds_every_matching_suffix_incrementally(seed):
+    rng = random.Random(100 + seed)
+    depth, vocab = rng.randint(3, 7), rng.choice([2, 3])
+    tree, seqs = SuffixTree(depth), []
+    for sid in range(4):
+        seqs.append([rng.randrange(vocab) for _ in range(rng.randint(1, 10))])
+        tree.extend(sid, seqs[-1])
+        tree.close(sid)
+    counts = substring_counts(seqs, depth)
+    matcher, context = SuffixMatcher(tree), []
+    for step in range(15):
+        context += [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
+        if step == 7:  # the tree changes: the matcher rebuilds from the context
+            seqs.append(context[-4:] + [0, 1])
+            tree.extend("new", seqs[-1])
+            counts = substring_counts(seqs, depth)
+        cursors = matcher.update(context)
+        want = [n for n in range(1, min(len(context), depth - 1) + 1) if counts[tuple(context[-n:])]]
+        assert [tree.depth(c) for c in cursors] == want
+        assert [tree.count(c) for c in cursors] == [counts[tuple(context[-n:])] for n in want]
+
+
+# -- drafting ------------------------------------------------------------------------------
+def test_draft_expands_the_most_probable_paths_first():
+    tree = SuffixTree(16)
+    #            after [1, 2]: 3 (x3), 4 (x1); after [1, 2, 3]: 5 (x2), 6 (x1)
+    tree.extend(0, [1, 2, 3, 5, 9, 1, 2, 3, 5, 9, 1, 2, 3, 6, 1, 2, 4, 0])
+    cursor = tree.match([7, 1, 2])[-1]
+    assert tree.depth(cursor) == 2 and tree.count(cursor) == 4
+    d = tree.draft(cursor, max_nodes=4, min_prob=0.0)
+    assert d.tokens == [3, 5, 9, 1] and d.parents == [0, 1, 2, 3]  # [.., 9] went on with 1 twice
+    assert d.probs == pytest.approx([3 / 4, 2 / 4, 2 / 4, 2 / 4])
+    assert d.score == pytest.approx(2.25) and d.match_len == 2
+    # three levels at most: then the rarer branches, 4 (after [1, 2]) and 6 (after [1, 2, 3])
+    d = tree.draft(cursor, max_nodes=5, min_prob=0.0, max_depth=3)
+    assert d.tokens == [3, 5, 9, 4, 6] and d.parents == [0, 1, 2, 0, 1]
+    # min_prob drops what falls below it: the chain ends where its two occurrences part
+    assert tree.draft(cursor, 16, min_prob=0.3).tokens == [3, 5, 9, 1, 2, 3]
+    path = tree.draft(cursor, 3, tree=False)
+    assert path.tokens == [3, 5, 9] and path.parents == [0, 1, 2]
+    # the cursor's own occurrence (a request's tail in its own tree) is not counted
+    assert tree.draft(cursor, 1, exclude=1).probs == pytest.approx([3 / 3])
+
+
+def test_proposer_follows_arctics_match_length_rule():
+    """A match of m tokens drafts at most max_spec_factor * m + max_spec_offset tokens, and the
+    best-scoring match wins."""
+    prop = SuffixProposer(GlobalSuffixCache(max_tree_depth=32))
+    text = [9, 8, 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    tail = [50, 51, 3, 4]  # [3, 4] occurred once: a 2-token match
+    row = ProposalRow(slot=0, token_ids=text + tail, num_tokens=16)
+    assert prop.propose([row]).rows[0].tokens == [5, 6]
+    opts = suffix(max_spec_factor=2.0, max_spec_offset=1.0)
+    row = ProposalRow(slot=1, token_ids=text + tail, num_tokens=16, options=opts)
+    assert prop.propose([row]).rows[0].tokens == [5, 6, 7, 8, 9]
+    row = ProposalRow(slot=2, token_ids=text + tail, num_tokens=3, options=opts)  # the room to accept
+    assert prop.propose([row]).rows[0].tokens == [5, 6, 7]
+    row = ProposalRow(slot=3, token_ids=text + tail, num_tokens=16, width=2, options=opts)  # the KV room
+    assert prop.propose([row]).rows[0].tokens == [5, 6]
+    nothing = ProposalRow(slot=4, token_ids=[1, 2, 3, 4], num_tokens=16)
+    assert prop.propose([nothing]).rows[0].tokens == []
+
+
+def test_proposer_drafts_a_tree_of_the_frequent_continuations():
+    prop = SuffixProposer()
+    text = [1, 2, 3, 5, 1, 2, 3, 5, 1, 2, 4, 6, 0, 1, 2]
+    opts = dict(min_token_prob=0.2, max_spec_factor=4.0)
+    row = prop.propose([ProposalRow(slot=0, token_ids=text, num_tokens=8, options=suffix(**opts))]).rows[0]
+    first_level = [t for t, p in zip(row.tokens, row.tree.parents.tolist()[1:]) if p == 0]
+    assert row.tokens[:2] == [3, 5] and first_level == [3, 4]  # after [1, 2]: 3 twice, then 4 once
+    path = prop.propose([ProposalRow(slot=1, token_ids=text, num_tokens=8, options=suffix(**opts, tree=False))]).rows[0]
+    assert path.tree is None and path.tokens == [3, 5, 1, 2, 3, 5, 1, 2]  # the most frequent child each time
+
+
+def test_rows_sharing_a_step_keep_the_most_probable_nodes_and_whole_paths():
+    a = TreeDraft([1, 2, 3, 4], [0, 1, 0, 3], [0.9, 0.8, 0.1, 0.1])
+    b = TreeDraft([5, 6, 7], [0, 1, 2], [1.0, 1.0, 1.0])
+    c = TreeDraft([8], [0], [0.05])
+    kept = _within_budget([a, b, c], budget=5)
+    assert [d.tokens for d in kept] == [[1, 2], [5, 6, 7], []]
+    assert kept[0].parents == [0, 1]
+    kept = _within_budget([a, b, c], budget=6)  # 3 (0.1) and 4 (0.1): the parent first
+    assert kept[0].tokens == [1, 2, 3] and kept[0].parents == [0, 1, 0]
+
+
+def test_the_request_tree_follows_commits_and_slot_reuse():
+    prop = SuffixProposer()
+    prop.prefill([PrefillRow(0, [4, 5, 6, 4, 5], 6)])
+    assert prop.propose([ProposalRow(slot=0, token_ids=[4, 5, 6, 4, 5, 6], num_tokens=4)]).rows[0].tokens[:2] == [4, 5]
+    prop.commit([CommitRow(0, [4, 5, 9], [0, 1, 2])])
+    assert prop._rows[0].output == [6, 4, 5, 9]
+    # a new request in the same slot without a release: its own tree starts over
+    assert prop.propose([ProposalRow(slot=0, token_ids=[7, 8, 4, 5], num_tokens=4)]).rows[0].tokens == []
+    prop.release(0)
+    prop.release(99)  # unknown slot: no error
+
+
+# -- the global tree -----------------------------------------------------------------------
+def test_global_tree_is_lru_bounded_and_inserts_within_a_budget():
+    cache = GlobalSuffixCache(max_tree_depth=8, max_cached_requests=2, insert_tokens_per_poll=10)
+    ids = [cache.add([i, i + 1, i + 2, i + 3, i + 4, i + 5]) for i in (0, 10, 20)]
+    cache.poll()  # 6 tokens, then 12 > 10: the second waits
+    assert cache.cached() == ids[:1]
+    cache.poll()
+    cache.poll()
+    assert cache.cached() == ids[1:]  # the first was evicted (two at most)
+    cache.touch(ids[1])
+    cache.add([30, 31])
+    cache.poll()
+    assert cache.cached() == [ids[1], 3] and not cache.tree.match([20, 21])  # the untouched one went
+    assert GlobalSuffixCache(max_cached_requests=0).enabled is False
+    with pytest.raises(ValueError, match="max_cached_requests"):
+        GlobalSuffixCache(max_cached_requests=-1)
+
+
+def test_replicas_of_one_log_see_each_others_outputs_and_evictions():
+    log = SuffixCacheLog(max_cached_requests=3, log_limit=4)
+    a, b = (ReplicatedSuffixCache(LocalTransport(log), max_tree_depth=8, sync_every_requests=2,
+                                  sync_interval_s=3600) for _ in range(2))
+
+    def held(replica):
+        return {tuple(replica.tree.sequence(s)) for s in replica.tree.sids()}
+
+    a.poll()
+    b.poll()  # the first exchanges (due at once): nothing yet
+    a.add([1, 2, 3, 4])
+    a.poll()
+    assert held(a) == {(1, 2, 3, 4)} and log.stats()["cached"] == 0  # in a's tree at once, sent every 2
+    a.add([5, 6, 7, 8])
+    a.poll()
+    assert log.stats()["cached"] == 2
+    b.add([9, 9, 9])
+    b.add([4, 3, 2])
+    b.poll()  # b sends its two and receives a's, and that the log (3 at most) evicted a's first
+    assert held(b) == {(5, 6, 7, 8), (9, 9, 9), (4, 3, 2)} and log.stats()["cached"] == 3
+    b.touch(next(s for s in b.tree.sids() if b.tree.sequence(s) == [4, 3, 2]))  # drafted from: sent next time
+    a.add([7, 7])
+    a.add([6, 6])
+    a.poll()  # the log evicts two more; a's cursor fell behind its 4 events: a snapshot
+    assert held(a) == {(4, 3, 2), (7, 7), (6, 6)} and log.stats()["cached"] == 3
+    b.add([1, 1])
+    b.add([2, 2])
+    b.poll()  # b's touch kept [4, 3, 2]; b applies the evictions it hears of
+    assert held(b) == {(4, 3, 2), (1, 1), (2, 2)}
+
+    # the log is lost: a new one gets this replica's own outputs again
+    fresh = SuffixCacheLog(max_cached_requests=3)
+    a.transport = LocalTransport(fresh)
+    a._lost()
+    a._last = float("-inf")
+    a.poll()
+    assert fresh.stats()["cached"] == 2 and held(a) == {(7, 7), (6, 6)}
+
+
+def test_suffix_cache_config_is_checked():
+    assert SuffixCacheConfig().max_tree_depth == 32
+    for field, bad in (("max_tree_depth", 2), ("max_cached_requests", -1), ("sync_every_requests", 0),
+                       ("sync_interval_s", 0), ("name", "")):
+        with pytest.raises(ValidationError, match=field):
+            SuffixCacheConfig(**{field: bad})
+    with pytest.raises(ValidationError, match="max_tree_dept"):
+        SuffixCacheConfig(max_tree_dept=8)
+
+
+# -- options -------------------------------------------------------------------------------
+def test_options_defaults_and_validation(make_engine):
+    o = suffix()
+    assert isinstance(o, SuffixOptions) and o.num_speculative_tokens == 16 and o.max_spec_factor == 1.0
+    assert o.min_token_prob == 0.1 and o.tree is True and o.budget == 16
+    for field, bad in (("num_speculative_tokens", 0), ("max_spec_factor", -1), ("min_token_prob", 1.5),
+                       ("max_spec_offset", 100), ("tree", "sometimes")):
+        with pytest.raises(ValidationError, match=field):
+            suffix(**{field: bad})
+    with pytest.raises(ValidationError, match="max_spec_facto"):
+        suffix(max_spec_facto=2)
+    engine = make_engine(max_num_seqs=1, draft=False, max_model_len=32)
+    with pytest.raises(ValueError, match="num_speculative_tokens 40 does not fit the 32-token context"):
+        engine.add_request([1, 2, 3], GREEDY, suffix(num_speculative_tokens=40))
+    with pytest.raises(ValueError, match="never drafts"):
+        engine.add_request([1, 2, 3], GREEDY, suffix(max_spec_factor=0))
+    engine.add_request([1, 2, 3], GREEDY, suffix(max_spec_factor=0, max_spec_offset=4))
+
+
+# -- lossless greedy -----------------------------------------------------------------------
+SPECS = [suffix(), suffix(num_speculative_tokens=6, min_token_prob=0.0), suffix(tree=False),
+         suffix(max_spec_factor=3.0, max_spec_offset=2.0, num_speculative_tokens=24)]
+
+
+@pytest.mark.parametrize("spec", range(len(SPECS)))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_hf_generate(tiny_pair, references, spec, batch):
+    engine = engine_with(tiny_pair[0], max_num_seqs=batch)
+    prompts = ragged_prompts(8 if batch > 1 else 3)  # 8 ragged prompts through 4 slots: joins mid-way
+    for _ in range(2):  # the second round drafts from the first's outputs too
+        outs = engine.generate(prompts, GREEDY, SPECS[spec])
+        assert [o.token_ids for o in outs] == references[: len(prompts)]
+    t = engine.totals
+    assert t.num_drafts > 0 and 0 < t.num_accepted_tokens
+
+
+def test_mixed_with_other_methods_in_one_batch(tiny_pair, references):
+    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4), target_model=copy.deepcopy(tiny_pair[0]),
+                       draft_model=copy.deepcopy(tiny_pair[1]))
+    specs = [suffix(), SpeculationParams(method="draft", num_speculative_tokens=3), suffix(tree=False),
+             SpeculationParams(method="ngram"), SpeculationParams(method="none"),
+             SpeculationParams(method="lookahead"), suffix(num_speculative_tokens=4), suffix()]
+    for _ in range(2):
+        outs = engine.generate(ragged_prompts(8), GREEDY, specs)
+        assert [o.token_ids for o in outs] == references
+    assert sum(o.metrics["num_drafts"] for o, s in zip(outs, specs) if s.method == "suffix") > 0
+
+
+def test_near_the_end_of_the_context_drafts_shrink_to_the_room(tiny_pair):
+    target = tiny_pair[0]
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 2, [2, 7, 1, 8] * 3]
+    engine = engine_with(target, 2, max_model_len=32)
+    for _ in range(2):
+        outs = engine.generate(prompts, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True),
+                               suffix(num_speculative_tokens=12, max_spec_factor=4.0))
+        for p, o in zip(prompts, outs):
+            assert o.finish_reason == "length" and o.token_ids == hf_greedy(target, p, 32 - len(p))
