@@ -328,3 +328,120 @@ def test_near_the_end_of_the_context_drafts_shrink_to_the_room(tiny_pair):
                                suffix(num_speculative_tokens=12, max_spec_factor=4.0))
         for p, o in zip(prompts, outs):
             assert o.finish_reason == "length" and o.token_ids == hf_greedy(target, p, 32 - len(p))
+
+
+# -- the global tree warms up --------------------------------------------------------------
+LONG = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+def rounds(prompts, outputs, cut):
+    """Re-asked prompts that repeat part of an earlier answer: the prompt and the answer's
+    first ``cut`` tokens (the target then writes the rest of that answer again)."""
+    return [p + o[:cut] for p, o in zip(prompts, outputs)]
+
+
+def accepted_length(outs) -> float:
+    drafts = sum(o.metrics["num_drafts"] for o in outs)
+    return 1 + sum(o.metrics["num_accepted_tokens"] for o in outs) / max(drafts, 1)
+
+
+def tokens_per_forward(outs) -> float:
+    return sum(len(o.token_ids) for o in outs) / sum(o.metrics["target_forward_passes"] for o in outs)
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_pair):
+    prompts = [p[:12] for p in ragged_prompts(8, seed=5)]
+    return prompts, [hf_greedy(tiny_pair[0], p, LONG.max_tokens) for p in prompts]
+
+
+def test_accepted_length_grows_as_the_global_tree_warms(tiny_pair, workload):
+    prompts, answers = workload
+    spec = suffix(num_speculative_tokens=8)
+    warm = engine_with(tiny_pair[0], 4)
+    cold = engine_with(tiny_pair[0], 4, cache=GlobalSuffixCache(max_cached_requests=0))  # own trees only
+    first = warm.generate(prompts, LONG, spec)
+    assert [o.token_ids for o in first] == answers
+    seen = []
+    for cut in (4, 8, 12):
+        asked = rounds(prompts, answers, cut)
+        want = [hf_greedy(tiny_pair[0], p, LONG.max_tokens) for p in asked]
+        outs = {name: e.generate(asked, LONG, spec) for name, e in (("warm", warm), ("cold", cold))}
+        for o in outs.values():
+            assert [x.token_ids for x in o] == want
+        seen.append((tokens_per_forward(outs["warm"]), tokens_per_forward(outs["cold"])))
+    first_rate = tokens_per_forward(first)
+    # The global tree holds the earlier answers: re-asked prompts continue them, drafted whole;
+    # a request's own tree alone (cold) does not know them.
+    assert all(w > 1.5 * c and w > 1.5 * first_rate for w, c in seen), (first_rate, seen)
+    assert seen[-1][0] >= 2.5, seen
+
+
+@pytest.mark.parametrize("layout", ["one object", "replicas of one log"])
+def test_two_engines_sharing_a_global_tree_both_benefit(tiny_pair, workload, layout):
+    prompts, answers = workload
+    spec = suffix(num_speculative_tokens=8)
+    if layout == "one object":
+        shared = GlobalSuffixCache()
+        caches = [shared, shared]
+    else:
+        log = SuffixCacheLog()
+        caches = [ReplicatedSuffixCache(LocalTransport(log), sync_every_requests=1, sync_interval_s=0.0)
+                  for _ in range(2)]
+    a, b = (engine_with(tiny_pair[0], 4, cache=c) for c in caches)
+    alone = engine_with(tiny_pair[0], 4)  # its own global tree, which never saw the others' answers
+    half = len(prompts) // 2
+    mine, theirs = (prompts[:half], answers[:half]), (prompts[half:], answers[half:])
+    a.generate(mine[0], LONG, spec)  # each engine answers its half first ...
+    b.generate(theirs[0], LONG, spec)
+    alone.generate(mine[0], LONG, spec)
+    # ... then is re-asked the other half's answers
+    got = {}
+    for name, engine, (p, o) in (("a", a, theirs), ("b", b, mine), ("alone", alone, theirs)):
+        outs = engine.generate(rounds(p, o, 8), LONG, spec)
+        assert [x.token_ids for x in outs] == [hf_greedy(tiny_pair[0], q, LONG.max_tokens) for q in rounds(p, o, 8)]
+        got[name] = tokens_per_forward(outs)
+    assert got["a"] > 1.5 * got["alone"] and got["b"] > 1.5 * got["alone"], got
+
+
+# -- sampling ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sampling_setup():
+    from tests.test_sampling_e2e import exact_joint
+
+    target = tiny_llama(vocab=8, seed=3, init=0.25)
+    return target, exact_joint(target)
+
+
+def _sample(target, spec):
+    """N seeded requests of 4 tokens (test_sampling_e2e's prompt and parameters); the global
+    tree fills with the earlier requests' samples as they finish."""
+    from tests.test_sampling_e2e import N, PARAMS, PROMPT
+
+    engine = engine_with(target, 64, SuffixProposer(batch_draft_tokens=None))  # every row its whole draft
+    outs = engine.generate([PROMPT] * N, [SamplingParams(seed=i, **PARAMS) for i in range(N)], spec)
+    t = engine.totals
+    assert t.num_drafts > N // 2 and 0 < t.num_accepted_tokens < t.num_draft_tokens
+    assert t.accepted_per_pos[1] > 0  # multi-token drafts fully accepted too
+    return np.array([o.token_ids for o in outs])
+
+
+SAMPLED = [suffix(num_speculative_tokens=6, min_token_prob=0.0), suffix(num_speculative_tokens=3, tree=False)]
+
+
+@pytest.mark.parametrize("spec", SAMPLED, ids=["tree", "path"])
+def test_sampling_keeps_the_target_distribution(sampling_setup, spec):
+    from tests.test_sampling_e2e import check
+
+    target, joint = sampling_setup
+    pvals = check(_sample(target, spec), joint)
+    assert min(pvals) > 1e-3, pvals
+
+
+def test_the_sampling_check_catches_a_lossy_rule_on_suffix_drafts(sampling_setup, monkeypatch):
+    from tests.test_lookahead import _lossy_tree_accept
+    from tests.test_sampling_e2e import check
+
+    target, joint = sampling_setup
+    monkeypatch.setattr("specray.engine.verify.tree_rejection_accept", _lossy_tree_accept)
+    assert min(check(_sample(target, SAMPLED[0]), joint)) < 1e-3
