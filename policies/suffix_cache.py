@@ -14,8 +14,9 @@ shared log (a Ray actor: ``actors/suffix_cache.py``).
 * ``ReplicatedSuffixCache`` — a ``GlobalSuffixCache`` that is one replica of the log: its
   own outputs go into its tree at once and to the log in batches (every
   ``sync_every_requests`` outputs or ``sync_interval_s`` seconds), and the others' come back
-  with the answer. The exchange goes through a transport whose ``result`` never blocks, so a
-  step never waits for it: look-ups are always local.
+  with the answer (outputs due while an answer is pending go on their own, ``push``). The
+  exchange goes through a transport whose ``result`` never blocks, so a step never waits for
+  it: look-ups are always local.
 
 >>> log = SuffixCacheLog(max_cached_requests=2)
 >>> a, b = (ReplicatedSuffixCache(LocalTransport(log), max_tree_depth=8, sync_every_requests=1) for _ in range(2))
@@ -150,6 +151,14 @@ class SuffixCacheLog:
         """Take a replica's outputs and touches; answer with what it has not seen since
         ``cursor``: ``events`` [(kind, id, tokens)], or a ``snapshot`` [(id, tokens)] of the
         whole cache when the cursor is older than the log or of another log (``epoch``)."""
+        self.push(adds, touches)
+        end = self._base + len(self._log)
+        if epoch != self.epoch or cursor < self._base or cursor > end:
+            return {"epoch": self.epoch, "cursor": end, "snapshot": list(self._seqs.items())}
+        return {"epoch": self.epoch, "cursor": end, "events": self._log[cursor - self._base :]}
+
+    def push(self, adds: Sequence[tuple[Hashable, list[int]]] = (), touches: Sequence[Hashable] = ()) -> None:
+        """Take a replica's outputs and touches (no answer: sent while an exchange is pending)."""
         for sid, tokens in adds:
             if sid not in self._seqs:
                 self._seqs[sid] = list(tokens)
@@ -164,10 +173,6 @@ class SuffixCacheLog:
             drop = len(self._log) - self.log_limit
             del self._log[:drop]
             self._base += drop
-        end = self._base + len(self._log)
-        if epoch != self.epoch or cursor < self._base or cursor > end:
-            return {"epoch": self.epoch, "cursor": end, "snapshot": list(self._seqs.items())}
-        return {"epoch": self.epoch, "cursor": end, "events": self._log[cursor - self._base :]}
 
     def stats(self) -> dict:
         return {"cached": len(self._seqs), "tokens": sum(map(len, self._seqs.values())),
@@ -176,11 +181,14 @@ class SuffixCacheLog:
 
 class Transport(Protocol):
     """How a replica reaches the log: ``send`` starts one ``SuffixCacheLog.sync`` call;
-    ``result`` is its answer once there (None before; never blocks; raises if it failed)."""
+    ``result`` is its answer once there (None before; never blocks; raises if it failed);
+    ``push`` calls ``SuffixCacheLog.push`` and forgets it."""
 
     def send(self, payload: dict) -> None: ...
 
     def result(self) -> dict | None: ...
+
+    def push(self, payload: dict) -> None: ...
 
 
 class LocalTransport:
@@ -196,6 +204,9 @@ class LocalTransport:
     def result(self) -> dict | None:
         answer, self._answer = self._answer, None
         return answer
+
+    def push(self, payload: dict) -> None:
+        self.log.push(**payload)
 
 
 class ReplicatedSuffixCache(GlobalSuffixCache):
@@ -234,10 +245,20 @@ class ReplicatedSuffixCache(GlobalSuffixCache):
         if self._in_flight:
             self._receive()
         now = time.monotonic()
-        if not self._in_flight and (len(self._outbox) >= self.sync_every_requests
-                                    or now - self._last >= self.sync_interval_s):
+        full = len(self._outbox) >= self.sync_every_requests
+        if not self._in_flight and (full or now - self._last >= self.sync_interval_s):
             self._send(now)
+        elif full:  # an exchange is pending: send the outputs on their own (an idle engine
+            self._push()  # polls no more, and the other replicas should have them now)
         super().poll()
+
+    def _push(self) -> None:
+        adds, self._outbox = self._outbox, []
+        touched, self._touched = list(self._touched), set()
+        try:
+            self.transport.push({"adds": adds, "touches": touched})
+        except Exception:  # noqa: BLE001 - out of reach: sent again with the next exchange
+            self._outbox = adds + self._outbox
 
     def _send(self, now: float) -> None:
         self._sent, self._outbox = self._outbox, []
@@ -285,7 +306,7 @@ class ReplicatedSuffixCache(GlobalSuffixCache):
         self._in_flight = False
         self._cursor, self._epoch = 0, None
         own = [(sid, self.tree.sequence(sid)) for sid in self._lru if str(sid).startswith(self.replica)]
-        self._outbox = own + self._sent + self._outbox
+        self._outbox = list(dict(own + self._sent + self._outbox).items())  # each once, however often lost
         self._sent = []
         reset = getattr(self.transport, "reset", None)
         if reset is not None:

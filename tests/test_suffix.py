@@ -445,3 +445,227 @@ def test_the_sampling_check_catches_a_lossy_rule_on_suffix_drafts(sampling_setup
     target, joint = sampling_setup
     monkeypatch.setattr("specray.engine.verify.tree_rejection_accept", _lossy_tree_accept)
     assert min(check(_sample(target, SAMPLED[0]), joint)) < 1e-3
+
+
+# -- the controller ------------------------------------------------------------------------
+def test_the_controller_switches_suffix_on_where_it_pays_and_off_where_it_does_not(tiny_pair, workload):
+    """Requests that leave the options to the engine: under the self-tuning speculation length
+    suffix drafting is on for re-asked prompts (the global tree knows their answers) and off
+    (bar an exploration step now and then) on traffic it cannot predict, where verifying its
+    guesses would only cost."""
+    from specray.policies.controller import AdaptiveSpeculation
+
+    prompts, answers = workload
+    engine = engine_with(tiny_pair[0], 8)
+    controller = engine.driver.length_policy
+    assert isinstance(controller, AdaptiveSpeculation)
+    engine.generate(prompts, LONG, suffix())
+    on = engine.generate(rounds(prompts, answers, 8) * 2, LONG, suffix())
+    assert tokens_per_forward(on) > 2.0 and controller._choice["suffix"] is None  # on
+
+    class Wrong(SuffixProposer):  # confident drafts that are never right: pure verification cost
+        def propose(self, rows):
+            draft = super().propose(rows)
+            for r, d in zip(rows, draft.rows):
+                d.tokens[:] = [(t + 1) % 64 for t in r.token_ids[-8:]][: max(1, r.num_tokens)]
+            return draft
+
+    costly = engine_with(tiny_pair[0], 8, proposer=Wrong())
+    costly.driver.length_policy = controller = AdaptiveSpeculation()
+    outs = costly.generate(ragged_prompts(8, seed=9) * 3, LONG, suffix())
+    drafts = sum(o.metrics["num_drafts"] for o in outs)
+    steps = max(o.metrics["target_forward_passes"] for o in outs)
+    assert controller._choice["suffix"] == 0 and drafts < 0.25 * 8 * steps * 3  # off most of the time
+
+
+# -- entry points: coordinator (both layouts), two deployments sharing one tree actor -------
+ACTOR_SPECS = [{"method": "suffix"}, {"method": "suffix", "num_speculative_tokens": 6, "min_token_prob": 0.0},
+               {"method": "ngram"}, {"method": "suffix", "tree": False}, {"method": "none"}]
+
+
+@pytest.mark.parametrize("mode", ["separate", "colocated"])
+def test_suffix_through_the_coordinator(ray_session, tiny_checkpoints, tiny_pair, mode):
+    import ray
+
+    from specray.actors.coordinator import Coordinator
+    from specray.actors.suffix_cache import drop_shared_suffix_cache
+    from tests.test_actors import GREEDY as ACTOR_GREEDY, PROMPTS, shutdown
+
+    name = f"suffix-test-{mode}"
+    c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 3, "placement": {"mode": mode},
+                            "suffix_cache": {"name": name, "sync_every_requests": 1}})
+    try:
+        refs = [hf_greedy(tiny_pair[0], p, ACTOR_GREEDY["max_tokens"]) for p in PROMPTS]
+        for _ in range(2):  # the second time, the global tree knows the answers
+            outs = ray.get(c.generate.remote(PROMPTS, ACTOR_GREEDY, ACTOR_SPECS))
+            assert [o["token_ids"] for o in outs] == refs
+        assert all(o["metrics"]["num_accepted_tokens"] > 0 for o, s in zip(outs, ACTOR_SPECS) if s["method"] == "suffix")
+        workers = ray.get(c.workers.remote())
+        assert "suffix" not in workers  # drafted beside the target, in the engine worker, in both layouts
+        engine = workers["target" if mode == "separate" else "engine"]
+        assert ray.get(engine.describe.remote())["proposers"]["suffix"].endswith("SuffixProposer")
+        with pytest.raises(ValueError, match="min_token_prob"):
+            ray.get(c.generate.remote([[1, 2]], ACTOR_GREEDY, {"method": "suffix", "min_token_prob": 2}))
+    finally:
+        shutdown(c)
+        drop_shared_suffix_cache(name)
+
+
+def test_two_deployments_sharing_the_tree_actor_both_benefit(ray_session, tiny_checkpoints, tiny_pair, workload):
+    """Two coordinators (two engine workers, as two Serve replicas have) with one tree actor:
+    each is re-asked the answers the other one gave, and drafts them from its replica of the
+    shared tree; a third with a tree of its own does not know them."""
+    import time
+
+    import ray
+
+    from specray.actors.coordinator import Coordinator
+    from specray.actors.suffix_cache import drop_shared_suffix_cache, shared_suffix_cache
+    from tests.test_actors import shutdown
+    from tests.test_serve import cpu_placement
+
+    prompts, answers = workload
+    name, greedy = "suffix-test-shared", {"max_tokens": LONG.max_tokens, "temperature": 0, "ignore_eos": True}
+    base = {**tiny_checkpoints, "max_num_seqs": 4, "placement": cpu_placement("colocated")}
+    shared = {"name": name, "sync_every_requests": 1, "sync_interval_s": 0.05}
+    a, b = (Coordinator.remote({**base, "suffix_cache": shared}) for _ in range(2))
+    alone = Coordinator.remote({**base, "suffix_cache": {"shared": False}})
+    spec = {"method": "suffix", "num_speculative_tokens": 8}
+    half = len(prompts) // 2
+    try:
+        ray.get([a.generate.remote(prompts[:half], greedy, spec), b.generate.remote(prompts[half:], greedy, spec),
+                 alone.generate.remote(prompts[half:], greedy, spec)])
+        deadline = time.monotonic() + 30
+        while (log := shared_suffix_cache(name)) is None or ray.get(log.stats.remote())["cached"] < len(prompts):
+            assert time.monotonic() < deadline, "the replicas' outputs did not reach the tree actor"
+            time.sleep(0.05)
+        got = {}
+        for key, c, part in (("a", a, slice(half, None)), ("b", b, slice(None, half)), ("alone", alone, slice(None, half))):
+            asked = rounds(prompts[part], answers[part], 8)
+            outs = [SimpleOut(o) for o in ray.get(c.generate.remote(asked, greedy, spec))]
+            assert [o.token_ids for o in outs] == [hf_greedy(tiny_pair[0], q, LONG.max_tokens) for q in asked]
+            got[key] = tokens_per_forward(outs)
+        assert got["a"] > 1.5 * got["alone"] and got["b"] > 1.5 * got["alone"], got
+    finally:
+        for c in (a, b, alone):
+            shutdown(c)
+        drop_shared_suffix_cache(name)
+
+
+class SimpleOut:
+    """A coordinator's output dict read like a ``RequestOutput``."""
+
+    def __init__(self, d: dict):
+        self.token_ids, self.metrics = d["token_ids"], d["metrics"]
+
+
+# -- entry points: batch jobs, CLI, HTTP ---------------------------------------------------
+def test_suffix_in_a_batch_job(ray_session, tiny_checkpoints, tiny_pair, tmp_path, capsys):
+    import json
+
+    from specray.actors.suffix_cache import drop_shared_suffix_cache
+    from specray.cluster import jobs
+
+    config = tmp_path / "specray.yaml"
+    config.write_text(f"target: {tiny_checkpoints['target']}\nmax_num_seqs: 3\n"
+                      "default_speculation:\n  method: suffix\nplacement:\n  mode: colocated\n"
+                      "suffix_cache:\n  name: suffix-test-jobs\n  max_tree_depth: 16\n")
+    prompts = ragged_prompts(5) * 2  # asked twice: the second time from the global tree
+    recs = [{"prompt": p, "sampling": {"max_tokens": 12, "temperature": 0}} for p in prompts]
+    recs[1]["speculation"] = {"method": "suffix", "num_speculative_tokens": 4, "max_spec_factor": 2.0}
+    recs[3]["speculation"] = {"method": "suffix", "tree": False}
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "out.jsonl"
+    try:
+        assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 0
+    finally:
+        drop_shared_suffix_cache("suffix-test-jobs")
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [o["token_ids"] for o in lines] == [hf_greedy(tiny_pair[0], p, 12) for p in prompts]
+    assert sum(o["metrics"]["num_accepted_tokens"] for o in lines) > 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": [1], "speculation": {"method": "suffix", "min_token_prob": -1}}\n'
+                   '{"prompt": [1], "speculation": {"method": "suffix", "max_spec_facto": 2}}\n')
+    assert jobs.main(["--input", str(bad), "--output", str(tmp_path / "o2.jsonl"), "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "line 1:" in err and "min_token_prob" in err and "line 2:" in err and "max_spec_facto" in err
+    with pytest.raises(ValidationError, match="max_tree_depth"):
+        from specray.actors.config import SpecrayConfig
+
+        SpecrayConfig(suffix_cache={"max_tree_depth": 1})
+
+
+def test_cli_flags_come_from_the_options(capsys):
+    import argparse
+
+    from specray.cluster.cli import _add_speculation_flags, _speculation, main
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--method", default="draft")
+    p.add_argument("--speculation", default=None)
+    _add_speculation_flags(p)
+    args = p.parse_args(["--method", "suffix", "--num-speculative-tokens", "12", "--max-spec-factor", "2.5",
+                         "--max-spec-offset", "-1", "--min-token-prob", "0.2", "--tree", "false"])
+    assert _speculation(args) == suffix(num_speculative_tokens=12, max_spec_factor=2.5, max_spec_offset=-1,
+                                        min_token_prob=0.2, tree=False)
+    assert _speculation(p.parse_args(["--method", "suffix"])) == SuffixOptions()
+    assert main(["generate", "--prompt", "x", "--method", "suffix", "--min-token-prob", "2"]) == 2
+    assert "min_token_prob" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_generate_with_suffix_equals_plain(demo_pair, capsys):
+    import json
+
+    from specray.cluster.cli import main
+
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef"
+    common = ["generate", "--prompt", prompt, "--max-tokens", "32", "--json"]
+    assert main([*common, "--method", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*common, "--method", "suffix", "--num-speculative-tokens", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == plain["token_ids"] and out["metrics"]["num_drafts"] > 0
+
+
+def test_suffix_over_http(server, tiny_checkpoints, tiny_pair, tmp_path_factory):
+    import httpx
+    import openai
+    from ray import serve
+
+    from specray.actors.suffix_cache import drop_shared_suffix_cache
+    from specray.serve.app import build_app
+    from tests.test_serve import assert_openai_error, cpu_placement, decode, save_char_tokenizer, wait_until_serving
+
+    tok = tmp_path_factory.mktemp("suffix-tokenizer")
+    save_char_tokenizer(tok)
+    cfg = {"model_name": "sfx", "num_replicas": 2,
+           "engine": {**tiny_checkpoints, "tokenizer": str(tok), "max_num_seqs": 2, "max_model_len": 64,
+                      "placement": cpu_placement("colocated"),
+                      "suffix_cache": {"name": "suffix-test-http", "sync_every_requests": 1}}}
+    serve.run(build_app(cfg), name="suffix", route_prefix="/suffix")
+    url = f"{server}/suffix"
+    try:
+        wait_until_serving(url, "sfx")
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4]
+        ref = decode(hf_greedy(tiny_pair[0], prompt, 20))
+        for spec in ({"method": "suffix"}, {"method": "suffix", "num_speculative_tokens": 6, "max_spec_factor": 2,
+                                            "min_token_prob": 0.05, "tree": False}):
+            for _ in range(2):  # two replicas, one shared tree: the second answer is drafted
+                r = client.completions.create(model="sfx", prompt=prompt, max_tokens=20, temperature=0,
+                                              extra_body={"speculation": spec})
+                assert r.choices[0].text == ref, spec
+        assert r.model_dump()["speculation_metrics"][0]["num_accepted_tokens"] > 0
+        stream = client.completions.create(model="sfx", prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                           extra_body={"speculation": {"method": "suffix"}})
+        assert "".join(ch.choices[0].text for ch in stream) == ref
+        body = {"model": "sfx", "prompt": prompt, "max_tokens": 4, "speculation": {"method": "suffix",
+                                                                                    "min_token_prob": 2}}
+        assert_openai_error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400, "min_token_prob")
+        body["speculation"] = {"method": "suffix", "num_speculative_tokens": 100}
+        assert_openai_error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400, "64-token context")
+    finally:
+        serve.delete("suffix")
+        drop_shared_suffix_cache("suffix-test-http")
