@@ -16,10 +16,10 @@ Each step, for each method, the k over 0..max_k maximising (expected tokens of t
 (predicted step seconds) is taken, the other methods at their current choice; every few
 steps a neighbour of the best k is tried so the costs stay identified. Tree methods choose
 between off (0) and their own tree; one that is off is tried again every
-``TREE_EXPLORE_EVERY`` exploration steps (its acceptance may have changed: a suffix tree warms
-up), and a row it was on for that drafted nothing counts as a miss at the first position (a
-method that only sometimes has a proposal, like suffix decoding, is worth what it returns over
-all its steps). A request that set ``num_speculative_tokens`` keeps it.
+``TREE_EXPLORE_EVERY`` exploration steps (its acceptance may have changed). A row the
+controller let draft that proposed nothing counts as a miss at the first position: a method
+that only sometimes has a proposal (prompt lookup, suffix decoding) is worth what it returns
+over all its steps. A request that set ``num_speculative_tokens`` keeps it.
 
 >>> c = AdaptiveSpeculation()
 >>> rows = [RowView("a", "draft")]
@@ -124,7 +124,7 @@ class AdaptiveSpeculation:
         self._costs: dict[int, _Costs] = {}
         self._choice: dict[str, int | None] = {}
         self._nodes: dict[str, int] = {}  # tree methods: nodes a tree had lately
-        self._tree_on: set[str] = set()  # rows of the last step whose tree the controller switched on
+        self._on: set[str] = set()  # rows of the last step the controller let draft
         self._steps = 0
 
     # -- deciding ------------------------------------------------------------------------------
@@ -161,7 +161,7 @@ class AdaptiveSpeculation:
             choice[m] = options[best]
         self._choice.update(choice)
         caps = [r.requested if r.fixed else choice.get(r.method) for r in rows]
-        self._tree_on = {r.request_id for r, k in zip(rows, caps) if r.tree and not r.fixed and k is None}
+        self._on = {r.request_id for r, k in zip(rows, caps) if not r.fixed and r.method != "none" and k != 0}
         return caps
 
     def _rate(self, rows, method, k, choice, costs, methods, expected) -> float:
@@ -217,8 +217,8 @@ class AdaptiveSpeculation:
             if r.method == "none":
                 continue
             ks[r.method] = max(ks.get(r.method, 0), d)
-            if d <= 0 and r.request_id in self._tree_on:
-                d = 1  # switched on, nothing to propose: a miss at the first position
+            if d <= 0 and r.request_id in self._on:
+                d = 1  # let draft, nothing to propose: a miss at the first position
             elif d <= 0:
                 continue
             if r.tree:

@@ -8,6 +8,10 @@ Two trees are searched for the row's last tokens (``policies/suffix_tree.py``):
   (``policies/suffix_cache.py``). In one process it is an object (engines that share it share
   the tree); in a Ray deployment each engine replica keeps a replica of one shared tree and
   syncs it in batches with a tree actor (``actors/suffix_cache.py``), off the step's path.
+  Each output is cached with the prompt tokens right before it (at most the tree depth), the
+  context it was written in: a re-asked prompt then finds its earlier answer from its first
+  step. (Arctic caches the response alone; a match must then grow from the new answer's own
+  first tokens, and with ``max_spec_factor`` 1 the drafts ramp up 1, 2, 4, 8, ... tokens.)
 
 Each suffix of the row's tail that occurred in a tree is a candidate match of length m. A
 match may draft up to ``min(num_speculative_tokens, max_spec_factor * m + max_spec_offset)``
@@ -25,10 +29,13 @@ Drafts are deterministic functions of the committed tokens (one-hot q), verified
 tree mask by the tree acceptance rule: greedy output is the target's and sampled output has
 the target's distribution exactly.
 
-Rows sharing a step share a budget of draft tokens (``batch_draft_tokens``), given to the
-most probable nodes over all rows (a node never outranks its parent), because on hardware
-where every verified token costs compute — CPUs, and GPUs at large batches — a batch of long
-drafts costs more than it returns. The self-tuning speculation length
+How much of each draft is verified is chosen per step (``best_width``): a step verifies every
+row as wide as its widest (rows are padded to it), so the rows of a step are cut to one width W,
+each keeping its W most probable nodes, with W maximising the step's expected tokens (B rows'
+own tokens plus the kept nodes' probabilities) per unit of step cost (1 + B * W /
+``step_cost_tokens``: the step's cost doubles with that many more verified tokens). Where
+verifying is dear — CPUs, GPUs at large batches — and the guesses unsure, W shrinks, to 0 when
+no draft is worth its cost; a lone row of sure guesses drafts all it has. The self-tuning speculation length
 (``policies/controller.py``) switches requests that leave the options to the engine on and
 off by measured acceptance and step cost, as for the other tree methods.
 """
@@ -47,9 +54,10 @@ from specray.policies.registry import Limits, MethodOptions, MethodSpec, registe
 from specray.policies.suffix_cache import GlobalSuffixCache
 from specray.policies.suffix_tree import SuffixMatcher, SuffixTree, TreeDraft
 
-# Draft tokens per step summed over the step's suffix rows (two or more) before the least
-# probable nodes are dropped; a row alone in its step keeps its whole draft.
-BATCH_DRAFT_TOKENS = 64
+# Verified tokens per step that double the step's cost, in the width rule (``best_width``): a
+# CPU-like figure (the demo pair on these CPUs: +16 tokens at batch 1 costs +38%, +128 at
+# batch 8 +115%); a GPU at small batches verifies far more for free.
+STEP_COST_TOKENS = 64
 # Outputs shorter than this are not worth a place in the global tree.
 MIN_CACHED_OUTPUT = 2
 
@@ -80,6 +88,7 @@ class _Row:
     options: SuffixOptions
     own: SuffixTree
     matcher: SuffixMatcher | None
+    context: list[int]  # the prompt's last tokens (at most the tree depth), cached with the output
     output: list[int] = field(default_factory=list)
 
     @property
@@ -89,7 +98,8 @@ class _Row:
 
 class SuffixProposer:
     """Suffix-tree drafts (see the module doc). ``cache``: the global tree (shared, or this
-    proposer's own); ``batch_draft_tokens``: the per-step budget over rows (None: none).
+    proposer's own); ``step_cost_tokens``: the width rule's cost scale (None: every row's
+    whole draft is verified).
 
     >>> prop = SuffixProposer()
     >>> row = ProposalRow(slot=0, token_ids=[7, 1, 2, 3, 4, 9, 1, 2], num_tokens=8)
@@ -97,10 +107,10 @@ class SuffixProposer:
     [3, 4]
     """
 
-    def __init__(self, cache: GlobalSuffixCache | None = None, batch_draft_tokens: int | None = BATCH_DRAFT_TOKENS,
+    def __init__(self, cache: GlobalSuffixCache | None = None, step_cost_tokens: float | None = STEP_COST_TOKENS,
                  **_ignored: object):
         self.cache = cache if cache is not None else GlobalSuffixCache()
-        self.batch_draft_tokens = batch_draft_tokens
+        self.step_cost_tokens = step_cost_tokens
         self._rows: dict[int, _Row] = {}
 
     @property
@@ -111,8 +121,9 @@ class SuffixProposer:
     def propose(self, rows: Sequence[ProposalRow]) -> Draft:
         self.cache.poll()  # the global tree's inserts and syncs, bounded per step
         drafts = [self._propose_row(r) for r in rows]
-        if self.batch_draft_tokens is not None and len(rows) > 1:
-            drafts = _within_budget(drafts, self.batch_draft_tokens)
+        if self.step_cost_tokens is not None:
+            width = best_width([d.probs for d in drafts], self.step_cost_tokens)
+            drafts = [d.first(width) for d in drafts]
         out = []
         for d in drafts:
             chain = d.parents == list(range(len(d.parents)))  # one path: the batched chain path takes it
@@ -163,7 +174,8 @@ class SuffixProposer:
     def _start(self, slot: int, prompt: Sequence[int], o: SuffixOptions) -> _Row:
         own = SuffixTree(self.max_tree_depth)
         own.extend(0, prompt)
-        state = _Row(o, own, SuffixMatcher(self.cache.tree) if self.cache.enabled else None)
+        state = _Row(o, own, SuffixMatcher(self.cache.tree) if self.cache.enabled else None,
+                     list(prompt[len(prompt) - self.max_tree_depth :]))
         self._rows[slot] = state
         return state
 
@@ -187,7 +199,7 @@ class SuffixProposer:
         """The request is gone: its output goes to the global tree."""
         state = self._rows.pop(slot, None)
         if state is not None and self.cache.enabled and len(state.output) >= MIN_CACHED_OUTPUT:
-            self.cache.add(state.output)
+            self.cache.add(state.context + state.output)
             self.cache.poll()  # a replica may be due to send its outputs
 
 
@@ -196,34 +208,28 @@ def _spec_limit(o: SuffixOptions, match_len: int) -> int:
     return max(0, int(match_len * o.max_spec_factor + o.max_spec_offset + 1e-6))
 
 
-def _within_budget(drafts: list[TreeDraft], budget: int) -> list[TreeDraft]:
-    """The ``budget`` most probable nodes over all rows (a parent has at least its child's
-    probability and is shallower, so ranking by (-prob, depth) keeps every kept node's path)."""
-    total = sum(len(d.tokens) for d in drafts)
-    if total <= budget:
-        return drafts
-    ranked = []
-    for i, d in enumerate(drafts):
-        depth = [0]
-        for node, (p, parent) in enumerate(zip(d.probs, d.parents), start=1):
-            depth.append(depth[parent] + 1)
-            ranked.append((-p, depth[node], i, node))
-    ranked.sort()
-    keep = [set() for _ in drafts]
-    for _, _, i, node in ranked[:budget]:
-        keep[i].add(node)
-    out = []
-    for d, kept in zip(drafts, keep):
-        index = {0: 0}
-        cut = TreeDraft(match_len=d.match_len, source=d.source)
-        for node in range(1, len(d.tokens) + 1):
-            if node in kept:
-                cut.tokens.append(d.tokens[node - 1])
-                cut.parents.append(index[d.parents[node - 1]])
-                cut.probs.append(d.probs[node - 1])
-                index[node] = len(cut.tokens)
-        out.append(cut)
-    return out
+def best_width(probs: Sequence[Sequence[float]], step_cost_tokens: float) -> int:
+    """The width W that maximises (B + sum over rows of their first W nodes' probabilities) /
+    (1 + B * W / step_cost_tokens); each row's probabilities in drafting order (best first).
+
+    >>> best_width([[1.0] * 8], 64), best_width([[0.1]] * 8, 64), best_width([[0.9, 0.6, 0.3, 0.1]] * 8, 64)
+    (8, 0, 3)
+    """
+    batch = len(probs)
+    if batch == 0:
+        return 0
+    widest = max(map(len, probs))
+    gains = [0.0] * (widest + 1)  # gains[w]: the w-th nodes' probabilities, summed over rows
+    for row in probs:
+        for w, p in enumerate(row, start=1):
+            gains[w] += p
+    best, best_value, expected = 0, 1.0, float(batch)
+    for w in range(1, widest + 1):
+        expected += gains[w]
+        value = expected / (batch * (1 + batch * w / step_cost_tokens))
+        if value > best_value:
+            best, best_value = w, value
+    return best
 
 
 def _check(options: SuffixOptions, facts: Mapping, limits: Limits) -> None:

@@ -89,6 +89,12 @@ class TreeDraft:
     def score(self) -> float:
         return sum(self.probs)
 
+    def first(self, n: int) -> "TreeDraft":
+        """The first ``n`` nodes (drafting order puts every parent before its children)."""
+        if n >= len(self.tokens):
+            return self
+        return TreeDraft(self.tokens[:n], self.parents[:n], self.probs[:n], self.match_len, self.source)
+
 
 class SuffixTree:
     """Suffix trie of depth ``max_depth`` over many sequences (see the module doc).
@@ -266,7 +272,7 @@ class SuffixTree:
                 continue
             index, total = len(out.tokens), self.count(cur)
             for ctok, child, cnt in self._children(cur):
-                p = -neg * cnt / total
+                p = -neg * (cnt / total)  # never above the parent's (cnt == total gives exactly it)
                 if p >= min_prob:
                     heapq.heappush(heap, (-p, order, ctok, child, index, level + 1))
                     order += 1

@@ -14,7 +14,7 @@ from specray.engine.config import EngineConfig
 from specray.engine.engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.policies.base import CommitRow, PrefillRow, ProposalRow
-from specray.policies.suffix import SuffixOptions, SuffixProposer, _within_budget
+from specray.policies.suffix import SuffixOptions, SuffixProposer, best_width
 from specray.policies.suffix_cache import (GlobalSuffixCache, LocalTransport, ReplicatedSuffixCache, SuffixCacheConfig,
                                            SuffixCacheLog)
 from specray.policies.suffix_tree import SuffixMatcher, SuffixTree, TreeDraft
@@ -181,15 +181,24 @@ def test_proposer_drafts_a_tree_of_the_frequent_continuations():
     assert path.tree is None and path.tokens == [3, 5, 1, 2, 3, 5, 1, 2]  # the most frequent child each time
 
 
-def test_rows_sharing_a_step_keep_the_most_probable_nodes_and_whole_paths():
-    a = TreeDraft([1, 2, 3, 4], [0, 1, 0, 3], [0.9, 0.8, 0.1, 0.1])
-    b = TreeDraft([5, 6, 7], [0, 1, 2], [1.0, 1.0, 1.0])
-    c = TreeDraft([8], [0], [0.05])
-    kept = _within_budget([a, b, c], budget=5)
-    assert [d.tokens for d in kept] == [[1, 2], [5, 6, 7], []]
-    assert kept[0].parents == [0, 1]
-    kept = _within_budget([a, b, c], budget=6)  # 3 (0.1) and 4 (0.1): the parent first
-    assert kept[0].tokens == [1, 2, 3] and kept[0].parents == [0, 1, 0]
+def test_the_width_rule_weighs_expected_tokens_against_the_cost_of_a_wider_step():
+    sure, unsure = [1.0] * 10, [0.6, 0.3, 0.2, 0.1]
+    assert best_width([sure], 64) == 10  # alone and sure: everything
+    assert best_width([unsure], 64) == 4 and best_width([unsure], 16) == 3  # the 0.1 node: worth 1/64 of a step
+    assert best_width([unsure] * 8, 64) == 3 and best_width([unsure] * 8, 16) == 1  # 8 rows pay for each unit
+    assert best_width([[0.1]] * 8, 64) == 0  # nothing is worth its cost: no drafts
+    # one sure row among eight: every unit of width costs the whole step B / step_cost_tokens more
+    assert best_width([sure] + [[]] * 7, 128) == 10 and best_width([sure] + [[]] * 7, 32) == 0
+    assert best_width([], 64) == 0
+    # Through the proposer: the rows of a step are cut to one width, each keeping its most
+    # probable nodes (whole paths: drafting order puts parents first).
+    prop = SuffixProposer(step_cost_tokens=16)
+    text = [1, 2, 3, 5, 9, 1, 2, 3, 5, 9, 1, 2, 4, 6, 7, 1, 2]
+    rows = [ProposalRow(slot=s, token_ids=text, num_tokens=8, options=suffix(max_spec_factor=4.0)) for s in range(4)]
+    alone = prop.propose(rows[:1]).rows[0]
+    together = prop.propose(rows).rows
+    assert len(alone.tokens) > len(together[0].tokens) > 0
+    assert all(d.tokens == alone.tokens[: len(d.tokens)] for d in together)
 
 
 def test_the_request_tree_follows_commits_and_slot_reuse():
@@ -418,7 +427,7 @@ def _sample(target, spec):
     tree fills with the earlier requests' samples as they finish."""
     from tests.test_sampling_e2e import N, PARAMS, PROMPT
 
-    engine = engine_with(target, 64, SuffixProposer(batch_draft_tokens=None))  # every row its whole draft
+    engine = engine_with(target, 64, SuffixProposer(step_cost_tokens=None))  # every row its whole draft
     outs = engine.generate([PROMPT] * N, [SamplingParams(seed=i, **PARAMS) for i in range(N)], spec)
     t = engine.totals
     assert t.num_drafts > N // 2 and 0 < t.num_accepted_tokens < t.num_draft_tokens
