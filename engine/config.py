@@ -13,6 +13,8 @@ from specray.policies.spec_length import SpeculationLengthPolicy
 
 log = logging.getLogger(__name__)
 
+STEP_CHOICES = ("auto", "eager", "static", "compile", "graphs")
+
 # Without an explicit max_model_len, contexts are capped here: the KV cache is
 # preallocated for max_num_seqs x context tokens.
 DEFAULT_CONTEXT_CAP = 4096
@@ -29,6 +31,10 @@ class EngineConfig:
     checkpoints: weights of other methods, by their spec's checkpoint key (e.g. "eagle").
     max_num_seqs: rows of the batch (KV cache slots).
     max_model_len: context per sequence; default min(model max positions, 4096).
+    step: how a step runs (``engine/graphs.py``): ``eager`` (HF modules as they are, host
+        acceptance: the reference), ``static`` (fixed shapes, acceptance on the device, one
+        read-back per step), ``compile`` (the same under torch.compile), ``graphs`` (the
+        same captured as CUDA graphs), ``auto`` (graphs on CUDA, eager on CPU).
     default_speculation: for requests that do not say.
     speculation_length: static caps of k by running batch size (off above a batch size),
         whatever requests ask for; None (default) = the self-tuning controller
@@ -45,6 +51,7 @@ class EngineConfig:
     device: str = "cpu"
     max_num_seqs: int = 8
     max_model_len: int | None = None
+    step: str = "auto"
     default_speculation: MethodOptions = field(default_factory=PlainOptions)
     speculation_length: SpeculationLengthPolicy | None = None
 
@@ -55,9 +62,20 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
             raise ValueError(f"unknown dtype {self.dtype!r} (e.g. float32, bfloat16, float16)")
+        if self.step not in STEP_CHOICES:
+            raise ValueError(f"unknown step {self.step!r}: one of {', '.join(STEP_CHOICES)}")
         if self.speculation_length is not None and not callable(getattr(self.speculation_length, "caps", None)):
             raise TypeError(f"speculation_length must be None (self-tuning) or a policy with caps(), such as "
                             f"SpeculationLengthPolicy(); got {self.speculation_length!r}")
+
+    def step_mode(self, device: torch.device) -> str:
+        """The step mode this config runs on ``device`` (``auto`` resolved)."""
+        if self.step == "auto":
+            return "graphs" if device.type == "cuda" else "eager"
+        if self.step == "graphs" and device.type != "cuda":
+            raise ValueError("step 'graphs' captures CUDA graphs and needs a CUDA device; on CPU use "
+                             "'compile' (or 'static', or 'eager')")
+        return self.step
 
     def require_target(self) -> str:
         if self.target is None:

@@ -18,9 +18,10 @@ from typing import Mapping, Protocol, Sequence
 from specray.engine import step as S
 from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
-from specray.engine.verify import TargetScores, accept, sampled_rows
+from specray.engine.device_step import verify_on_device
+from specray.engine.verify import TargetScores, Verified, accept_verified, sampled_rows
 from specray.kernels.sampling import sample
-from specray.policies.base import Draft, PrefillRow
+from specray.policies.base import Draft, DraftRow, PrefillRow
 from specray.policies.registry import method_spec
 from specray.policies.controller import AdaptiveSpeculation
 from specray.policies.spec_length import SpeculationLengthPolicy
@@ -37,8 +38,8 @@ class Executor(Protocol):
     async def propose(self, plan: S.ProposalPlan) -> Mapping[str, Draft | None]:
         """Each method's draft for its rows (None: that proposer is unavailable this step)."""
 
-    async def verify(self, reqs: Sequence[Request], inputs: S.VerifyInput, sampled: Sequence[int]) -> TargetScores:
-        """One target forward over every row's root + nodes: scores at every new position."""
+    async def verify(self, reqs: Sequence[Request], drafts: Sequence[DraftRow]) -> Verified:
+        """One target forward over every row's root + nodes, and acceptance."""
 
     def apply(self, commit: S.Commit) -> None:
         """Keep each row's accepted path in the target; tell proposers what was kept."""
@@ -82,13 +83,13 @@ class StepDriver:
         plan = S.plan_proposals(batch, self.capacity, self.length_policy.caps(views))
         drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
         proposed = time.perf_counter()
-        scores = await self.executor.verify(batch, S.verify_inputs(batch, drafts), sampled_rows(batch))
+        verified = await self.executor.verify(batch, drafts)
         self.phase_seconds["propose"] += proposed - start
         self.phase_seconds["verify"] += time.perf_counter() - proposed
         self.phase_seconds["steps"] += 1
-        result = accept(batch, drafts, scores)
-        outputs = self._apply(S.commit_step(batch, drafts, result, self.capacity, self.tokenizer, scores))
-        self.length_policy.observe(views, [d.size for d in drafts], result.num_accepted, time.perf_counter() - start)
+        outputs = self._apply(S.commit_step(batch, verified, self.capacity, self.tokenizer))
+        self.length_policy.observe(views, [d.size for d in drafts], verified.result.num_accepted,
+                                   time.perf_counter() - start)
         return outputs
 
     def _apply(self, commit: S.Commit) -> list[RequestOutput]:
@@ -127,12 +128,19 @@ def run_sync(coro):
 class LocalExecutor:
     """The target's runner in this process, and each method's proposer (local objects, or
     remote proxies whose ``propose`` returns an awaitable). Proposers that read features sit
-    here, beside the target: the hidden states of the last forward never leave the device."""
+    here, beside the target: the hidden states of the last forward never leave the device.
+
+    With a fixed-shape target (``target.static``, ``engine/graphs.py``), verification and
+    acceptance run on the device with one read-back per step (``engine/device_step.py``),
+    and proposers that can draft on the device (``propose_on_device``) do so; else the
+    eager forward and host acceptance (the reference)."""
 
     def __init__(self, target, proposers: "ProposerTable"):
         self.target = target
         self.proposers = proposers
         self._features = None  # [B, q, H] of the last forward, when a row's method reads them
+        self._device_parts: dict = {}  # method -> (batch indices, DeviceDraft) of this step
+        self._compacted = False  # the last verification kept its paths in the cache already
 
     async def prefill(self, reqs, sampled):
         for r in reqs:
@@ -146,8 +154,15 @@ class LocalExecutor:
         pending, parts = {}, {}
         # Local proposers draft here; a remote proxy returns an awaitable, awaited after them
         # (with overlap on, its worker has been drafting ahead since the last verification).
-        for method, (_, rows) in plan.rows.items():
+        self._device_parts = {}
+        for method, (idx, rows) in plan.rows.items():
             proposer = self.proposers.get(method)
+            if proposer is not None and self.target.static is not None and hasattr(proposer, "propose_on_device"):
+                part = proposer.propose_on_device(rows)
+                if part is not None:
+                    parts[method] = part
+                    self._device_parts[method] = (idx, part)
+                    continue
             parts[method] = proposer.propose(rows) if proposer is not None else None
             if inspect.isawaitable(parts[method]):
                 pending[method] = parts.pop(method)
@@ -155,14 +170,25 @@ class LocalExecutor:
             parts[method] = await awaitable  # a remote proxy answers None when its worker is down
         return parts
 
-    async def verify(self, reqs, inputs, sampled):
+    async def verify(self, reqs, drafts):
+        if self.target.static is not None:
+            done = verify_on_device(self.target, reqs, drafts, self._device_parts)
+            self._device_parts, self._compacted = {}, True
+            self._features = done.features if self._wants_features(reqs) else None
+            return done.verified
+        inputs = S.verify_inputs(reqs, drafts)
         out = self.target.forward([r.slot for r in reqs], inputs.tokens, inputs.logits_at, inputs.layout,
                                   features=self._wants_features(reqs))
         self._features = out.features
-        return TargetScores.from_logits(out.logits, sampled)
+        return accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs)))
 
     def apply(self, commit):
-        self.target.keep(commit.target_keep)
+        if self._compacted:  # the device kept the paths; the host learns the lengths
+            for slot, base, path in commit.target_keep:
+                self.target.set_length(slot, base + len(path))
+            self._compacted = False
+        else:
+            self.target.keep(commit.target_keep)
         for method, rows in commit.proposer_rows.items():
             proposer = self.proposers.get(method)
             if proposer is None:

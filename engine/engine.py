@@ -59,6 +59,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.capacity = config.context_length(target_model.config)
         self.target = ModelRunner(target_model, config.max_num_seqs, self.capacity)
+        self.step_mode = config.step_mode(self.target.device)
         context = ProposerContext(
             vocab_size=self.target.vocab_size, max_num_seqs=config.max_num_seqs, capacity=self.capacity,
             device=str(self.target.device), dtype=config.dtype, target=self.target, runner_for=self._runner_for,
@@ -71,6 +72,12 @@ class LLMEngine:
         proposers = dict(proposers or {})
         self.resources = load_resources(config, context, given, skip=set(proposers))
         facts = {m: {} for m in proposers} | dict(proposer_facts or {})
+        if self.step_mode != "eager":
+            self.target.enable_static(self.step_mode)
+            draft = self.resources.get("draft")
+            if isinstance(draft, ModelRunner):  # the draft model drafts with fixed shapes too
+                draft.enable_static(self.step_mode)
+        log.info("step mode: %s", self.step_mode)
         self.limits = Limits(
             capacity=self.capacity,
             vocab_size=self.target.vocab_size,

@@ -61,12 +61,16 @@ class ModelRunner:
             text_config.hidden_size // text_config.num_attention_heads
         )
         kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        shape = (num_slots, kv_heads, capacity + 1, head_dim)  # +1: scratch position
+        # +1 row: scratch for the padding rows of fixed-shape batches; +1 position: scratch
+        # for padding tokens within a row.
+        shape = (num_slots + 1, kv_heads, capacity + 1, head_dim)
         layers = text_config.num_hidden_layers
         self.cache = attention.LayerCache(
             keys=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
             values=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
         )
+        self.num_slots = num_slots
+        self.static = None  # a StaticForward once enable_static() is called
         self.lengths = [0] * num_slots  # cached tokens per slot (host-side ints)
         # The LM head's input width: the final hidden state's (OPT projects it below hidden_size).
         self.hidden_size = getattr(self.lm_head, "in_features", None) or text_config.hidden_size
@@ -135,10 +139,14 @@ class ModelRunner:
         idx = last if logits_at is None else torch.minimum(logits_at, last)  # [B, m]
         idx = idx.to(self.device)
         picked = hidden.gather(1, idx[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, m, H]
-        logits = self.lm_head(picked).float()
+        return ForwardOutput(logits=self.logits(picked), hidden=picked, features=hidden if features else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] final hidden states -> [..., V] float32 logits (soft-capped if the model does)."""
+        logits = self.lm_head(hidden).float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return ForwardOutput(logits=logits, hidden=picked, features=hidden if features else None)
+        return logits
 
     def _batch(self, slots, tokens, q_lens, q, lengths, layout=None):
         """Attention context, input ids [B, q] and position ids [B, q] for one forward."""
@@ -227,6 +235,32 @@ class ModelRunner:
                 for buf in (*self.cache.keys, *self.cache.values):
                     buf[slot, :, dst] = buf[slot, :, src]  # advanced-index read copies first
             self.lengths[slot] = base + len(nodes)
+
+
+    @torch.inference_mode()
+    def compact_paths(self, rows: torch.Tensor, bases: torch.Tensor, paths: torch.Tensor,
+                      num_accepted: torch.Tensor) -> None:
+        """``compact`` for a whole batch on the device, without reading anything back.
+
+        rows [B] cache rows; bases [B] where each root was written; paths [B, W] kept node
+        indices by depth (valid up to num_accepted [B]). Node path[j] moves to base + j;
+        entries past a row's path copy its scratch position onto itself. Host lengths are
+        the caller's (it learns the counts from the step's read-back).
+        """
+        width = paths.shape[1]
+        col = torch.arange(width, device=paths.device)
+        keep = col[None, :] <= num_accepted[:, None]  # [B, W]
+        scratch = self.cache.scratch
+        src = torch.where(keep, bases[:, None] + paths, scratch)  # [B, W]
+        dst = torch.where(keep, bases[:, None] + col[None, :], scratch)
+        for buf in (*self.cache.keys, *self.cache.values):
+            buf[rows[:, None], :, dst] = buf[rows[:, None], :, src]  # advanced-index read copies first
+
+    def enable_static(self, mode: str) -> None:
+        """Serve fixed-shape forwards (``engine/graphs.py``) beside the eager one."""
+        from specray.engine.graphs import StaticForward
+
+        self.static = StaticForward(self, mode)
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):

@@ -4,8 +4,9 @@
     plan    = plan_proposals(batch, capacity, policy)   # who drafts, at most how many nodes
     drafts  = merge_drafts(batch, plan, parts)          # one DraftRow per row
     inputs  = verify_inputs(batch, drafts)              # tokens, layout, scored positions
-    result  = accept(batch, drafts, scores)             # engine/verify.py
-    commit  = commit_step(batch, drafts, result, ...)   # requests advance; what workers must do
+    verified = executor.verify(batch, drafts)           # target + acceptance (engine/verify.py,
+                                                        # or engine/device_step.py on the device)
+    commit  = commit_step(batch, verified, ...)         # requests advance; what workers must do
 
 ``Commit`` says what the target keeps (a path per row: one mechanism for chains, trees and
 windows), what each proposer is told (``CommitRow``/``PrefillRow``; the executor that ran
@@ -20,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 
 from specray.engine.request import Request, RequestOutput, speculation_event
-from specray.engine.verify import StepResult, TargetScores
+from specray.engine.verify import Verified
 from specray.policies.base import EMPTY, CommitRow, Draft, DraftRow, PrefillRow, ProposalRow, SamplingView
 from specray.policies.controller import RowView
 from specray.policies.registry import PLAIN, method_spec
@@ -145,22 +146,17 @@ class Commit:
     finished: list[Request] = field(default_factory=list)
 
 
-def commit_step(
-    batch: Sequence[Request], drafts: Sequence[DraftRow], result: StepResult, capacity: int, tokenizer,
-    scores: TargetScores | None = None,
-) -> Commit:
-    """scores: the target's, to hand rows with extra nodes the target's argmax there."""
+def commit_step(batch: Sequence[Request], verified: Verified, capacity: int, tokenizer) -> Commit:
+    """verified: the acceptance, the drafts as verified and the target's argmax at extra nodes."""
     commit = Commit()
+    result, drafts = verified.result, verified.drafts
     for i, r in enumerate(batch):
         n, path, d = result.num_accepted[i], result.paths[i], drafts[i]
         # The cache holds the root (at num_tokens - 1) and every verified node after it.
         commit.target_keep.append((r.slot, r.num_tokens - 1, path))
         if r.method != PLAIN:  # also when it drafted nothing: feature methods track every step
-            extra_best = None
-            if d.extra is not None and scores is not None:
-                extra_best = scores.best[i][d.size + 1 : d.size + 1 + len(d.extra.tokens)]
             commit.proposer_rows.setdefault(r.method, []).append(
-                (i, CommitRow(r.slot, result.emitted[i], path, extra_best=extra_best)))
+                (i, CommitRow(r.slot, result.emitted[i], path, extra_best=verified.extra_best[i])))
         r.metrics.record_draft(d.size, n)
         r.metrics.target_forward_passes += 1
         kept = r.append(result.emitted[i], capacity, tokenizer)

@@ -31,6 +31,17 @@ class StepResult:
 
 
 @dataclass(frozen=True)
+class Verified:
+    """A verified step as the driver commits it: the acceptance, the drafts as verified
+    (rows drafted on the device carry their tokens again), and the target's argmax at each
+    row's extra nodes (lookahead windows; None for rows without)."""
+
+    result: StepResult
+    drafts: list[DraftRow]
+    extra_best: list[list[int] | None]
+
+
+@dataclass(frozen=True)
 class TargetScores:
     """best: [B][m] argmax ids at every scored position; logits: [n, m, V] of the rows in
     ``sampled`` only (None when every row is greedy)."""
@@ -73,6 +84,13 @@ def sampling_tensors(reqs: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.
         torch.tensor([r.sampling.effective_top_k for r in reqs], dtype=torch.long),
         torch.tensor([r.sampling.top_p for r in reqs], dtype=torch.float32),
     )
+
+
+def accept_verified(reqs: Sequence, drafts: Sequence[DraftRow], scores: TargetScores) -> Verified:
+    """The host path: acceptance from the target's scores (the eager reference)."""
+    extra_best = [scores.best[i][d.size + 1 : d.size + 1 + len(d.extra.tokens)] if d.extra is not None else None
+                  for i, d in enumerate(drafts)]
+    return Verified(accept(reqs, drafts, scores), list(drafts), extra_best)
 
 
 def accept(reqs: Sequence, drafts: Sequence[DraftRow], scores: TargetScores) -> StepResult:

@@ -111,10 +111,11 @@ def greedy_accept(
 
 def rejection_accept(
     draft_tokens: torch.Tensor,  # [B, K] int64
-    draft_lengths: torch.Tensor,  # [B] int64, <= K
+    draft_lengths: torch.Tensor | Sequence[int],  # [B] int64, <= K
     draft_probs: torch.Tensor | None,  # [B, K, V] float, or None = one-hot drafts
     target_probs: torch.Tensor,  # [B, K+1, V] float (after temperature/top-k/top-p)
     generators: Sequence[torch.Generator | None],  # [B]
+    has_probs: torch.Tensor | None = None,  # [B] bool: rows whose draft_probs are real (others one-hot)
 ) -> Acceptance:
     """Modified rejection sampling (speculative sampling), exact for any q.
 
@@ -131,6 +132,11 @@ def rejection_accept(
     >>> acc.emitted(0)
     [1, 0]
     """
+    if not isinstance(draft_lengths, torch.Tensor):  # host-known lengths: no read-back
+        lengths_list = [int(n) for n in draft_lengths]
+        draft_lengths = torch.tensor(lengths_list, dtype=torch.long)
+    else:
+        lengths_list = draft_lengths.tolist()
     _check_shapes(draft_tokens, draft_lengths, target_probs)
     b, k = draft_tokens.shape
     vocab = target_probs.shape[-1]
@@ -138,7 +144,6 @@ def rejection_accept(
         raise ValueError(f"draft_probs must be [{b}, {k}, {vocab}], got {tuple(draft_probs.shape)}")
     if len(generators) != b:
         raise ValueError(f"need one generator (or None) per row: {b} rows, {len(generators)} generators")
-    lengths_list = draft_lengths.tolist()
     if any(n < 0 or n > k for n in lengths_list):
         raise ValueError(f"draft_lengths must lie in [0, {k}], got {lengths_list}")
 
@@ -152,10 +157,13 @@ def rejection_accept(
     u = uniforms([n + 1 for n in lengths_list], generators, device, width=k + 1)  # [B, K+1]
 
     p_draft = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [B, K] p_i(d_i)
+    one_hot = None if has_probs is None or draft_probs is None else ~has_probs.to(device)[:, None]  # [B, 1]
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.float().gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [B, K]
+        if one_hot is not None:
+            q_draft = torch.where(one_hot, 1.0, q_draft)
     # u < p/q  <=>  u * q < p, without dividing by q.
     valid = torch.arange(k, device=device) < lengths.unsqueeze(1)  # [B, K]
     num_accepted = _accepted_prefix((u[:, :k] * q_draft < p_draft) & valid)  # [B]
@@ -173,6 +181,9 @@ def rejection_accept(
             q_final = torch.zeros_like(p_final).scatter_(1, d, 1.0)  # [B, V] one-hot
         else:
             q_final = draft_probs.float().gather(1, pos_q.view(b, 1, 1).expand(b, 1, vocab)).squeeze(1)
+            if one_hot is not None:
+                d = drafts.gather(1, pos_q.unsqueeze(1))  # [B, 1]
+                q_final = torch.where(one_hot, torch.zeros_like(p_final).scatter_(1, d, 1.0), q_final)
         residual = (p_final - q_final).clamp(min=0)  # [B, V]
         usable = residual.sum(dim=1, keepdim=True) > _RESIDUAL_MASS_EPS  # [B, 1]
         weights = torch.where(rejected & usable, residual, p_final)

@@ -128,15 +128,30 @@ def causal_batch_mask(
     Padding queries see a causal pattern (finite garbage, never read back).
     """
     keys = torch.arange(kv_len, device=lengths.device)
-    if tree_mask is None:
-        limit = lengths[:, None] + torch.arange(1, query_len + 1, device=lengths.device)  # [B, q]
-        allowed = keys[None, None, :] < limit[:, :, None]  # [B, q, kv_len]
-    else:
-        rel = keys[None, :] - lengths[:, None]  # [B, kv_len], offset into the new tokens
-        in_new = (rel >= 0) & (rel < query_len)
-        idx = rel.clamp(0, query_len - 1)[:, None, :].expand(-1, query_len, -1)  # [B, q, kv_len]
-        allowed = (rel < 0)[:, None, :] | (in_new[:, None, :] & tree_mask.gather(2, idx))
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=lengths.device)
+    if tree_mask is not None:
+        return batch_mask(lengths, keys, tree_mask, dtype)
+    limit = lengths[:, None] + torch.arange(1, query_len + 1, device=lengths.device)  # [B, q]
+    allowed = keys[None, None, :] < limit[:, :, None]  # [B, q, kv_len]
+    return _additive(allowed, dtype)
+
+
+def batch_mask(lengths: torch.Tensor, keys: torch.Tensor, tree_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The same mask from device tensors only, for fixed-shape (captured) forwards.
+
+    lengths [B]; keys [kv] = arange(kv) (its length is the number of keys); tree_mask
+    [B, q, q] bool (a chain is its lower triangle). Returns [B, 1, q, kv]: query j sees
+    the row's cached prefix and new token i iff tree_mask[b, j, i].
+    """
+    q = tree_mask.shape[1]
+    rel = keys[None, :] - lengths[:, None]  # [B, kv], offset into the new tokens
+    in_new = (rel >= 0) & (rel < q)
+    idx = rel.clamp(0, q - 1)[:, None, :].expand(-1, q, -1)  # [B, q, kv]
+    allowed = (rel < 0)[:, None, :] | (in_new[:, None, :] & tree_mask.gather(2, idx))
+    return _additive(allowed, dtype)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [B, q, kv] bool -> [B, 1, q, kv]
+    mask = torch.zeros_like(allowed, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
 
@@ -177,14 +192,17 @@ def cached_attention(module, query, key, value, attention_mask, scaling=None, dr
         return softcapped_attention(query, keys, values, mask, scaling, softcap), None
     if query.is_cuda and _use_xformers():
         return xformers_attention(query, keys, values, mask, scaling), None
-    return sdpa_attention(query, keys, values, mask, scaling), None
+    return sdpa_attention(query, keys, values, mask, scaling, getattr(module, "num_key_value_groups", None)), None
 
 
-def sdpa_attention(query, keys, values, mask, scaling):
-    """query [B, H, q, D], keys/values [B, H_kv, kv, D], mask [B, 1, q, kv] -> [B, q, H, D]."""
-    out = F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1]
-    )
+def sdpa_attention(query, keys, values, mask, scaling, groups: int | None = None):
+    """query [B, H, q, D], keys/values [B, H_kv, kv, D], mask [B, 1, q, kv] -> [B, q, H, D].
+
+    groups: query heads per kv head, from the module's config (a plain int, so that a
+    compiled graph with symbolic shapes never branches on a size); None = from the shapes.
+    """
+    gqa = (query.shape[1] != keys.shape[1]) if groups is None else groups != 1
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
 
 

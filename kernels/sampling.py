@@ -20,6 +20,7 @@ def probs_from_logits(
     temperature: torch.Tensor,  # [N] float, > 0
     top_k: torch.Tensor,  # [N] int64, 0 = off
     top_p: torch.Tensor,  # [N] float in (0, 1]
+    check: bool = True,
 ) -> torch.Tensor:  # [N, V] float32
     """Sampling distribution per row, in HF ``generate``'s order.
 
@@ -39,10 +40,10 @@ def probs_from_logits(
     for name, t in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
         if t.shape != (n,):
             raise ValueError(f"{name} must have shape [{n}], got {tuple(t.shape)}")
-    # One host sync for all checks.
-    bad = (temperature <= 0).any() | (top_k < 0).any() | (top_p <= 0).any() | (top_p > 1).any()
-    if bool(bad):
-        raise ValueError("need temperature > 0, top_k >= 0 and 0 < top_p <= 1 on every row")
+    if check:  # one host read for all checks (callers with validated parameters skip it)
+        bad = (temperature <= 0).any() | (top_k < 0).any() | (top_p <= 0).any() | (top_p > 1).any()
+        if bool(bad):
+            raise ValueError("need temperature > 0, top_k >= 0 and 0 < top_p <= 1 on every row")
 
     device = logits.device
     scaled = logits.float() / temperature.to(device, torch.float32).unsqueeze(-1)  # [N, V]

@@ -87,9 +87,9 @@ class TokenTree:
     def size(self) -> int:
         return int(self.depth.shape[0])
 
-    @property
+    @cached_property
     def max_depth(self) -> int:
-        return int(self.depth.max())
+        return int(self.depth.numpy().max())  # host tensors (.numpy() refuses device ones)
 
     @staticmethod
     def from_parents(parents: Sequence[int]) -> "TokenTree":
@@ -119,14 +119,20 @@ class TokenTree:
     def children(self) -> list[list[int]]:
         """Each node's children in node order (for choices trees, that is rank order)."""
         kids: list[list[int]] = [[] for _ in range(self.size)]
-        for node, parent in enumerate(self.parents.tolist()[1:], start=1):
+        for node, parent in enumerate(self.parents.numpy().tolist()[1:], start=1):
             kids[parent].append(node)
         return kids
 
     @cached_property
+    def children_table(self) -> torch.Tensor:
+        """[T, C] each node's children in node order, padded with -1 (C >= 1)."""
+        width = max(1, max(len(k) for k in self.children))
+        return torch.tensor([k + [-1] * (width - len(k)) for k in self.children], dtype=torch.long)
+
+    @cached_property
     def paths(self) -> torch.Tensor:
         """[P, D+1] int64 root-to-leaf node indices, padded with -1 (one row per leaf)."""
-        parents = self.parents.tolist()
+        parents = self.parents.numpy().tolist()
         leaves = [n for n in range(self.size) if not self.children[n]]
         rows = []
         for leaf in leaves:

@@ -180,6 +180,18 @@ class Draft:
         return out
 
 
+class DeviceDraft(Draft):
+    """Drafts made on the device whose tokens stay there until the step's one read-back
+    (``engine/device_step.py``). ``rows`` hold placeholder tokens and each row's tree (None
+    for chains); device_tokens: [n, k] int64, row i's nodes 1..rows[i].size (right-padded);
+    device_probs: [n, k, V] float32 the distribution each node was drawn from (sampled
+    rows; greedy rows' entries unused), or None for deterministic proposals."""
+
+    def __init__(self, rows: Sequence[DraftRow], device_tokens: torch.Tensor, device_probs: torch.Tensor | None):
+        super().__init__(rows)
+        self.device_tokens, self.device_probs = device_tokens, device_probs
+
+
 @dataclass(frozen=True)
 class CommitRow:
     """What one row kept this step.

@@ -21,8 +21,8 @@ from typing import Literal, Protocol, Sequence
 
 import torch
 
-from specray.kernels.sampling import probs_from_logits, sample
-from specray.policies.base import CommitRow, Draft, DraftRow, ProposalRow
+from specray.kernels.sampling import probs_from_logits, sample, sample_from_uniform, uniforms
+from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, ProposalRow
 from specray.policies.registry import LinearOptions, MethodSpec, register_method
 
 # Rows with more pending tokens than this catch up in a forward of their own, so one
@@ -65,16 +65,7 @@ class DraftModelProposer:
             return Draft.empty(0)
         runner = self.runner
         slots = [r.slot for r in rows]
-        pending = []
-        for r in rows:
-            if runner.lengths[r.slot] >= len(r.token_ids):  # stale slot (reused): start over
-                runner.reset(r.slot)
-            pending.append(list(r.token_ids[runner.lengths[r.slot] :]))
-        behind = [i for i, p in enumerate(pending) if len(p) > CATCH_UP_THRESHOLD]
-        if behind:
-            runner.forward([slots[i] for i in behind], [pending[i][:-1] for i in behind])
-            for i in behind:
-                pending[i] = pending[i][-1:]
+        pending = self._catch_up(rows)
 
         k_max = max(r.num_tokens for r in rows)
         tokens = [[] for _ in rows]  # drafted tokens per row
@@ -110,6 +101,66 @@ class DraftModelProposer:
             self._base[r.slot] = len(r.token_ids)
             self._k[r.slot] = r.num_tokens
         return Draft.from_lists(tokens, probs)
+
+    def propose_on_device(self, rows: Sequence[ProposalRow]) -> DeviceDraft | None:
+        """The same drafts made with fixed-shape forwards, the tokens never leaving the device
+        (None when the runner has no fixed-shape path). Every row runs k_max forwards; rows
+        that want fewer tokens roll their cache back after (an integer). Sampled rows draw
+        k_max uniforms each from their own generator, so their draws do not depend on the
+        batch."""
+        static = getattr(self.runner, "static", None)
+        if static is None or not rows:
+            return None
+        runner, n = self.runner, len(rows)
+        slots = [r.slot for r in rows]
+        pending = self._catch_up(rows)
+        k_max = max(r.num_tokens for r in rows)
+        device = runner.device
+        sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
+        probs = None
+        if sampled:
+            sub = [rows[i] for i in sampled]
+            sel = torch.tensor(sampled, dtype=torch.long).to(device, non_blocking=True)
+            u = uniforms([k_max] * len(sub), [r.generator for r in sub], device)  # [s, k_max]
+            params = [torch.tensor([getattr(r.sampling, name) for r in sub], dtype=dt).to(device, non_blocking=True)
+                      for name, dt in (("temperature", torch.float32), ("top_k", torch.long), ("top_p", torch.float32))]
+            probs = torch.zeros(n, k_max, self.vocab_size, device=device)
+        last = torch.tensor([len(p) - 1 for p in pending], dtype=torch.long).to(device, non_blocking=True)
+        every = torch.arange(n, device=device)
+        logits = static.run(slots, pending).logits[every, last]  # [n, V_draft]
+        drafted = []
+        for j in range(k_max):
+            logits = self._fit_vocab(logits)
+            tok = logits.argmax(dim=-1)  # [n]
+            if sampled:
+                q = probs_from_logits(logits[sel], *params, check=False)  # [s, V]
+                tok[sel] = sample_from_uniform(q, u[:, j])
+                probs[sel, j] = q
+            drafted.append(tok)
+            if j + 1 < k_max:  # the last token is not fed
+                logits = static.run(slots, [[0]] * n, spliced=[(every, 0, tok[:, None])]).logits[:n, 0]
+        for r in rows:
+            runner.set_length(r.slot, len(r.token_ids) + r.num_tokens - 1)
+            self._base[r.slot] = len(r.token_ids)
+            self._k[r.slot] = r.num_tokens
+        placeholders = [DraftRow([0] * r.num_tokens) for r in rows]
+        return DeviceDraft(placeholders, torch.stack(drafted, dim=1), probs)
+
+    def _catch_up(self, rows: Sequence[ProposalRow]) -> list[list[int]]:
+        """Each row's committed tokens the cache does not hold yet; long backlogs (a freshly
+        admitted prompt) are fed first in a forward of their own, all but the last token."""
+        runner = self.runner
+        pending = []
+        for r in rows:
+            if runner.lengths[r.slot] >= len(r.token_ids):  # stale slot (reused): start over
+                runner.reset(r.slot)
+            pending.append(list(r.token_ids[runner.lengths[r.slot] :]))
+        behind = [i for i, p in enumerate(pending) if len(p) > CATCH_UP_THRESHOLD]
+        if behind:
+            runner.forward([rows[i].slot for i in behind], [pending[i][:-1] for i in behind])
+            for i in behind:
+                pending[i] = pending[i][-1:]
+        return pending
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [b, V_draft] -> [b, V]
         v = logits.shape[-1]

@@ -22,7 +22,7 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from specray.kernels.tree import NAMED_TREES, TokenTree, TreeError, build_tree, normalize_choices
-from specray.policies.base import CommitRow, Draft, DraftRow, PrefillRow, ProposalRow
+from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, PrefillRow, ProposalRow
 from specray.policies.registry import MethodSpec, TreeAcceptanceOptions, register_method
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -180,16 +180,35 @@ class MedusaProposer:
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[ProposalRow]) -> Draft:
+        trees, topk = self._ranked(rows)
+        topk = topk.cpu()  # [B, K, k]
+        return Draft([
+            DraftRow(t.candidate_tokens(topk[i : i + 1, : t.max_depth])[0].tolist(), t) for i, t in enumerate(trees)
+        ])
+
+    @torch.inference_mode()
+    def propose_on_device(self, rows: Sequence[ProposalRow]) -> DeviceDraft:
+        """The same trees with their tokens left on the device (one gather per distinct tree)."""
+        trees, topk = self._ranked(rows)  # topk: [B, K, k] device
+        width = max(t.size - 1 for t in trees)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long, device=topk.device)
+        groups: dict[int, tuple[TokenTree, list[int]]] = {}
+        for i, t in enumerate(trees):
+            groups.setdefault(id(t), (t, []))[1].append(i)
+        for tree, idx in groups.values():
+            sel = torch.tensor(idx, dtype=torch.long).to(topk.device, non_blocking=True)
+            tokens[sel, : tree.size - 1] = tree.candidate_tokens(topk[sel, : tree.max_depth])
+        return DeviceDraft([DraftRow([0] * (t.size - 1), t) for t in trees], tokens, None)
+
+    def _ranked(self, rows: Sequence[ProposalRow]) -> tuple[list[TokenTree], torch.Tensor]:
+        """Each row's tree and the heads' top-k tokens per head, [B, K, k] on the heads' device."""
         if any(r.slot not in self._last for r in rows):
             raise ValueError("medusa needs the target's hidden state for every row (prefill/commit features)")
         trees = [_fit(resolve_tree(r.options, self.heads.num_heads, self.heads.choices), r.num_tokens) for r in rows]
         hidden = torch.stack([self._last[r.slot] for r in rows]).to(next(self.heads.parameters()).dtype)
         logits = self.heads(hidden)  # [B, K, V]
         k = max(max(t.topk) for t in trees)
-        topk = logits.topk(k, dim=-1).indices.cpu()  # [B, K, k]
-        return Draft([
-            DraftRow(t.candidate_tokens(topk[i : i + 1, : t.max_depth])[0].tolist(), t) for i, t in enumerate(trees)
-        ])
+        return trees, logits.topk(k, dim=-1).indices
 
     def commit(self, rows: Sequence[CommitRow]) -> None:
         for row in rows:

@@ -15,7 +15,8 @@ from specray.engine.driver import StepDriver, run_sync
 from specray.engine.engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.engine.scheduler import Scheduler
-from specray.engine.verify import TargetScores
+from specray.engine.step import verify_inputs
+from specray.engine.verify import TargetScores, accept_verified
 from specray.policies.base import Draft, DraftRow
 from specray.policies.registry import Limits, LinearOptions, MethodSpec, register_method, unregister_method
 from tests.conftest import hf_greedy
@@ -49,9 +50,10 @@ class FakeExecutor:
             parts[method] = Draft(drafts)
         return parts
 
-    async def verify(self, reqs, inputs, sampled):
+    async def verify(self, reqs, drafts):
         self.calls.append("verify")
-        return TargetScores([[(t + 1) % VOCAB for t in row] for row in inputs.tokens], [], None)
+        inputs = verify_inputs(reqs, drafts)
+        return accept_verified(reqs, drafts, TargetScores([[(t + 1) % VOCAB for t in row] for row in inputs.tokens], [], None))
 
     def apply(self, commit):
         self.calls.append("apply")

@@ -1,0 +1,177 @@
+"""Verification and acceptance on the device, with one read-back per step.
+
+The eager executor verifies with ``ModelRunner.forward`` and accepts on the host
+(``engine/verify.py``), reading the target's argmax ids back per row. Here the target runs
+its fixed-shape forward (``engine/graphs.py``), acceptance runs for the whole batch on the
+device (``kernels/batch_acceptance.py``: greedy chains and trees, rejection sampling with
+or without draft probabilities), accepted tree paths are compacted in the cache on the
+device, and the host copies one small int64 buffer:
+
+    [num_accepted | path (W) | emitted (W) | target argmax (W) | verified tokens (W)]
+
+per row, from which it does all its bookkeeping. Drafts made on the device (a draft
+model's k tokens, ``DeviceDraft``) reach the target without a host round trip and come
+back in the same buffer. Medusa's lossy typical acceptance is the one rule left on the
+host (opt-in; it reads its rows' probabilities).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+import torch
+
+from specray.engine import step as S
+from specray.engine.verify import StepResult, TargetScores, Verified, accept, sampling_tensors
+from specray.kernels.acceptance import rejection_accept
+from specray.kernels.batch_acceptance import (
+    BatchAcceptance,
+    greedy_accept_batch,
+    tree_rejection_accept_batch,
+    tree_uniform_count,
+)
+from specray.kernels.sampling import probs_from_logits, uniforms
+from specray.policies.base import DeviceDraft, DraftRow
+
+
+@dataclass
+class DeviceVerification:
+    """What the executor keeps of a device verification until ``apply``."""
+
+    verified: Verified
+    features: torch.Tensor | None  # [Bb, W, H] hidden states of every verified position
+
+
+def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
+                     device_parts: Mapping[str, tuple[list[int], DeviceDraft]]) -> DeviceVerification:
+    """One fixed-shape verification of the batch; device_parts: method -> (batch indices,
+    the part drafted on the device) for rows whose tokens never left it."""
+    static = target.static
+    inputs = S.verify_inputs(reqs, drafts)
+    device = target.device
+    spliced = []
+    for idx, part in device_parts.values():
+        rows = torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
+        spliced.append((rows, 1, part.device_tokens))
+    out = static.run([r.slot for r in reqs], inputs.tokens, inputs.layout, spliced)
+    batch, width = len(reqs), out.ids.shape[1]
+    ids, anc, depth = out.ids[:batch], out.tree[:batch], out.offsets[:batch]
+    logits = out.logits[:batch]  # [B, W, V]
+    best = logits.argmax(dim=-1)  # [B, W]
+    sizes = torch.tensor([d.size for d in drafts], dtype=torch.long).to(device, non_blocking=True)
+    acc = greedy_accept_batch(ids, anc, depth, sizes, best)
+    host_rows = _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc)
+    if any(not d.is_chain for d in drafts):
+        bases = torch.tensor([r.num_tokens - 1 for r in reqs], dtype=torch.long).to(device, non_blocking=True)
+        target.compact_paths(out.rows[:batch], bases, acc.path, acc.num_accepted)
+    # The one read-back of the step.
+    host = torch.cat([acc.num_accepted[:, None], acc.path, acc.emitted, best, ids], dim=1).tolist()
+    accepted, emitted, paths, extra_best, filled = [], [], [], [], list(drafts)
+    device_rows = {i for idx, _ in device_parts.values() for i in idx}
+    for i, row in enumerate(host):
+        n = row[0]
+        accepted.append(n)
+        paths.append(row[1 : n + 2])
+        emitted.append(row[1 + width : n + 2 + width])
+        d = drafts[i]
+        extra_best.append(row[1 + 2 * width + d.size + 1 : 1 + 2 * width + d.size + 1 + len(d.extra.tokens)]
+                          if d.extra is not None else None)
+        if i in device_rows:
+            filled[i] = replace(d, tokens=row[2 + 3 * width : 2 + 3 * width + d.size])
+    result = StepResult(accepted, emitted, paths)
+    if host_rows:  # typical acceptance (lossy, opt-in): the per-row host rule
+        scores = TargetScores.from_logits(logits[host_rows], list(range(len(host_rows))))
+        part = accept([reqs[i] for i in host_rows], [filled[i] for i in host_rows], scores)
+        for j, i in enumerate(host_rows):
+            accepted[i], emitted[i], paths[i] = part.num_accepted[j], part.emitted[j], part.paths[j]
+    return DeviceVerification(Verified(result, filled, extra_best), out.hidden)
+
+
+def _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc: BatchAcceptance) -> list[int]:
+    """Rejection sampling for the sampled rows, written into ``acc``; returns the rows left
+    to the host (typical acceptance)."""
+    chains, trees, host = [], [], []
+    for i, r in enumerate(reqs):
+        if r.sampling.greedy:
+            continue
+        if getattr(r.speculation, "acceptance", "exact") == "typical" and not drafts[i].is_chain:
+            host.append(i)
+        elif drafts[i].is_chain:
+            chains.append(i)
+        else:
+            trees.append(i)
+    if not chains and not trees:
+        return host
+    device = ids.device
+    width, vocab = ids.shape[1], logits.shape[-1]
+    rows = chains + trees
+    temperature, top_k, top_p = sampling_tensors([reqs[i] for i in rows])
+    idx = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    probs = probs_from_logits(logits[idx].reshape(-1, vocab), temperature.repeat_interleave(width),
+                              top_k.repeat_interleave(width), top_p.repeat_interleave(width),
+                              check=False).view(len(rows), width, vocab)  # [S, W, V]
+    q = _draft_probs(rows, drafts, device_parts, width, vocab, device)  # [S, W, V] node-aligned or None
+    generators = [reqs[i].generator for i in rows]
+    parts = []
+    if chains:
+        n = len(chains)
+        k = max(drafts[i].size for i in chains)
+        lengths = [drafts[i].size for i in chains]
+        res = rejection_accept(ids[idx[:n], 1 : k + 1], lengths, None if q is None else q[:n, 1 : k + 1],
+                               probs[:n, : k + 1], generators[:n], has_probs=_has_q(chains, drafts, device_parts))
+        col = torch.arange(width, device=device)
+        path = torch.where(col[None, :] <= res.num_accepted[:, None], col[None, :], 0)
+        emitted = torch.zeros(n, width, dtype=torch.long, device=device)
+        emitted[:, : k + 1] = res.tokens
+        parts.append(BatchAcceptance(res.num_accepted, path, emitted))
+    if trees:
+        t = len(trees)
+        structures = [drafts[i].structure for i in trees]
+        levels = max(s.max_depth for s in structures)
+        strides = [s.children_table.shape[1] for s in structures]
+        counts = [tree_uniform_count(s.max_depth, c) for s, c in zip(structures, strides)]
+        u = uniforms(counts, generators[len(chains):], device)
+        kids = torch.full((t, width, max(strides)), -1, dtype=torch.long)
+        for j, s in enumerate(structures):
+            table = s.children_table
+            kids[j, : table.shape[0], : table.shape[1]] = table
+        sel = idx[len(chains):]
+        has_q = _has_q(trees, drafts, device_parts)
+        parts.append(tree_rejection_accept_batch(
+            ids[sel], anc[sel], depth[sel], kids.to(device, non_blocking=True), probs[len(chains):], u,
+            strides=torch.tensor(strides).to(device, non_blocking=True),
+            finals=torch.tensor([c - 1 for c in counts]).to(device, non_blocking=True), levels=levels,
+            draft_probs=None if q is None else q[len(chains):],
+            has_q=None if has_q is None else has_q.to(device, non_blocking=True),
+        ))
+    merged = [torch.cat(parts_field) for parts_field in zip(*((p.num_accepted, p.path, p.emitted) for p in parts))]
+    acc.num_accepted[idx] = merged[0]
+    acc.path[idx] = merged[1]
+    acc.emitted[idx] = merged[2]
+    return host
+
+
+def _draft_probs(rows, drafts, device_parts, width, vocab, device) -> torch.Tensor | None:
+    """[S, W, V] the distribution each node was drawn from (node-aligned: column j is node
+    j, the root's column unused), or None when no sampled row carries one."""
+    by_row = {}
+    for idx, part in device_parts.values():
+        if part.device_probs is not None:
+            for n, i in enumerate(idx):
+                by_row[i] = part.device_probs[n]  # [k, V]
+    if not any(drafts[i].probs is not None or i in by_row for i in rows):
+        return None
+    q = torch.zeros(len(rows), width, vocab, device=device)
+    for j, i in enumerate(rows):
+        p = by_row.get(i, drafts[i].probs)
+        if p is not None and drafts[i].size:
+            q[j, 1 : 1 + drafts[i].size] = p[: drafts[i].size].to(device, non_blocking=True)
+    return q
+
+
+def _has_q(rows, drafts, device_parts) -> torch.Tensor | None:
+    """[S] bool: the row's nodes carry draft probabilities (else they are one-hot proposals)."""
+    with_q = {i for idx, part in device_parts.values() if part.device_probs is not None for i in idx}
+    flags = [drafts[i].probs is not None or i in with_q for i in rows]
+    return torch.tensor(flags) if any(flags) else None

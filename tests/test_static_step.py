@@ -1,0 +1,183 @@
+"""The fixed-shape step (``engine/graphs.py`` + ``engine/device_step.py``) against the eager
+reference, on the CPU.
+
+* Every method's greedy output through the static path equals HF ``generate`` (which the
+  eager path equals), with ragged prompts, requests joining mid-run and an abort.
+* A step reads the device back once: ``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``,
+  ``nonzero`` are counted inside steps that admit no request.
+* Compiled: the same tokens, and no recompiles over 100 steps of changing lengths.
+* Sampling through the device acceptance keeps the target's distribution (chains with
+  and without draft probabilities, trees with one-hot and drawn q).
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from specray.engine.config import EngineConfig
+from specray.engine.engine import LLMEngine
+from specray.engine.params import SamplingParams, SpeculationParams
+from specray.policies.spec_length import SpeculationLengthPolicy
+from tests.test_eagle import random_head
+from tests.test_engine import GREEDY, ragged_prompts
+from tests.test_medusa import random_heads
+from tests.test_redrafter import random_drafter
+
+SPECS = {
+    "none": {},
+    "draft": {"num_speculative_tokens": 3},
+    "ngram": {"num_speculative_tokens": 3},
+    "medusa": {},
+    "eagle": {},
+    "eagle-2": {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12},
+    "redrafter": {},
+    "lookahead": {"window_size": 3, "ngram_size": 3, "verification_set_size": 3},
+}
+
+
+def engine_for(models, step: str, max_num_seqs: int = 4, **kw) -> LLMEngine:
+    target, draft = models
+    return LLMEngine(
+        # Static speculation lengths: every row drafts, whatever this machine's timings.
+        EngineConfig(target="x", max_num_seqs=max_num_seqs, step=step,
+                     speculation_length=SpeculationLengthPolicy(), **kw),
+        target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft),
+        medusa_heads=random_heads(),
+        resources={"eagle": random_head(target), "redrafter": random_drafter()},
+    )
+
+
+def speculation(name: str) -> SpeculationParams:
+    return SpeculationParams(method=name.split("-")[0], **SPECS[name])
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_static_step_equals_hf_for_every_method(tiny_pair, references, name):
+    engine = engine_for(tiny_pair, "static")
+    outs = engine.generate(ragged_prompts(8), GREEDY, speculation(name))  # 8 prompts, 4 slots: joins
+    assert [o.token_ids for o in outs] == references
+    if name != "none":
+        assert engine.totals.num_drafts > 0
+
+
+def test_static_step_mixed_methods_and_abort(tiny_pair, references):
+    engine = engine_for(tiny_pair, "static")
+    names = list(SPECS)
+    ids = [engine.add_request(p, GREEDY, speculation(names[i % len(names)])) for i, p in enumerate(ragged_prompts(8))]
+    done, aborted = {}, ids[5]
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+        steps += 1
+        if steps == 3:
+            engine.abort(aborted)
+    for i, rid in enumerate(ids):
+        if rid != aborted:
+            assert done[rid] == references[i], names[i % len(names)]
+
+
+@contextmanager
+def counting_reads():
+    """Count the host reads of tensors: the calls that copy a value back (and, on a GPU,
+    wait for the device)."""
+    counts = {"n": 0}
+    patched = {}
+
+    def wrap(owner, name):
+        original = getattr(owner, name)
+        patched[(owner, name)] = original
+
+        def counted(*args, **kwargs):
+            counts["n"] += 1
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+    for name in ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "nonzero"):
+        wrap(torch.Tensor, name)
+    wrap(torch, "nonzero")
+    try:
+        yield counts
+    finally:
+        for (owner, name), original in patched.items():
+            setattr(owner, name, original)
+
+
+@pytest.mark.parametrize("name", ["none", "draft", "ngram", "medusa"])
+def test_one_host_read_per_step(tiny_pair, name):
+    engine = engine_for(tiny_pair, "static")
+    prompts = ragged_prompts(4)
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), speculation(name))
+    engine.step()  # admits everyone (prefill reads the first tokens)
+    reads = []
+    while engine.has_unfinished():
+        with counting_reads() as counts:
+            engine.step()
+        reads.append(counts["n"])
+    assert len(reads) >= 3 and max(reads) == 1, reads
+
+
+def test_sampled_rows_read_once_too(tiny_pair):
+    engine = engine_for(tiny_pair, "static")
+    for i, p in enumerate(ragged_prompts(4)):
+        params = SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=i, ignore_eos=True)
+        engine.add_request(p, params, speculation(["draft", "ngram", "medusa", "none"][i]))
+    engine.step()
+    reads = []
+    while engine.has_unfinished():
+        with counting_reads() as counts:
+            engine.step()
+        reads.append(counts["n"])
+    assert max(reads) == 1, reads
+
+
+def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
+    """torch.compile with dynamic shapes: one graph per (batch > 1, width > 1) variant, none
+    recompiled as the lengths change step after step."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    engine = engine_for(tiny_pair, "compile", max_num_seqs=2)
+    prompts = ragged_prompts(8)[:4]
+    first = engine.generate(prompts[:2], GREEDY, speculation("none"))  # compiles (batch 2, width 1)
+    assert [o.token_ids for o in first] == references[:2]
+    graphs = counters["stats"]["unique_graphs"]
+    long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    outs = engine.generate(prompts[2:4], long, speculation("none"))  # 100 steps, lengths change each
+    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    eager = engine_for(tiny_pair, "eager", max_num_seqs=2).generate(prompts[2:4], long, speculation("none"))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+
+
+# -- sampling through the device acceptance --------------------------------------------------
+@pytest.mark.parametrize("name", ["draft", "ngram", "medusa", "eagle"])
+def test_device_sampling_matches_target_distribution(name):
+    from tests import test_sampling_e2e as E
+
+    models = (E.tiny_llama(vocab=E.VOCAB, seed=3, init=0.25), E.tiny_llama(vocab=E.VOCAB, layers=1, seed=4, init=0.25))
+    target, draft = models
+    engine = LLMEngine(
+        EngineConfig(target="x", max_num_seqs=64, step="static", speculation_length=SpeculationLengthPolicy()),
+        target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft),
+        medusa_heads=random_heads(vocab=E.VOCAB), resources={"eagle": random_head(target)},
+    )
+    params = [SamplingParams(seed=i, **E.PARAMS) for i in range(E.N)]
+    spec = SpeculationParams(method=name, num_speculative_tokens=3) if name in ("draft", "ngram") else \
+        SpeculationParams(method=name)
+    outs = engine.generate([E.PROMPT] * E.N, params, spec)
+    t = engine.totals
+    assert t.num_drafts > E.N // 2 and 0 < t.num_accepted_tokens < t.num_draft_tokens
+    seqs = np.array([o.token_ids for o in outs])
+    pvals = E.check(seqs, E.exact_joint(target))
+    assert min(pvals) > 1e-3, pvals
