@@ -678,3 +678,16 @@ def test_suffix_over_http(server, tiny_checkpoints, tiny_pair, tmp_path_factory)
     finally:
         serve.delete("suffix")
         drop_shared_suffix_cache("suffix-test-http")
+
+
+@pytest.mark.parametrize("spec", [suffix(num_speculative_tokens=6), suffix(tree=False)], ids=["tree", "path"])
+def test_the_fixed_shape_step_equals_hf_with_suffix(tiny_pair, references, spec):
+    """The fixed-shape step (verification and acceptance on the device, one read-back) with
+    suffix drafts: trees of any shape per row and step, joins, the global tree warming."""
+    from tests.test_static_step import engine_for
+
+    engine = engine_for(tiny_pair, "static")
+    for _ in range(2):
+        outs = engine.generate(ragged_prompts(8), GREEDY, spec)
+        assert [o.token_ids for o in outs] == references
+    assert engine.totals.num_accepted_tokens > 0
