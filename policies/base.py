@@ -232,6 +232,20 @@ class PrefillRow:
     features: torch.Tensor | None = None
 
 
+def extends(token_ids: Sequence[int], seen: Sequence[int]) -> bool:
+    """Whether ``token_ids`` is ``seen`` grown, for proposers that keep state per slot: a new
+    request in a reused slot is not. Reads three positions (start, middle, last seen), not
+    the whole sequence.
+
+    >>> extends([1, 2, 3, 4], [1, 2, 3]), extends([1, 2], [1, 2, 3]), extends([7, 2, 3, 4], [1, 2, 3])
+    (True, False, False)
+    """
+    n = len(seen)
+    if len(token_ids) < n:
+        return False
+    return n == 0 or all(token_ids[i] == seen[i] for i in (0, (n - 1) // 2, n - 1))
+
+
 class Proposer(Protocol):
     """The smallest drafting interface (cf. HF ``CandidateGenerator``).
 
