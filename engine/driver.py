@@ -176,7 +176,7 @@ class LocalExecutor:
         if self._device_step:
             done = verify_on_device(self.target, reqs, drafts, self._device_parts)
             self._device_parts, self._compacted = {}, True
-            self._last = _Features(done.features if self._wants_features(reqs)["features"] else None, None)
+            self._last = _Features(done.features, done.layers) if any(self._wants_features(reqs).values()) else None
             return done.verified
         inputs = S.verify_inputs(reqs, drafts)
         out = self.target.forward([r.slot for r in reqs], inputs.tokens, inputs.logits_at, inputs.layout,
@@ -212,9 +212,7 @@ class LocalExecutor:
 
     @property
     def _device_step(self) -> bool:
-        # The fixed-shape forward hands over final-norm features only: an engine that loads
-        # a method reading layer taps (EAGLE-3) verifies with the eager forward.
-        return self.target.static is not None and not self.proposers.reads_layers()
+        return self.target.static is not None
 
     def _wants_features(self, reqs) -> dict:
         """The forward's feature arguments: the final norm's and/or the layers the batch's methods read."""
@@ -273,9 +271,13 @@ class ProposerTable:
             return None
         return tuple(spec.feature_layers(self.resources[method]))
 
-    def reads_layers(self) -> bool:
-        """A loaded method reads target layer taps (``MethodSpec.feature_layers``)."""
-        return any(m in registered_methods() and method_spec(m).feature_layers is not None for m in self.resources)
+    def all_feature_layers(self) -> tuple[int, ...]:
+        """Every target layer a loaded method reads (``MethodSpec.feature_layers``)."""
+        taps = set()
+        for m in self.resources:
+            if m in registered_methods() and method_spec(m).feature_layers is not None:
+                taps.update(self.feature_layers(m) or ())
+        return tuple(sorted(taps))
 
     def release(self, slots: Sequence[int]) -> None:
         for proposer in self._built.values():

@@ -69,6 +69,8 @@ class StaticOutput:
 
     logits:  [Bb, W, V] float32 at every new position
     hidden:  [Bb, W, H] final-norm hidden states
+    layers:  {k: [Bb, W, H]} the hidden states entering decoder layer k, for the runner's
+             tapped layers (``StaticForward.layers``)
     ids:     [Bb, W] the tokens run (device drafts spliced in)
     tree:    [Bb, W, W] bool, new token j sees new token i
     offsets: [Bb, W] position offsets (a tree's depths)
@@ -77,6 +79,7 @@ class StaticOutput:
 
     logits: torch.Tensor
     hidden: torch.Tensor
+    layers: dict[int, torch.Tensor]
     ids: torch.Tensor
     tree: torch.Tensor
     offsets: torch.Tensor
@@ -93,12 +96,13 @@ class StaticForward:
     >>> out = static.run([0, 3], [[7], [9]])                       # two rows decode
     """
 
-    def __init__(self, runner, mode: StepMode = "static", kv_block: int = KV_BLOCK):
+    def __init__(self, runner, mode: StepMode = "static", kv_block: int = KV_BLOCK, layers: Sequence[int] = ()):
         if mode not in STEP_MODES or mode == "eager":
             raise ValueError(f"StaticForward mode must be one of {', '.join(STEP_MODES[1:])}; got {mode!r}")
         if mode in CAPTURED and runner.device.type != "cuda":
             raise ValueError(f"mode {mode!r} captures CUDA graphs and needs a CUDA device; use 'compile' on CPU")
         self.runner, self.mode, self.kv_block = runner, mode, kv_block
+        self.layers = tuple(layers)  # decoder layers whose inputs every forward returns (EAGLE-3's taps)
         self.limit = runner.num_slots
         # Compiled forwards never see a batch or width of 1 (see the module docstring).
         self.min_size = 2 if mode in COMPILED else 1
@@ -130,7 +134,8 @@ class StaticForward:
         row; rows [Bb] cache rows; tree_mask [Bb, W, W] bool (new token j sees new token i);
         offsets [Bb, W] position offsets of the new tokens; kv_keys [kv] = arange(kv), whose
         length is the number of keys attended (a shape, not a value, so a compiled graph
-        keeps it symbolic). Returns (logits [Bb, W, V] float32, hidden [Bb, W, H])."""
+        keeps it symbolic). Returns (logits [Bb, W, V] float32, hidden [Bb, W, H], and the
+        tapped layers' inputs, one [Bb, W, H] each)."""
         runner = self.runner
         width = ids.shape[1]
         col = torch.arange(width, device=ids.device)
@@ -142,8 +147,9 @@ class StaticForward:
             cache=runner.cache, rows=rows, contiguous=False, write_pos=write_pos, kv_len=kv_keys.shape[0],
             mask=mask, lengths=lengths, positions=positions, offsets=offsets,
         )
-        hidden = runner._run_decoder(ids, positions, ctx)  # [Bb, W, H]
-        return runner.logits(hidden), hidden
+        taps: dict[int, torch.Tensor] = {}
+        hidden = runner._run_decoder(ids, positions, ctx, None, self.layers, taps)  # [Bb, W, H]
+        return (runner.logits(hidden), hidden, *(taps[k] for k in self.layers))
 
     # -- one forward ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -184,12 +190,12 @@ class StaticForward:
             tree, offsets = self._tree(layout, rows_b, width)
         dev = [ids, lens, q, rows, tree, offsets]
         if self.mode in CAPTURED:
-            logits, hidden = self._replay((rows_b, width, kv), dev, self._keys(kv))
+            logits, hidden, *taps = self._replay((rows_b, width, kv), dev, self._keys(kv))
         else:
-            logits, hidden = self._fn(*dev, self._keys(kv))
+            logits, hidden, *taps = self._fn(*dev, self._keys(kv))
         for s, n in zip(slots, q_lens):
             runner.lengths[s] += n
-        return StaticOutput(logits, hidden, ids, tree, offsets, rows, batch)
+        return StaticOutput(logits, hidden, dict(zip(self.layers, taps)), ids, tree, offsets, rows, batch)
 
     def _host_inputs(self, slots, tokens, q_lens, lengths, rows_b, width):
         """ids [Bb, W], lengths, new-token counts and cache rows [Bb]: built on the host as two
@@ -260,4 +266,4 @@ class StaticForward:
 class _Captured:
     graph: "torch.cuda.CUDAGraph"
     inputs: list[torch.Tensor]  # the static buffers new inputs are copied into
-    outputs: tuple[torch.Tensor, torch.Tensor]
+    outputs: tuple[torch.Tensor, ...]  # (logits, hidden, *taps)

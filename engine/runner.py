@@ -272,11 +272,12 @@ class ModelRunner:
         for buf in (*self.cache.keys, *self.cache.values):
             buf[rows[:, None], :, dst] = buf[rows[:, None], :, src]  # advanced-index read copies first
 
-    def enable_static(self, mode: str) -> None:
-        """Serve fixed-shape forwards (``engine/graphs.py``) beside the eager one."""
+    def enable_static(self, mode: str, layers: Sequence[int] = ()) -> None:
+        """Serve fixed-shape forwards (``engine/graphs.py``) beside the eager one; ``layers``:
+        the decoder layers whose inputs every fixed-shape forward also returns."""
         from specray.engine.graphs import StaticForward
 
-        self.static = StaticForward(self, mode)
+        self.static = StaticForward(self, mode, layers=layers)
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):

@@ -109,11 +109,12 @@ def test_eagle3_mixes_with_eagle_and_draft_rows_in_one_batch(tiny_pair, referenc
 
 
 def test_a_static_step_engine_with_eagle3_stays_lossless_mixed_with_device_drafts(tiny_pair, references):
-    """The fixed-shape forward hands over final-norm features only: an engine loading an
-    EAGLE-3 head verifies eagerly, device-drafting methods included, and stays exact."""
+    """The fixed-shape forward hands over the layer taps EAGLE-3 reads: an engine loading an
+    EAGLE-3 head keeps the device step (drafts and acceptance on the device) and stays exact."""
     target, draft = tiny_pair
     engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4, step="static"), target_model=copy.deepcopy(target),
                        draft_model=copy.deepcopy(draft), resources={"eagle3": random_head3(target)})
+    assert set(engine.target.static.layers) == set(engine.proposers.feature_layers("eagle3"))
     specs = [SpeculationParams(method="eagle3", tree="chain") if i % 2 else
              SpeculationParams(method="draft", num_speculative_tokens=3) for i in range(8)]
     outs = engine.generate(ragged_prompts(8), GREEDY, specs)
