@@ -191,6 +191,9 @@ class StaticForward:
         dev = [ids, lens, q, rows, tree, offsets]
         if self.mode in CAPTURED:
             logits, hidden, *taps = self._replay((rows_b, width, kv), dev, self._keys(kv))
+            # The graph rewrites its outputs at its next replay: features handed to proposers
+            # (kept across steps) get memory of their own; logits are read before then.
+            hidden, taps = hidden.clone(), [t.clone() for t in taps]
         else:
             logits, hidden, *taps = self._fn(*dev, self._keys(kv))
         for s, n in zip(slots, q_lens):
