@@ -19,7 +19,8 @@ import logging
 from typing import Iterable, Mapping, Sequence
 
 from specray.engine.config import EngineConfig, load_tokenizer
-from specray.engine.driver import LocalExecutor, ProposerTable, StepDriver, run_sync
+from specray.engine.driver import StepDriver, run_sync
+from specray.engine.executor import LocalExecutor, ProposerTable
 from specray.engine.params import SamplingParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
