@@ -212,21 +212,14 @@ def _read_batch_lines(objects, config: SpecrayConfig):
 
 def _batch_facts(config: SpecrayConfig) -> openai_batch.Facts:
     """Tokenizer (chat templates, token counts), context and vocabulary of the job's model."""
-    from transformers import AutoConfig
-
     from specray.engine.config import load_tokenizer
+    from specray.serve.checks import facts_for
 
-    config = config.resolved()  # the demo pair when no target is given, as the coordinator does
+    config = config.with_models()  # the demo pair when no target is given, as the coordinator does
     try:
-        model_config = AutoConfig.from_pretrained(config.target)
-        context = config.engine_config().context_length(model_config)
+        return facts_for(config, load_tokenizer(config.tokenizer or config.target))
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot read the target {config.target}: {exc}") from None
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    limits = Limits(capacity=context, vocab_size=text_config.vocab_size, methods=config.method_facts())
-    default = config.default_speculation or best_speculation(limits.methods)
-    return openai_batch.Facts(load_tokenizer(config.tokenizer or config.target), context,
-                              text_config.vocab_size, limits, default)
 
 
 def _check_record(rec: JobLine, config, vocab, has_tokenizer, limits: Limits) -> str | None:

@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from typing import Mapping, Protocol, Sequence
 
+from specray.engine import logprobs as L
 from specray.engine import step as S
 from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
@@ -75,7 +76,7 @@ class StepDriver:
         sampled = [i for i in sampled_rows(reqs) if not reqs[i].output_ids]
         scores = await self.executor.prefill(reqs, sampled)
         tokens = [None if r.output_ids else t for r, t in zip(reqs, first_tokens(reqs, scores))]
-        return self._apply(S.commit_prefill(reqs, tokens, self.capacity, self.tokenizer))
+        return self._apply(S.commit_prefill(reqs, tokens, self.capacity, self.tokenizer, scores))
 
     async def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
         start = time.perf_counter()
@@ -145,10 +146,12 @@ class LocalExecutor:
     async def prefill(self, reqs, sampled):
         for r in reqs:
             self.target.reset(r.slot)
-        out = self.target.forward([r.slot for r in reqs], [r.prefill_ids for r in reqs],
+        every = L.every_position(reqs) if L.wants_prompt(reqs) else None  # echo: score the prompt too
+        out = self.target.forward([r.slot for r in reqs], [r.prefill_ids for r in reqs], every,
                                   features=self._wants_features(reqs))
         self._features = out.features
-        return TargetScores.from_logits(out.logits, sampled)
+        logits, prompts = L.split_prefill(out.logits, reqs) if every is not None else (out.logits, {})
+        return replace(TargetScores.from_logits(logits, sampled, L.wanted(reqs)), prompt_logprobs=prompts)
 
     async def propose(self, plan):
         pending, parts = {}, {}
@@ -180,7 +183,7 @@ class LocalExecutor:
         out = self.target.forward([r.slot for r in reqs], inputs.tokens, inputs.logits_at, inputs.layout,
                                   features=self._wants_features(reqs))
         self._features = out.features
-        return accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs)))
+        return accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs), L.wanted(reqs)))
 
     def apply(self, commit):
         if self._compacted:  # the device kept the paths; the host learns the lengths

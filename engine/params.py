@@ -34,6 +34,11 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, description="Stop strings (not included in text).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Return each generated token's log-probability under the target's raw "
+        "distribution and this many most likely alternatives (0: the token's own only); None = none.")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="The same for every prompt token after the first (OpenAI's echo).")
 
     @field_validator("stop", mode="before")
     @classmethod

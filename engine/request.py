@@ -30,6 +30,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     metrics: dict
     step: dict | None = None  # what this step's speculation did (``speculation_event``)
+    logprobs: list[dict] | None = None  # every generated token's so far, when asked (``engine/logprobs.py``)
+    prompt_logprobs: list[dict | None] | None = None  # the prompt's, when asked
 
 
 @dataclass
@@ -45,6 +47,8 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    logprobs: list[dict] | None = None  # entries of the kept tokens, when sampling.logprobs asks
+    prompt_logprobs: list[dict | None] | None = None
     _prefix_offset: int = 0  # incremental detokenisation (``_decode_new``)
     _read_offset: int = 0
 
@@ -83,8 +87,9 @@ class Request:
     def remaining(self) -> int:
         return self.sampling.max_tokens - len(self.output_ids)
 
-    def append(self, tokens: Sequence[int], capacity: int, tokenizer) -> list[int]:
-        """Append emitted tokens until a stop condition; return the ones kept."""
+    def append(self, tokens: Sequence[int], capacity: int, tokenizer, logprobs: list[dict] | None = None) -> list[int]:
+        """Append emitted tokens until a stop condition; return the ones kept (``logprobs``:
+        the emitted tokens' entries; those of the kept ones are recorded)."""
         kept: list[int] = []
         for tok in tokens:
             self.output_ids.append(int(tok))
@@ -97,6 +102,8 @@ class Request:
                 break
         if tokenizer is not None:
             kept = self._update_text(kept, tokenizer)  # a stop string may drop tokens
+        if logprobs is not None and self.sampling.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(logprobs[: len(kept)])
         self.metrics.num_generated_tokens = len(self.output_ids)
         return kept
 
@@ -149,6 +156,8 @@ class Request:
             finish_reason=self.finish_reason,
             metrics=self.metrics.to_dict(),
             step=step,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

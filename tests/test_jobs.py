@@ -246,8 +246,8 @@ def ray_head():
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path, RAY_USAGE_STATS_ENABLED="0",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", SPECRAY_WORKER_THREADS="1")
-    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
-    cmd = [ray_bin, "start", "--head", "--block", "--temp-dir", os.path.join(temp_dir, "ray"),
+    # `ray start` with this interpreter: the cluster's workers then import this checkout.
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--temp-dir", os.path.join(temp_dir, "ray"),
            "--port", str(gcs), "--dashboard-port", str(dash), "--dashboard-host", "127.0.0.1",
            "--ray-client-server-port", str(client), "--node-manager-port", str(nm),
            "--object-manager-port", str(om), "--metrics-export-port", str(metrics),
