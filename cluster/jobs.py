@@ -93,21 +93,29 @@ def load_config(path: str | None) -> SpecrayConfig:
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read config {path}: {exc}") from None
     try:
-        if path.endswith(".json"):
-            data = json.loads(raw)
-        else:
-            try:
-                import yaml
-            except ImportError:  # JSON is YAML; without pyyaml accept JSON only
-                data = json.loads(raw)
-            else:
-                data = yaml.safe_load(raw)
+        import yaml
+
+        data = json.loads(raw) if path.endswith(".json") else yaml.safe_load(raw)
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
         raise UsageError(f"config {path} does not parse: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise UsageError(f"config {path} must hold a mapping of option names to values")
     try:
-        return SpecrayConfig.model_validate(data if data is not None else {})
-    except ValidationError as exc:
-        raise UsageError(f"config {path} is invalid:\n{_format_errors(exc, indent='  ')}") from None
+        return SpecrayConfig.model_validate(engine_part(data or {}))
+    except (ValidationError, ValueError) as exc:
+        errors = _format_errors(exc, indent="  ") if isinstance(exc, ValidationError) else f"  {exc}"
+        raise UsageError(f"config {path} is invalid:\n{errors}") from None
+
+
+def engine_part(data: dict) -> dict:
+    """A job's config is a SpecrayConfig; a serve config works too (vLLM's flat names such as
+    ``max-model-len`` and ``speculative-config``, or ServeConfig's nested layout): its engine
+    part is used, its server settings (port, API key, ...) do not apply to a job."""
+    from specray.serve.config import ServeConfig, flat_to_nested
+
+    nested = flat_to_nested(data)
+    server = set(ServeConfig.model_fields) - {"engine"}
+    return {**{k: v for k, v in nested.items() if k not in server and k != "engine"}, **nested.get("engine", {})}
 
 
 def _format_errors(exc: ValidationError, indent: str = "") -> str:

@@ -110,6 +110,7 @@ def _check_output(lines: list[dict], recs, target) -> None:
         assert o["token_ids"] == hf_greedy(target, r["prompt"], n), o
         assert len(o["token_ids"]) == n and o["finish_reason"] == "length"
         method = (r.get("speculation") or {"method": "draft"})["method"]  # default: the config's
+        assert o["method"] == method  # each line says which method ran
         if method == "none":
             assert o["metrics"]["num_drafts"] == 0
         elif method in ("medusa", "eagle"):
@@ -218,6 +219,20 @@ def test_job_bad_config_and_output(tiny_dirs, tmp_path, capsys):
     assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 2
     assert "line 1" in capsys.readouterr().err
     assert jobs.main(["--input", str(inp), "--output", str(out), "--batch-size", "0"]) == 2
+
+
+def test_a_serve_config_with_vllm_names_configures_a_job(tiny_checkpoints, tmp_path):
+    """The serve config's flat names work for a job too (its server settings do not apply)."""
+    target = tiny_checkpoints["target"]
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"target: {target}\nmax-model-len: 128\nmax-num-seqs: 2\nport: 9999\nserved-model-name: x\n"
+                   'speculative-config: {"method": "ngram", "num_speculative_tokens": 2}\n')
+    config = jobs.load_config(str(cfg))
+    assert (config.target, config.max_model_len, config.max_num_seqs) == (target, 128, 2)
+    assert config.default_speculation.method == "ngram" and config.default_speculation.num_speculative_tokens == 2
+    cfg.write_text("max-model-len: 1\n")
+    with pytest.raises(jobs.UsageError, match="max_model_len"):
+        jobs.load_config(str(cfg))
 
 
 # -- end to end: ray start --head + ray job submission -------------------------------------

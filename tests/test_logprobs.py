@@ -44,3 +44,15 @@ def test_prompt_logprobs_and_nothing_unasked(make_engine, target):
     assert all(e["top"] == [] for e in asked.logprobs)  # logprobs=0: the token's own only
     assert plain.logprobs is None and plain.prompt_logprobs is None
     assert plain.token_ids == asked.token_ids
+
+
+def test_the_fixed_shape_step_reports_the_same_logprobs(make_engine):
+    """The device path (acceptance on the device, one read-back) scores tokens as the eager one."""
+    sampling = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
+    spec = SpeculationParams(method="draft", num_speculative_tokens=3)
+    eager = make_engine(step="eager").generate([PROMPT], sampling, spec)[0]
+    static = make_engine(step="static").generate([PROMPT], sampling, spec)[0]
+    assert static.token_ids == eager.token_ids
+    for a, b in zip(static.logprobs, eager.logprobs):
+        assert a["id"] == b["id"] and abs(a["logprob"] - b["logprob"]) < 1e-4
+        assert [i for i, _ in a["top"]] == [i for i, _ in b["top"]]
