@@ -18,6 +18,7 @@ from specray.engine.memory import DEFAULT_MAX_NUM_SEQS, KVPlan, plan_for_checkpo
 from specray.engine.params import Speculation
 from specray.policies.registry import method_spec, registered_methods
 from specray.policies.spec_length import SpeculationLengthPolicy
+from specray.policies.suffix_cache import SuffixCacheConfig
 
 
 class ModelPlacement(BaseModel):
@@ -90,6 +91,10 @@ class SpecrayConfig(BaseModel):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     overlap_drafting: bool = Field(
         True, description="Separate layout: proposer workers draft the next step while the target verifies this one."
+    )
+    suffix_cache: SuffixCacheConfig = Field(
+        default_factory=SuffixCacheConfig, description="Suffix decoding's trees: depth, the global tree's size, "
+        "and whether engine replicas share it (a Ray actor)."
     )
 
     def engine_config(self, device: str | None = None) -> EngineConfig:

@@ -98,8 +98,8 @@ class CoordinatorCore:
         remote = {} if colocated else self._remote_methods()
         engine_cfg, options = cfg.engine_config(), self.placement.options(self.role)
         cls = ray.remote(EngineWorker)
-        overlap = cfg.overlap_drafting
-        self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote, overlap))
+        overlap, suffix = cfg.overlap_drafting, cfg.suffix_cache.model_dump()
+        self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote, overlap, suffix))
         limits = Limits.from_dict(await self._worker_started())
         # As OpenAI and vLLM: prompt + max_tokens beyond the context is refused (ContextLengthError).
         self.scheduler = Scheduler(cfg.max_num_seqs, limits, self.tokenizer, cfg.default_speculation,

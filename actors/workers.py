@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from specray.actors.remote import RemoteProposer
+from specray.actors.suffix_cache import suffix_cache_for
 from specray.engine.config import EngineConfig
 from specray.engine.engine import LLMEngine
 from specray.engine.runner import ModelRunner
@@ -135,9 +136,12 @@ class EngineWorker(_Placed):
     remote: method -> actor options for the methods that run in ProposerWorkers of their
     own (separate layout); empty = every proposer in this actor (colocated layout).
     overlap: remote proposers draft the next step while the target verifies this one.
+    suffix_cache: ``SuffixCacheConfig`` of suffix decoding's global tree (default: shared with
+    the other engine workers through the tree actor).
     """
 
-    def __init__(self, config: EngineConfig, remote: dict[str, dict] | None = None, overlap: bool = True):
+    def __init__(self, config: EngineConfig, remote: dict[str, dict] | None = None, overlap: bool = True,
+                 suffix_cache: dict | None = None):
         _threads()
         config = _on_this_device(config)
         self.remote: dict[str, RemoteProposer] = {}
@@ -149,7 +153,8 @@ class EngineWorker(_Placed):
 
             return make
 
-        self.engine = LLMEngine(config, proposers={m: proxy(m, o) for m, o in (remote or {}).items()})
+        self.engine = LLMEngine(config, proposers={m: proxy(m, o) for m, o in (remote or {}).items()},
+                                resources={"suffix": suffix_cache_for(suffix_cache or {})})
         self._lock = asyncio.Lock()
         self._outbox: list = []
         self._errors: dict[str, str] = {}

@@ -27,6 +27,7 @@ BENCHMARKS = {
     "actors": "per-step cost of the Ray actor layouts against the in-process engine",
     "trees": "tree methods (EAGLE-1/2, Medusa, ReDrafter) against plain and draft-model speculation",
     "lookahead": "lookahead decoding against plain decoding and prompt lookup",
+    "gpu": "the step against the memory-bandwidth bound on a GPU (a synthetic 8B-shaped pair; --device cpu: demo)",
 }
 
 
@@ -80,11 +81,11 @@ def _generate(args, option_flags: list[F.OptionFlag]) -> int:
         fields, how = {"method": method}, "the default: the best method these weights allow"
     method_spec(method)  # an unknown method fails here, before any model loads
     F.check_method_flags(method, given, how)
-    fields.update({field: value for field, (_, value) in given.items()})
+    fields.update({flag.field: value for flag, value in given})
     try:
         speculation = parse_speculation(fields)
     except ValueError as exc:
-        raise ValueError(F.one_line(exc, {f.field: f.flag for f in option_flags})) from None
+        raise ValueError(F.one_line(exc, {f.field: f.flag for f in option_flags if method in f.methods})) from None
     checkpoint = method_spec(method).checkpoint
     demo = engine_cfg.target is None
     if checkpoint and not engine_cfg.engine_config().checkpoint(checkpoint) and not (demo and checkpoint == "draft"):

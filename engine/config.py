@@ -13,7 +13,7 @@ from specray.policies.spec_length import SpeculationLengthPolicy
 
 log = logging.getLogger(__name__)
 
-STEP_CHOICES = ("auto", "eager", "static", "compile", "graphs")
+STEP_CHOICES = ("auto", "eager", "static", "compile", "cudagraph", "graphs")
 
 # Without an explicit max_model_len, contexts are capped here: the KV cache is
 # preallocated for max_num_seqs x context tokens.
@@ -62,8 +62,9 @@ class EngineConfig:
     max_model_len: context per sequence; default min(model max positions, 4096).
     step: how a step runs (``engine/graphs.py``): ``eager`` (HF modules as they are, host
         acceptance: the reference), ``static`` (fixed shapes, acceptance on the device, one
-        read-back per step), ``compile`` (the same under torch.compile), ``graphs`` (the
-        same captured as CUDA graphs), ``auto`` (graphs on CUDA, eager on CPU).
+        read-back per step), ``compile`` (the same under torch.compile), ``cudagraph`` (static
+        captured as CUDA graphs), ``graphs`` (compiled and captured), ``auto`` (graphs on CUDA,
+        eager on CPU).
     default_speculation: for requests that do not say; None (default) = the best method
         the loaded weights allow (``params.best_speculation``: draft, then heads, then
         prompt lookup), its length left to the self-tuning controller.
@@ -103,8 +104,8 @@ class EngineConfig:
         """The step mode this config runs on ``device`` (``auto`` resolved)."""
         if self.step == "auto":
             return "graphs" if device.type == "cuda" else "eager"
-        if self.step == "graphs" and device.type != "cuda":
-            raise ValueError("step 'graphs' captures CUDA graphs and needs a CUDA device; on CPU use "
+        if self.step in ("cudagraph", "graphs") and device.type != "cuda":
+            raise ValueError(f"step {self.step!r} captures CUDA graphs and needs a CUDA device; on CPU use "
                              "'compile' (or 'static', or 'eager')")
         return self.step
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Mapping, Protocol, Sequence
+
+import torch
 
 from specray.engine import logprobs as L
 from specray.engine import step as S
@@ -23,7 +25,7 @@ from specray.engine.device_step import verify_on_device
 from specray.engine.verify import TargetScores, Verified, accept_verified, sampled_rows
 from specray.kernels.sampling import sample
 from specray.policies.base import Draft, DraftRow, PrefillRow
-from specray.policies.registry import method_spec
+from specray.policies.registry import method_spec, registered_methods
 from specray.policies.controller import AdaptiveSpeculation
 from specray.policies.spec_length import SpeculationLengthPolicy
 
@@ -139,7 +141,7 @@ class LocalExecutor:
     def __init__(self, target, proposers: "ProposerTable"):
         self.target = target
         self.proposers = proposers
-        self._features = None  # [B, q, H] of the last forward, when a row's method reads them
+        self._last = None  # the last forward's features (final norm's, layer taps) rows' methods read
         self._device_parts: dict = {}  # method -> (batch indices, DeviceDraft) of this step
         self._compacted = False  # the last verification kept its paths in the cache already
 
@@ -148,8 +150,8 @@ class LocalExecutor:
             self.target.reset(r.slot)
         every = L.every_position(reqs) if L.wants_prompt(reqs) else None  # echo: score the prompt too
         out = self.target.forward([r.slot for r in reqs], [r.prefill_ids for r in reqs], every,
-                                  features=self._wants_features(reqs))
-        self._features = out.features
+                                  **self._wants_features(reqs))
+        self._last = out
         logits, prompts = L.split_prefill(out.logits, reqs) if every is not None else (out.logits, {})
         return replace(TargetScores.from_logits(logits, sampled, L.wanted(reqs)), prompt_logprobs=prompts)
 
@@ -160,7 +162,7 @@ class LocalExecutor:
         self._device_parts = {}
         for method, (idx, rows) in plan.rows.items():
             proposer = self.proposers.get(method)
-            if proposer is not None and self.target.static is not None and hasattr(proposer, "propose_on_device"):
+            if proposer is not None and self._device_step and hasattr(proposer, "propose_on_device"):
                 part = proposer.propose_on_device(rows)
                 if part is not None:
                     parts[method] = part
@@ -174,15 +176,15 @@ class LocalExecutor:
         return parts
 
     async def verify(self, reqs, drafts):
-        if self.target.static is not None:
+        if self._device_step:
             done = verify_on_device(self.target, reqs, drafts, self._device_parts)
             self._device_parts, self._compacted = {}, True
-            self._features = done.features if self._wants_features(reqs) else None
+            self._last = _Features(done.features, done.layers) if any(self._wants_features(reqs).values()) else None
             return done.verified
         inputs = S.verify_inputs(reqs, drafts)
         out = self.target.forward([r.slot for r in reqs], inputs.tokens, inputs.logits_at, inputs.layout,
-                                  features=self._wants_features(reqs))
-        self._features = out.features
+                                  **self._wants_features(reqs))
+        self._last = out
         return accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs), L.wanted(reqs)))
 
     def apply(self, commit):
@@ -197,26 +199,49 @@ class LocalExecutor:
             if proposer is None:
                 continue
             if method_spec(method).needs_features:
-                rows = [(i, _with_features(row, self._features[i])) for i, row in rows]
+                rows = [(i, _with_features(row, self._row_features(method, i))) for i, row in rows]
             prefill = [row for _, row in rows if isinstance(row, PrefillRow)]
             commits = [row for _, row in rows if not isinstance(row, PrefillRow)]
             if prefill and hasattr(proposer, "prefill"):
                 proposer.prefill(prefill)
             if commits:
                 proposer.commit(commits)
-        self._features = None
+        self._last = None
 
     def release(self, slots):
         for s in slots:
             self.target.reset(s)
         self.proposers.release(slots)
 
-    @staticmethod
-    def _wants_features(reqs) -> bool:
-        return any(method_spec(r.method).needs_features for r in reqs)
+    @property
+    def _device_step(self) -> bool:
+        return self.target.static is not None
+
+    def _wants_features(self, reqs) -> dict:
+        """The forward's feature arguments: the final norm's and/or the layers the batch's methods read."""
+        final, layers = False, set()
+        for method in {r.method for r in reqs}:
+            if method_spec(method).needs_features:
+                taps = self.proposers.feature_layers(method)
+                final |= taps is None
+                layers.update(taps or ())
+        return {"features": final, "layers": tuple(sorted(layers))}
+
+    def _row_features(self, method: str, i: int):
+        """Row i's features of the last forward as ``method`` reads them: [q, H] or [q, n*H]."""
+        taps = self.proposers.feature_layers(method)
+        if taps is None:
+            return self._last.features[i]
+        return torch.cat([self._last.layers[k][i] for k in taps], dim=-1)
 
 
-def _with_features(row, feats):  # feats: [q, H] the row's new positions
+@dataclass
+class _Features:
+    features: torch.Tensor | None  # [B, q, H] final norm's
+    layers: Mapping[int, torch.Tensor] | None  # {k: [B, q, H]}
+
+
+def _with_features(row, feats):  # feats: [q, F] the row's new positions
     if isinstance(row, PrefillRow):
         return replace(row, features=feats[: len(row.token_ids)])
     return replace(row, features=feats[row.path])
@@ -241,6 +266,21 @@ class ProposerTable:
                 return None
             self._built[method] = spec.build(replace(self.context, resource=self.resources.get(method)))
         return self._built[method]
+
+    def feature_layers(self, method: str) -> tuple[int, ...] | None:
+        """The target layers whose inputs ``method`` reads (None: the final norm's features)."""
+        spec = method_spec(method)
+        if spec.feature_layers is None or self.get(method) is None:  # built first: it may resolve them
+            return None
+        return tuple(spec.feature_layers(self.resources[method]))
+
+    def all_feature_layers(self) -> tuple[int, ...]:
+        """Every target layer a loaded method reads (``MethodSpec.feature_layers``)."""
+        taps = set()
+        for m in self.resources:
+            if m in registered_methods() and method_spec(m).feature_layers is not None:
+                taps.update(self.feature_layers(m) or ())
+        return tuple(sorted(taps))
 
     def release(self, slots: Sequence[int]) -> None:
         for proposer in self._built.values():

@@ -72,12 +72,6 @@ class LLMEngine:
         proposers = dict(proposers or {})
         self.resources = load_resources(config, context, given, skip=set(proposers))
         facts = {m: {} for m in proposers} | dict(proposer_facts or {})
-        if self.step_mode != "eager":
-            self.target.enable_static(self.step_mode)
-            draft = self.resources.get("draft")
-            if isinstance(draft, ModelRunner):  # the draft model drafts with fixed shapes too
-                draft.enable_static(self.step_mode)
-        log.info("step mode: %s", self.step_mode)
         self.limits = Limits(
             capacity=self.capacity,
             vocab_size=self.target.vocab_size,
@@ -85,6 +79,13 @@ class LLMEngine:
             methods=available_methods(self.resources, facts),
         )
         self.proposers = ProposerTable(context, self.resources, {m: make(context) for m, make in proposers.items()})
+        if self.step_mode != "eager":
+            # The fixed-shape forward hands over the layer taps every loaded method reads.
+            self.target.enable_static(self.step_mode, layers=self.proposers.all_feature_layers())
+            draft = self.resources.get("draft")
+            if isinstance(draft, ModelRunner):  # the draft model drafts with fixed shapes too
+                draft.enable_static(self.step_mode)
+        log.info("step mode: %s", self.step_mode)
         self.scheduler = Scheduler(config.max_num_seqs, self.limits, tokenizer, config.default_speculation)
         self.executor = LocalExecutor(self.target, self.proposers)
         self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, config.speculation_length)

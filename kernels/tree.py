@@ -123,6 +123,26 @@ class TokenTree:
             kids[parent].append(node)
         return kids
 
+    def prefix(self, n: int) -> "TokenTree":
+        """The tree of the root and its first ``n`` nodes (cached). Nodes are ordered by depth
+        with parents first, so every kept node's parent is kept: a cut costs slicing, not a
+        rebuild (and reads no tensor back)."""
+        if n >= self.size - 1:
+            return self
+        cut = self._prefixes.get(n)
+        if cut is None:
+            choices = self.choices[:n] if self.choices is not None else None
+            topk = () if choices is None else tuple(
+                max(c[level] for c in choices if len(c) > level) + 1 for level in range(max(len(c) for c in choices)))
+            m = n + 1
+            cut = self._prefixes[n] = TokenTree(parents=self.parents[:m], mask=self.mask[:m, :m].contiguous(),
+                                                depth=self.depth[:m], choices=choices, topk=topk)
+        return cut
+
+    @cached_property
+    def _prefixes(self) -> dict:
+        return {}
+
     @cached_property
     def children_table(self) -> torch.Tensor:
         """[T, C] each node's children in node order, padded with -1 (C >= 1)."""

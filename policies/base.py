@@ -16,9 +16,10 @@ kept in the cache.
 
 A ``CommitRow`` tells the proposer, per row, the emitted tokens, the accepted path (node
 indices, root first) and — for methods that declare ``needs_features`` — the target's
-final hidden states at the root and each accepted node, the positions whose outputs
-produced the emitted tokens. Prefill hands the same features for the prompt
-(``PrefillRow``). Rollback stays an integer per row.
+hidden states at the root and each accepted node, the positions whose outputs produced the
+emitted tokens: the final norm's, or the layers the method's ``feature_layers`` names,
+concatenated. Prefill hands the same features for the prompt (``PrefillRow``). Rollback
+stays an integer per row.
 """
 
 from __future__ import annotations
@@ -199,8 +200,9 @@ class CommitRow:
     tokens:   emitted tokens: the accepted nodes' tokens, then the recovered/bonus token
               (the new root, not yet in the target's cache)
     path:     kept node indices, root first (a chain: 0 .. num_accepted)
-    features: [len(path), H] the target's final hidden states at the path's nodes (the
-              outputs that produced ``tokens``), for methods that need features; else None
+    features: [len(path), F] the target's hidden states at the path's nodes (the outputs
+              that produced ``tokens``) for methods that need features, else None: the final
+              norm's (F = H), or the method's ``feature_layers`` concatenated (F = n x H)
     extra_best: the target's argmax at each extra node (lookahead windows), else None
     """
 
@@ -219,14 +221,29 @@ class CommitRow:
 class PrefillRow:
     """A request entered the batch: its prompt went through the target.
 
-    features: [len(token_ids), H] the target's final hidden states at the prompt tokens
-              (methods that need features), else None; ``first_token`` is the new root.
+    features: [len(token_ids), F] the target's hidden states at the prompt tokens (methods
+              that need features; as ``CommitRow.features``), else None; ``first_token`` is
+              the new root.
     """
 
     slot: int
     token_ids: Sequence[int]
     first_token: int
     features: torch.Tensor | None = None
+
+
+def extends(token_ids: Sequence[int], seen: Sequence[int]) -> bool:
+    """Whether ``token_ids`` is ``seen`` grown, for proposers that keep state per slot: a new
+    request in a reused slot is not. Reads three positions (start, middle, last seen), not
+    the whole sequence.
+
+    >>> extends([1, 2, 3, 4], [1, 2, 3]), extends([1, 2], [1, 2, 3]), extends([7, 2, 3, 4], [1, 2, 3])
+    (True, False, False)
+    """
+    n = len(seen)
+    if len(token_ids) < n:
+        return False
+    return n == 0 or all(token_ids[i] == seen[i] for i in (0, (n - 1) // 2, n - 1))
 
 
 class Proposer(Protocol):

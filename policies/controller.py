@@ -15,7 +15,11 @@ measured while serving:
 Each step, for each method, the k over 0..max_k maximising (expected tokens of the batch) /
 (predicted step seconds) is taken, the other methods at their current choice; every few
 steps a neighbour of the best k is tried so the costs stay identified. Tree methods choose
-between off (0) and their own tree. A request that set ``num_speculative_tokens`` keeps it.
+between off (0) and their own tree; one that is off is tried again every
+``TREE_EXPLORE_EVERY`` exploration steps (its acceptance may have changed). A row the
+controller let draft that proposed nothing counts as a miss at the first position: a method
+that only sometimes has a proposal (prompt lookup, suffix decoding) is worth what it returns
+over all its steps. A request that set ``num_speculative_tokens`` keeps it.
 
 >>> c = AdaptiveSpeculation()
 >>> rows = [RowView("a", "draft")]
@@ -37,6 +41,9 @@ import numpy as np
 
 MIN_GAIN = 0.02
 """Speculating must beat plain decoding's predicted tokens/s by this share to be chosen."""
+
+TREE_EXPLORE_EVERY = 4
+"""A tree method that is off is switched on for one step every this many exploration steps."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,7 @@ class AdaptiveSpeculation:
         self._costs: dict[int, _Costs] = {}
         self._choice: dict[str, int | None] = {}
         self._nodes: dict[str, int] = {}  # tree methods: nodes a tree had lately
+        self._on: set[str] = set()  # rows of the last step the controller let draft
         self._steps = 0
 
     # -- deciding ------------------------------------------------------------------------------
@@ -145,11 +153,16 @@ class AdaptiveSpeculation:
                 best = 0
             else:
                 best = next(i for i, v in enumerate(values) if v >= values[best] * (1 - MIN_GAIN / 2))
-            if not tree and self.explore_every and self._steps % self.explore_every == 0:
-                best = min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
+            if self.explore_every and self._steps % self.explore_every == 0:
+                if not tree:
+                    best = min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
+                elif best == 0 and (self._steps // self.explore_every) % TREE_EXPLORE_EVERY == 0:
+                    best = 1  # an off tree is tried again now and then
             choice[m] = options[best]
         self._choice.update(choice)
-        return [r.requested if r.fixed else choice.get(r.method) for r in rows]
+        caps = [r.requested if r.fixed else choice.get(r.method) for r in rows]
+        self._on = {r.request_id for r, k in zip(rows, caps) if not r.fixed and r.method != "none" and k != 0}
+        return caps
 
     def _rate(self, rows, method, k, choice, costs, methods, expected) -> float:
         """Expected tokens per second of the whole batch if ``method`` drafts k."""
@@ -204,7 +217,9 @@ class AdaptiveSpeculation:
             if r.method == "none":
                 continue
             ks[r.method] = max(ks.get(r.method, 0), d)
-            if d <= 0:
+            if d <= 0 and r.request_id in self._on:
+                d = 1  # let draft, nothing to propose: a miss at the first position
+            elif d <= 0:
                 continue
             if r.tree:
                 nodes[r.method] = max(nodes.get(r.method, 0), d)

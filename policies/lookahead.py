@@ -63,7 +63,7 @@ import torch
 from pydantic import Field, model_validator
 
 from specray.kernels.tree import TokenTree
-from specray.policies.base import CommitRow, Draft, DraftRow, ExtraNodes, ProposalRow
+from specray.policies.base import CommitRow, Draft, DraftRow, ExtraNodes, ProposalRow, extends
 from specray.policies.registry import Limits, MethodOptions, MethodSpec, register_method
 
 # The engine-wide bound of a shared pool, in N-grams (least recently used keys go first).
@@ -374,7 +374,7 @@ class LookaheadProposer:
         o = r.options if isinstance(r.options, LookaheadOptions) else LookaheadOptions()
         state = self._rows.get(r.slot)
         seen = len(state.tokens) if state is not None else 0
-        if state is None or state.options != o or not _extends(r.token_ids, state.tokens):
+        if state is None or state.options != o or not extends(r.token_ids, state.tokens):
             state = self._rows[r.slot] = self._new_row(r.token_ids, o)
             seen = 0
         state.tokens.extend(r.token_ids[seen:])
@@ -411,14 +411,6 @@ class LookaheadProposer:
 
     def release(self, slot: int) -> None:
         self._rows.pop(slot, None)  # a private pool goes with it; a shared one stays (bounded)
-
-
-def _extends(token_ids: Sequence[int], seen: Sequence[int]) -> bool:
-    """Whether ``token_ids`` is ``seen`` grown (a new request in a reused slot is not)."""
-    n = len(seen)
-    if len(token_ids) < n:
-        return False
-    return n == 0 or (token_ids[0] == seen[0] and token_ids[n // 2] == seen[n // 2] and token_ids[n - 1] == seen[n - 1])
 
 
 def _check(options: LookaheadOptions, facts: Mapping, limits: Limits) -> None:

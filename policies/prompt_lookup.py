@@ -17,13 +17,8 @@ from typing import Literal, Sequence
 
 from pydantic import Field
 
-from specray.policies.base import CommitRow, Draft, ProposalRow
+from specray.policies.base import CommitRow, Draft, ProposalRow, extends
 from specray.policies.registry import LinearOptions, MethodSpec, register_method
-
-# Positions compared to tell "the same sequence, grown" from "a new sequence in a
-# reused slot" without reading the whole sequence: start, middle and last seen token.
-_IDENTITY_PROBES = (0.0, 0.5, 1.0)
-
 
 def _check_positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -52,14 +47,6 @@ class NgramIndex:
         self._tokens = []
         self._maps = []
 
-    def _extends_seen(self, token_ids: Sequence[int]) -> bool:
-        seen = len(self._tokens)
-        if len(token_ids) < seen:
-            return False
-        if seen == 0:
-            return True
-        return all(token_ids[int(f * (seen - 1))] == self._tokens[int(f * (seen - 1))] for f in _IDENTITY_PROBES)
-
     def _add_ends(self, maps: list[dict[tuple[int, ...], int]], first: int, last: int, n_from: int) -> None:
         """Index n-grams (n > n_from) ending right before positions first..last-1."""
         tokens = self._tokens
@@ -68,7 +55,7 @@ class NgramIndex:
                 maps[n - 1][tuple(tokens[end - n : end])] = end
 
     def _sync(self, token_ids: Sequence[int], max_ngram: int) -> None:
-        if not self._extends_seen(token_ids):
+        if not extends(token_ids, self._tokens):
             self.reset()
         old_len = len(self._tokens)
         self._tokens.extend(token_ids[old_len:])
