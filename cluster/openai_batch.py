@@ -106,7 +106,7 @@ def check_line(obj: dict, facts: Facts) -> tuple[BatchRequest | None, list[str]]
         return None, _format(exc)
     chat = line.url == CHAT
     try:
-        req = C.parse(line.body, chat, prefix="body.")
+        req = C.parse(line.body, chat, prefix="body.", facts=facts)
         if req.stream:
             return None, ["body.stream: streaming is not supported in a batch"]
         checked = C.check(req, chat, facts, DEFAULT_MAX_TOKENS, prefix="body.")

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from specray.engine.params import SamplingParams, best_speculation
 from specray.engine.scheduler import ContextLengthError, check_context_length, encode_prompt
-from specray.policies.registry import Limits, validate_speculation
+from specray.policies.registry import Limits, parse_speculation, validate_speculation
 from specray.serve import protocol as P
 
 MAX_REPORTED = 10  # problems listed in one message; the rest are counted
@@ -74,13 +74,32 @@ def validation_problems(exc: ValidationError, prefix: str = "") -> list[tuple[st
     return out
 
 
-def parse(body: dict, chat: bool, prefix: str = ""):
-    """The request model of a body (RequestError listing every field's error)."""
+def parse(body: dict, chat: bool, prefix: str = "", facts: Facts | None = None):
+    """The request model of a body (RequestError listing every field's error, and — with
+    ``facts`` — whether its speculation can run here, so that one answer says both)."""
     model = P.ChatCompletionRequest if chat else P.CompletionRequest
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise RequestError(validation_problems(exc, prefix)) from None
+        problems = validation_problems(exc, prefix)
+        if facts is not None and body.get("speculation") is not None and not any(
+                (p or "").startswith(f"{prefix}speculation") for p, _ in problems):
+            try:
+                problems += _speculation_problems(parse_speculation(body["speculation"]), facts, prefix)
+            except ValueError:  # not even its method's options: pydantic has said so already
+                pass
+        raise RequestError(problems) from None
+
+
+def _speculation_problems(options, facts: Facts, prefix: str) -> list[tuple[str, str]]:
+    try:
+        validate_speculation(options, facts.limits)
+    except ValueError as exc:
+        message = str(exc)
+        about_method = "method" in message.split(":")[0] or "unknown speculation method" in message
+        param = f"{prefix}speculation{'.method' if about_method else ''}"
+        return [(param, f"{param}: {message}")]
+    return []
 
 
 @dataclass(frozen=True)
@@ -132,12 +151,7 @@ def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = 
             samplings.append([req.sampling(max_tokens, number * req.n + j) for j in range(req.n)])
         except ValidationError as exc:
             problems.extend(validation_problems(exc, prefix))
-    try:
-        validate_speculation(req.speculation or facts.default_speculation, facts.limits)
-    except ValueError as exc:
-        message = str(exc)
-        about_method = "method" in message.split(":")[0] or "unknown speculation method" in message
-        problems.append((f"{prefix}speculation{'.method' if about_method else ''}", f"{prefix}speculation: {message}"))
+    problems += _speculation_problems(req.speculation or facts.default_speculation, facts, prefix)
     if problems:
         raise RequestError(problems)
     spec = req.speculation.model_dump() if req.speculation else None

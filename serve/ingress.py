@@ -49,9 +49,14 @@ async def _validation_exception(request: Request, exc: RequestValidationError):
     return JSONResponse(P.error_body(message, "invalid_request_error", 400, param), status_code=400)
 
 
+# Under "ray.serve", so the replica's log (with its request ids) carries these lines.
+client_log = logging.getLogger("ray.serve.specray.clients")
+client_log.setLevel(logging.INFO)
+
+
 def _log_client_error(status: int, path: str, message: str) -> None:
     """A client's mistake is one line in the log, never a traceback."""
-    log.info("%d %s: %s", status, path, " ".join(message.split())[:500])
+    client_log.info("client error %d on %s: %s", status, path, " ".join(message.split())[:500])
 
 
 class HTTPError(Exception):
@@ -170,7 +175,7 @@ class OpenAIIngress:
         if not isinstance(body, dict):
             raise HTTPError(400, "the JSON body must be an object")
         try:
-            req = C.parse(body, chat)
+            req = C.parse(body, chat, facts=self.facts)
         except C.RequestError as e:
             raise HTTPError(400, str(e), param=e.param) from None
         except RecursionError:  # a field nested thousands of levels deep

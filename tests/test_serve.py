@@ -760,9 +760,10 @@ def test_every_prompt_form_is_its_own_choice(main_url, target_model):
 
 
 def test_the_whole_request_is_checked_at_once(main_url):
-    body = {"model": MAIN, "prompt": [1, 2], "presence_penalty": 1, "logprobs": 99, "suffix": "x", "echo": [1]}
+    body = {"model": MAIN, "prompt": [1, 2], "presence_penalty": 1, "logprobs": 99, "suffix": "x", "echo": [1],
+            "speculation": {"method": "bogus"}}
     err = assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400,
-                              "presence_penalty", "logprobs", "suffix", "echo")
+                              "presence_penalty", "logprobs", "suffix", "echo", "bogus")
     assert err["param"] in ("presence_penalty", "logprobs", "suffix", "echo") and "Value error" not in err["message"]
     # semantic problems of several prompts and the speculation, all in one answer
     body = {"model": MAIN, "prompt": [[1, 64], [1] * 300], "speculation": {"method": "bogus"}}
@@ -862,3 +863,25 @@ def test_chat_logprobs_streamed_and_not(main_url, target_model):
     assert [(e["token"], round(e["logprob"], 5)) for e in streamed] == \
         [(e["token"], round(e["logprob"], 5)) for e in content]
     err = assert_openai_error(httpx.post(url, json={**body, "logprobs": False}, timeout=60), 400, "top_logprobs")
+
+
+def test_client_errors_are_one_line_in_the_log(main_url):
+    """A bad request leaves one line in the ingress replica's log, and no traceback anywhere in
+    the application's replica logs (the engine's refusals travel as values)."""
+    import pathlib
+
+    marker = "frobnicate-" + str(time.time_ns())
+    assert_openai_error(httpx.post(f"{main_url}/v1/completions", json={"model": MAIN, "prompt": [1], marker: 1},
+                                   timeout=60), 400)
+    assert_openai_error(httpx.post(f"{main_url}/v1/completions", json={"model": MAIN, "prompt": [1] * 300},
+                                   timeout=60), 400)  # refused after parsing (the context)
+    logs = pathlib.Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    deadline = time.monotonic() + 20
+    while True:
+        text = "\n".join(p.read_text(errors="replace") for p in logs.glob("replica_main_*.log"))
+        lines = [ln for ln in text.splitlines() if marker in ln]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(lines) == 1 and "client error 400" in lines[0], lines
+    assert "Traceback" not in text
