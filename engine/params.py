@@ -11,10 +11,11 @@ from specray.policies.registry import MethodOptions, PlainOptions, parse_specula
 
 # What a request that names no method gets: the first of these the loaded weights allow. A
 # draft model first (the demo pair's draft accepts ~3.5 tokens per step at the lowest cost per
-# drafted token), then trained heads (EAGLE > ReDrafter > Medusa on the demo target's trained
-# heads: README "Results"), then prompt lookup, which needs nothing and costs no forward. Only
-# ``method`` is set, so the self-tuning controller picks the length (k = 0 when it does not pay).
-DEFAULT_METHOD_ORDER = ("draft", "eagle", "redrafter", "medusa", "ngram")
+# drafted token), then trained heads (EAGLE-3, the newest, reads three target layers; then EAGLE >
+# ReDrafter > Medusa on the demo target's trained heads: README "Results"), then prompt lookup,
+# which needs nothing and costs no forward. Only ``method`` is set, so the self-tuning
+# controller picks the length (k = 0 when it does not pay).
+DEFAULT_METHOD_ORDER = ("draft", "eagle3", "eagle", "redrafter", "medusa", "ngram")
 
 
 class SamplingParams(BaseModel):
