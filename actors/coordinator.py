@@ -60,6 +60,8 @@ class _Tracked:
     metrics: dict = field(default_factory=dict)
     generator_state: torch.Tensor | None = None
     replays: int = 0
+    logprobs: list | None = None  # when asked: every delivered token's (engine/logprobs.py)
+    prompt_logprobs: list | None = None
 
 
 class CoordinatorCore:
@@ -261,6 +263,10 @@ class CoordinatorCore:
         tracked.output_ids += delta["new_token_ids"]
         tracked.text = delta["text"] if delta["finished"] else tracked.text + delta["text_delta"]
         tracked.metrics = delta["metrics"]
+        if delta.get("logprobs") is not None:
+            tracked.logprobs = (tracked.logprobs or []) + delta["logprobs"]
+        if delta.get("prompt_logprobs") is not None:
+            tracked.prompt_logprobs = delta["prompt_logprobs"]
         out = self._output(tracked, delta["new_token_ids"], delta["finished"], delta["finish_reason"], delta["step"])
         if out.finished:
             del self._tracked[out.request_id]
@@ -272,7 +278,8 @@ class CoordinatorCore:
     @staticmethod
     def _output(t: _Tracked, new: list[int], finished: bool, finish_reason=None, step=None) -> RequestOutput:
         return RequestOutput(t.request.request_id, t.request.prompt_ids, list(t.output_ids), list(new), t.text,
-                             finished, finish_reason, dict(t.metrics), step)
+                             finished, finish_reason, dict(t.metrics), step,
+                             list(t.logprobs) if t.logprobs is not None else None, t.prompt_logprobs)
 
     async def _recover(self, message: str) -> None:
         """A new engine worker, and every request in flight replayed on it."""

@@ -23,6 +23,7 @@ import os
 import pathlib
 import sys
 import time
+from specray.bench import DEFAULT_OUT
 
 log = logging.getLogger("specray.bench.actors")
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step")
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per layout (fastest kept)")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("SPECRAY_WORKER_THREADS", "1")

@@ -37,7 +37,7 @@ static caps instead of the controller (``speculation_off_above_batch`` /
 ``speculation_k_caps``).
 
 Writes ``load.csv``, ``load.json``, ``load.txt`` (the table) and ``load.png`` to
-``--out`` (default ``bench/results/``), and says for each level whether a speculative
+``--out`` (default ``./specray-bench/``), and says for each level whether a speculative
 method was slower than plain decoding. ``main(argv)`` returns 0, or 1 if any request
 failed or any greedy text differed from plain decoding's.
 """
@@ -58,9 +58,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specray.bench import DEFAULT_OUT
+
 log = logging.getLogger("specray.bench.load")
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 PROG = "python -m specray.bench.load"
 APP = "specray-load"
 MAX_PROMPTS = 48
@@ -420,7 +421,7 @@ def parse_args(argv):
     p.add_argument("--draft", default=None)
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default bench/results/)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"output folder (default ./{DEFAULT_OUT})")
     args = p.parse_args(argv)
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     args.method_list = [m.strip() for m in args.methods.split(",") if m.strip()]

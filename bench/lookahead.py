@@ -29,6 +29,7 @@ import json
 import pathlib
 import sys
 import time
+from specray.bench import DEFAULT_OUT
 
 DEFAULT_CONFIGS = "3:5:2,2:8:2,4:5:4,7:5:7,3:5:2:nohist,3:5:2:nowin"
 ABLATIONS = {"nohist": {"history": False}, "nowin": {"window": False}}
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help="lookahead W:N:G[:nohist|:nowin], comma-separated")
     p.add_argument("--ngram-k", type=int, default=6, help="prompt lookup's num_speculative_tokens")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     args = p.parse_args(argv)
 
     import torch

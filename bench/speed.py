@@ -30,7 +30,7 @@ verify width, draft forwards; sampled after every prompt round under the same lo
 against the measured time per step, the rest being engine overhead.
 
 Writes ``speed.txt`` (the table), ``speed.csv``, ``speed.png`` and ``speed.json`` to
-``--out`` (default ``bench/results/``). ``main(argv)`` returns 0 (1 if any config's
+``--out`` (default ``./specray-bench/``). ``main(argv)`` returns 0 (1 if any config's
 tokens differ from the references).
 """
 
@@ -54,9 +54,10 @@ from typing import Any, Sequence
 
 import torch
 
+from specray.bench import DEFAULT_OUT
+
 log = logging.getLogger(__name__)
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 PROG = "python -m specray.bench.speed"
 GOAL_BOUND_FRACTION = 0.9  # specray draft speed-up >= 0.9 x bound
 GOAL_VS_HF = 1.3  # specray draft >= 1.3 x HF assisted; specray ngram >= 1.3 x HF prompt lookup
@@ -326,7 +327,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--ks", default=None, help="draft k values, comma-separated (default 2,4,6; --quick 2)")
     p.add_argument("--ngram-ks", default=None,
                    help="prompt-lookup k values for specray and HF (default 2,4,6; --quick 2)")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"output folder (default {DEFAULT_OUT})")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"output folder (default ./{DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true", help="smoke test: 2 prompts, 32 tokens, ks=2")
     p.add_argument("--no-k1", action="store_true", help="skip the specray draft k=1 config (alpha cross-check)")
     p.add_argument("--hf-fixed-k", action="store_true",

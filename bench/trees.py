@@ -21,6 +21,7 @@ import pathlib
 import sys
 import time
 from collections import defaultdict
+from specray.bench import DEFAULT_OUT
 
 
 def _eagle2_defaults() -> dict:
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--draft-k", type=int, default=4)
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     args = p.parse_args(argv)
 
     import torch

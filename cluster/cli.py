@@ -27,6 +27,7 @@ BENCHMARKS = {
     "actors": "per-step cost of the Ray actor layouts against the in-process engine",
     "trees": "tree methods (EAGLE-1/2, Medusa, ReDrafter) against plain and draft-model speculation",
     "lookahead": "lookahead decoding against plain decoding and prompt lookup",
+    "gpu": "the step against the memory-bandwidth bound on a GPU (a synthetic 8B-shaped pair; --device cpu: demo)",
 }
 
 
@@ -55,36 +56,47 @@ def engine_settings(args, file_data: dict):
     return cfg
 
 
-def _generate(args, option_flags: list[F.OptionFlag]) -> int:
-    from specray.engine.engine import LLMEngine
-    from specray.engine.params import SamplingParams, best_speculation
+def request_speculation(args, option_flags: list[F.OptionFlag], default=None, how_default: str = "the default"):
+    """The request's speculation from ``--method``, ``--speculation JSON`` and the option flags;
+    without a method, ``default`` (options, or None for plain decoding). A flag of another
+    method than the request's, or a bad value, is a one-line ValueError naming the flag."""
     from specray.policies.registry import method_spec, parse_speculation
 
-    cfg = engine_settings(args, F.load_config_file(args.config))
-    engine_cfg = cfg.engine
     given = F.given_options(args, option_flags)
-    # The request's method: --method, or --speculation's, or the server default (the
-    # config's speculative-config, else the best the loaded weights allow).
     fields = json.loads(args.speculation) if args.speculation else {}
     if not isinstance(fields, dict):
         raise ValueError("--speculation: must be a JSON object of the method's options")
     if args.method is not None:
         fields["method"] = args.method
-    if "method" in fields:
-        method, how = fields["method"], "--method"
-    elif engine_cfg.default_speculation is not None:
-        fields = engine_cfg.default_speculation.model_dump(exclude_unset=True)
-        method, how = fields["method"], "the config's speculative-config"
-    else:
-        method = best_speculation(engine_cfg.method_facts()).method
-        fields, how = {"method": method}, "the default: the best method these weights allow"
+    how = "--method"
+    if "method" not in fields:
+        fields = default.model_dump(exclude_unset=True) if default is not None else {"method": "none"}
+        how = how_default
+    method = fields["method"]
     method_spec(method)  # an unknown method fails here, before any model loads
     F.check_method_flags(method, given, how)
-    fields.update({field: value for field, (_, value) in given.items()})
+    fields.update({flag.field: value for flag, value in given})
     try:
-        speculation = parse_speculation(fields)
+        return parse_speculation(fields)
     except ValueError as exc:
-        raise ValueError(F.one_line(exc, {f.field: f.flag for f in option_flags})) from None
+        raise ValueError(F.one_line(exc, {f.field: f.flag for f in option_flags if method in f.methods})) from None
+
+
+def _generate(args, option_flags: list[F.OptionFlag]) -> int:
+    from specray.engine.engine import LLMEngine
+    from specray.engine.params import SamplingParams, best_speculation
+    from specray.policies.registry import method_spec
+
+    cfg = engine_settings(args, F.load_config_file(args.config))
+    engine_cfg = cfg.engine
+    # Without --method: the server's default (the config's speculative-config, else the best
+    # method the loaded weights allow).
+    if engine_cfg.default_speculation is not None:
+        default, how = engine_cfg.default_speculation, "the config's speculative-config"
+    else:
+        default, how = best_speculation(engine_cfg.method_facts()), "the default: the best method these weights allow"
+    speculation = request_speculation(args, option_flags, default, how)
+    method = speculation.method
     checkpoint = method_spec(method).checkpoint
     demo = engine_cfg.target is None
     if checkpoint and not engine_cfg.engine_config().checkpoint(checkpoint) and not (demo and checkpoint == "draft"):

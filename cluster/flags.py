@@ -179,32 +179,37 @@ class OptionFlag:
     field: str
     flag: str
     methods: tuple[str, ...]
+    dest: str
 
 
 def add_speculation_flags(p: argparse.ArgumentParser, taken: set[str]) -> list[OptionFlag]:
-    """One flag per option field of the registered methods (a name taken by another flag gets
-    its first method's prefix: ``--eagle-top-k``). List fields take JSON; Literals, choices."""
+    """One flag per option field of the registered methods, shared by the methods whose field
+    has the same type; a name taken by another flag, or by the same field of another type in
+    another method, gets its method's prefix (``--eagle-top-k``, ``--suffix-tree``). List
+    fields take JSON; Literals, choices; booleans are ``--x/--no-x``."""
     import specray.policies  # noqa: F401
 
-    fields: dict[str, list[str]] = {}
+    fields: dict[tuple[str, str], list[str]] = {}
     for method in registered_methods():
         if method == PLAIN:  # plain decoding's k is accepted but unused: not an option of it
             continue
-        for name in method_spec(method).options.model_fields:
+        for name, info in method_spec(method).options.model_fields.items():
             if name != "method":
-                fields.setdefault(name, []).append(method)
+                fields.setdefault((name, repr(info.annotation)), []).append(method)
     g = p.add_argument_group("speculation options", "each belongs to the methods named; a flag of another "
                              "method than the request's is an error")
-    out = []
-    for name, methods in fields.items():
+    out, named = [], set()
+    for (name, _), methods in fields.items():
         flag = flag_name(name)
-        if flag in taken:
+        if flag in taken or name in named:
             flag = f"--{methods[0]}-{name.replace('_', '-')}"
+        named.add(name)
         info = method_spec(methods[0]).options.model_fields[name]
         kwargs = _argument(name, info)
         kwargs["help"] = _option_help(name, methods)
-        g.add_argument(flag, dest=f"spec_{name}", default=None, **kwargs)
-        out.append(OptionFlag(name, flag, tuple(methods)))
+        dest = "spec_" + flag.removeprefix("--").replace("-", "_")
+        g.add_argument(flag, dest=dest, default=None, **kwargs)
+        out.append(OptionFlag(name, flag, tuple(methods), dest))
     return out
 
 
@@ -253,13 +258,14 @@ def _shown(value) -> str:
     return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
-def given_options(args: argparse.Namespace, flags: list[OptionFlag]) -> dict[str, tuple[OptionFlag, object]]:
-    return {f.field: (f, getattr(args, f"spec_{f.field}")) for f in flags if getattr(args, f"spec_{f.field}") is not None}
+def given_options(args: argparse.Namespace, flags: list[OptionFlag]) -> list[tuple[OptionFlag, object]]:
+    """The option flags given on the command line, with their values."""
+    return [(f, getattr(args, f.dest)) for f in flags if getattr(args, f.dest) is not None]
 
 
-def check_method_flags(method: str, given: dict[str, tuple[OptionFlag, object]], how: str) -> None:
+def check_method_flags(method: str, given: list[tuple[OptionFlag, object]], how: str) -> None:
     """A flag of a method the request does not use is an error (``how``: where the method came from)."""
-    for field, (flag, _) in given.items():
+    for flag, _ in given:
         if method not in flag.methods:
             raise ValueError(f"{flag.flag} is an option of {', '.join(flag.methods)}, but the method is {method} "
                              f"({how}); add --method {flag.methods[0]} or drop {flag.flag}")

@@ -93,21 +93,29 @@ def load_config(path: str | None) -> SpecrayConfig:
     except (OSError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read config {path}: {exc}") from None
     try:
-        if path.endswith(".json"):
-            data = json.loads(raw)
-        else:
-            try:
-                import yaml
-            except ImportError:  # JSON is YAML; without pyyaml accept JSON only
-                data = json.loads(raw)
-            else:
-                data = yaml.safe_load(raw)
+        import yaml
+
+        data = json.loads(raw) if path.endswith(".json") else yaml.safe_load(raw)
     except Exception as exc:  # json.JSONDecodeError, yaml.YAMLError
         raise UsageError(f"config {path} does not parse: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise UsageError(f"config {path} must hold a mapping of option names to values")
     try:
-        return SpecrayConfig.model_validate(data if data is not None else {})
-    except ValidationError as exc:
-        raise UsageError(f"config {path} is invalid:\n{_format_errors(exc, indent='  ')}") from None
+        return SpecrayConfig.model_validate(engine_part(data or {}))
+    except (ValidationError, ValueError) as exc:
+        errors = _format_errors(exc, indent="  ") if isinstance(exc, ValidationError) else f"  {exc}"
+        raise UsageError(f"config {path} is invalid:\n{errors}") from None
+
+
+def engine_part(data: dict) -> dict:
+    """A job's config is a SpecrayConfig; a serve config works too (vLLM's flat names such as
+    ``max-model-len`` and ``speculative-config``, or ServeConfig's nested layout): its engine
+    part is used, its server settings (port, API key, ...) do not apply to a job."""
+    from specray.serve.config import ServeConfig, flat_to_nested
+
+    nested = flat_to_nested(data)
+    server = set(ServeConfig.model_fields) - {"engine"}
+    return {**{k: v for k, v in nested.items() if k not in server and k != "engine"}, **nested.get("engine", {})}
 
 
 def _format_errors(exc: ValidationError, indent: str = "") -> str:
@@ -212,21 +220,14 @@ def _read_batch_lines(objects, config: SpecrayConfig):
 
 def _batch_facts(config: SpecrayConfig) -> openai_batch.Facts:
     """Tokenizer (chat templates, token counts), context and vocabulary of the job's model."""
-    from transformers import AutoConfig
-
     from specray.engine.config import load_tokenizer
+    from specray.serve.checks import facts_for
 
-    config = config.resolved()  # the demo pair when no target is given, as the coordinator does
+    config = config.with_models()  # the demo pair when no target is given, as the coordinator does
     try:
-        model_config = AutoConfig.from_pretrained(config.target)
-        context = config.engine_config().context_length(model_config)
+        return facts_for(config, load_tokenizer(config.tokenizer or config.target))
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot read the target {config.target}: {exc}") from None
-    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    limits = Limits(capacity=context, vocab_size=text_config.vocab_size, methods=config.method_facts())
-    default = config.default_speculation or best_speculation(limits.methods)
-    return openai_batch.Facts(load_tokenizer(config.tokenizer or config.target), context,
-                              text_config.vocab_size, limits, default)
 
 
 def _check_record(rec: JobLine, config, vocab, has_tokenizer, limits: Limits) -> str | None:

@@ -34,8 +34,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specray.engine.scheduler import ContextLengthError, check_context_length, encode_prompt
-from specray.policies.registry import Limits, validate_speculation
+from specray.serve import checks as C
 from specray.serve import protocol as P
 
 log = logging.getLogger("specray.jobs")
@@ -62,95 +61,59 @@ def is_batch_line(obj: dict) -> bool:
 
 @dataclass(frozen=True)
 class BatchRequest:
-    """A checked line: what to generate (``n`` choices of one prompt) and how to answer."""
+    """A checked line: what to generate (``n`` choices of each prompt) and how to answer."""
 
     custom_id: str
     chat: bool
     model: str
-    prompt: str | list[int]
-    samplings: tuple[dict, ...]  # one per choice (seed + i when seeded, as the server does)
-    speculation: dict | None
+    checked: C.Checked
+    echo: bool = False
+    tokenizer: Any = None  # for echoed text and log-probability tokens
 
     def requests(self) -> list[tuple]:
-        """(prompt, sampling, speculation) for each choice, as ``Coordinator.generate`` takes them."""
-        return [(self.prompt, s, self.speculation) for s in self.samplings]
+        """(prompt ids, sampling, speculation) for each choice, as ``Coordinator.generate`` takes them."""
+        c = self.checked
+        return [(ids, s.model_dump(), c.speculation) for ids, choices in zip(c.prompt_ids, c.samplings)
+                for s in choices]
 
     def output_line(self, outs: list[dict]) -> str:
-        """The OpenAI batch output line for this request's finished choices."""
+        """The OpenAI batch output line for this request's finished choices (the HTTP body)."""
         rid = P.request_id("chatcmpl" if self.chat else "cmpl")
-        choices = [P.choice(i, o["text"], P.finish_reason(o["finish_reason"]), self.chat) for i, o in enumerate(outs)]
-        body = P.completion_response(rid, self.model, choices, P.usage(outs), P.speculation_metrics(outs), self.chat)
+        c = self.checked
+        n = len(c.samplings[0])
+        echoes = [P.echo_of(c.prompts[i // n], c.prompt_ids[i // n], self.tokenizer) if self.echo else None
+                  for i in range(len(outs))]
+        choices = P.choices(outs, self.chat, echoes, P.token_text_of(self.tokenizer))
+        body = P.completion_response(rid, self.model, choices, P.usage(outs, [len(ids) for ids in c.prompt_ids]),
+                                     P.speculation_metrics(outs), self.chat)
         return json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": self.custom_id,
                            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}) + "\n"
 
 
-@dataclass
-class Facts:
-    """What checking a line needs from the checkpoints (read once per file)."""
-
-    tokenizer: Any
-    context: int
-    vocab_size: int
-    limits: Limits
-    default_speculation: Any
+Facts = C.Facts
 
 
-def _format(exc: ValidationError, prefix: str = "") -> list[str]:
-    out = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        out.append(f"{prefix}{loc}: {err['msg']}" if loc else f"{prefix.rstrip('.') or '(root)'}: {err['msg']}")
-    return out
+def _format(exc: ValidationError) -> list[str]:
+    return [f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}" for e in exc.errors()]
 
 
 def check_line(obj: dict, facts: Facts) -> tuple[BatchRequest | None, list[str]]:
-    """Validate one line as the server would its request; (request, []) or (None, problems)."""
+    """Validate one line as the server checks its request (``serve/checks.py``); (request, [])
+    or (None, every problem)."""
     try:
         line = BatchLine.model_validate(obj)
     except ValidationError as exc:
         return None, _format(exc)
     chat = line.url == CHAT
     try:
-        req = (P.ChatCompletionRequest if chat else P.CompletionRequest).model_validate(line.body)
-    except ValidationError as exc:
-        return None, _format(exc, "body.")
-    if req.stream:
-        return None, ["body.stream: streaming is not supported in a batch"]
-    if chat:
-        tok = facts.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            return None, ["body.messages: the model has no chat template; use /v1/completions"]
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        prompt = req.prompt
-    field = "body.messages" if chat else "body.prompt"
-    try:
-        ids = encode_prompt(prompt, facts.tokenizer)
-    except ValueError as exc:
-        return None, [f"{field}: {exc}"]
-    if not ids:
-        return None, [f"{field}: the prompt is empty"]
-    if min(ids) < 0 or max(ids) >= facts.vocab_size:
-        return None, [f"{field}: token ids must lie in [0, {facts.vocab_size})"]
-    try:
-        check_context_length(len(ids), None, facts.context)
-    except ContextLengthError as exc:
-        return None, [f"{field}: {exc}"]
-    try:
-        max_tokens = P.resolve_max_tokens(req, len(ids), facts.context, DEFAULT_MAX_TOKENS, chat)
-    except ContextLengthError as exc:
-        return None, [f"body.{req.requested_max_tokens()[0]}: {exc}"]
-    try:
-        validate_speculation(req.speculation or facts.default_speculation, facts.limits)
-    except ValueError as exc:
-        return None, [f"body.speculation: {exc}"]
-    try:
-        samplings = tuple(req.sampling(max_tokens, i).model_dump() for i in range(req.n))
-    except ValidationError as exc:
-        return None, _format(exc, "body.")
-    spec = req.speculation.model_dump() if req.speculation else None
-    return BatchRequest(line.custom_id, chat, req.model, prompt, samplings, spec), []
+        req = C.parse(line.body, chat, prefix="body.", facts=facts)
+        if req.stream:
+            return None, ["body.stream: streaming is not supported in a batch"]
+        checked = C.check(req, chat, facts, DEFAULT_MAX_TOKENS, prefix="body.")
+    except C.RequestError as exc:
+        return None, exc.lines()
+    return BatchRequest(line.custom_id, chat, req.model, checked, bool(getattr(req, "echo", False)),
+                        facts.tokenizer), []
 
 
 def check_unique(records: list[tuple[int, BatchRequest]]) -> list[tuple[int, str]]:

@@ -85,7 +85,8 @@ def greedy_continuations(engine, prompts: list[list[int]], gen_len: int) -> list
     from specray.engine import SamplingParams, SpeculationParams
 
     sampling = SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True)
-    outputs = engine.generate(prompts, sampling, SpeculationParams(method="none"))
+    # A bar per finished sequence: this is minutes of work on a CPU, and must be seen to move.
+    outputs = engine.generate(prompts, sampling, SpeculationParams(method="none"), use_tqdm=True)
     return [p + list(o.token_ids) for p, o in zip(prompts, outputs)]
 
 
@@ -94,9 +95,11 @@ def target_features(model, seqs: list[list[int]], batch_size: int = 16) -> torch
     """[N, T, H] final-norm hidden states of right-padded sequences (a causal model does not
     see the padding)."""
     decoder, pad = model.get_decoder(), model.config.pad_token_id or 0
+    from tqdm import tqdm
+
     width = max(map(len, seqs))
     out = torch.zeros(len(seqs), width, model.config.hidden_size)
-    for lo in range(0, len(seqs), batch_size):
+    for lo in tqdm(range(0, len(seqs), batch_size), desc="target features", unit="batch"):
         chunk = seqs[lo : lo + batch_size]
         ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk])
         out[lo : lo + len(chunk)] = decoder(input_ids=ids).last_hidden_state.float()
@@ -121,7 +124,6 @@ def distill_data(target: str, tokenizer: str | None = None, sequences: int = 102
 
 
 def _distill_data(target, tokenizer, sequences, gen_len, seed, prompts, context) -> DistillData:
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     from specray.engine import EngineConfig, LLMEngine
@@ -132,15 +134,14 @@ def _distill_data(target, tokenizer, sequences, gen_len, seed, prompts, context)
     context = min(context, model.config.max_position_embeddings)
     engine = LLMEngine(EngineConfig(target=target, tokenizer=tokenizer, max_num_seqs=64, max_model_len=context))
     sets = []
-    with tqdm(total=2, desc="target continuations", unit="split") as bar:
-        for split, num, split_seed in (("train", sequences, seed), ("held_out", max(sequences // 8, 16), seed + 1)):
-            ids = [p[: context - gen_len] for p in prompts(split, num, split_seed)]
-            seqs = greedy_continuations(engine, ids, gen_len)
-            width = max(map(len, seqs))
-            tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
-            sets.append(SequenceSet(tokens, target_features(model, seqs), torch.tensor([len(s) for s in seqs]),
-                                    torch.tensor([len(p) for p in ids])))
-            bar.update()
+    for split, num, split_seed in (("train", sequences, seed), ("held_out", max(sequences // 8, 16), seed + 1)):
+        log.info("the target's greedy continuations of %d %s prompts (%d tokens each)", num, split, gen_len)
+        ids = [p[: context - gen_len] for p in prompts(split, num, split_seed)]
+        seqs = greedy_continuations(engine, ids, gen_len)
+        width = max(map(len, seqs))
+        tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+        sets.append(SequenceSet(tokens, target_features(model, seqs), torch.tensor([len(s) for s in seqs]),
+                                torch.tensor([len(p) for p in ids])))
     lm_head = model.get_output_embeddings().weight.detach()
     embed = model.get_input_embeddings().weight.detach()
     return DistillData(sets[0], sets[1], lm_head, embed, time.time() - start)
@@ -257,16 +258,20 @@ def add_common_args(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
     p.add_argument("--no-eval", action="store_true", help="skip measuring the mean accepted length")
 
 
-def measure_accepted_length(target: str, tokenizer: str, method: str, head_dir: str, specs: dict[str, dict],
-                            num_prompts: int = 8, max_tokens: int = 64) -> dict[str, float]:
+def measure_accepted_length(target: str, tokenizer: str | None, method: str, head_dir: str, specs: dict[str, dict],
+                            num_prompts: int = 8, max_tokens: int = 64,
+                            prompts: list[list[int]] | None = None) -> dict[str, float]:
     """Per named spec: the engine's mean accepted length (1 + accepted / drafts) of greedy
-    ``method`` with its weights from ``head_dir``, on held-out prompts."""
-    from specray.demo import held_out_prompts
+    ``method`` with its weights from ``head_dir``, on held-out prompts (the demo's, or
+    ``prompts``: token ids)."""
     from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
 
     engine = LLMEngine(EngineConfig(target=target, tokenizer=tokenizer, checkpoints={method: head_dir},
                                     max_num_seqs=4))
-    prompts = held_out_prompts(num_prompts, tokenizer)
+    if prompts is None:
+        from specray.demo import held_out_prompts
+
+        prompts = held_out_prompts(num_prompts, tokenizer)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     result = {}
     for name, spec in specs.items():
@@ -285,7 +290,7 @@ def run_recipe(argv: list[str] | None, parser: argparse.ArgumentParser, method: 
     torch.set_num_threads(args.threads)
     target, tokenizer = resolve_target(args.target, args.tokenizer)
     report = train(args, target, tokenizer)
-    if not args.no_eval:
+    if not args.no_eval and specs:  # (a recipe that measured its own passes none)
         torch.set_num_threads(1)
         report["mean_accepted_length"] = measure_accepted_length(target, tokenizer, method, args.out, specs)
     print(json.dumps(report))

@@ -22,6 +22,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from specray.engine import logprobs as L
 from specray.engine import step as S
 from specray.engine.verify import StepResult, TargetScores, Verified, accept, sampling_tensors
 from specray.kernels.acceptance import rejection_accept
@@ -86,7 +87,8 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
         part = accept([reqs[i] for i in host_rows], [filled[i] for i in host_rows], scores)
         for j, i in enumerate(host_rows):
             accepted[i], emitted[i], paths[i] = part.num_accepted[j], part.emitted[j], part.paths[j]
-    return DeviceVerification(Verified(result, filled, extra_best), out.hidden, out.layers)
+    logprobs = L.step_entries(reqs, logits, paths, emitted) if L.wanted(reqs) else None  # rows that asked
+    return DeviceVerification(Verified(result, filled, extra_best, logprobs), out.hidden, out.layers)
 
 
 def _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc: BatchAcceptance) -> list[int]:

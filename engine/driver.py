@@ -90,7 +90,7 @@ class StepDriver:
                 return [self.fail(reqs[0], exc)]
             return [out for r in reqs for out in await self._prefill([r])]
         tokens = [None if r.output_ids else t for r, t in zip(reqs, first_tokens(reqs, scores))]
-        return self._apply(S.commit_prefill(reqs, tokens, self.capacity, self.tokenizer))
+        return self._apply(S.commit_prefill(reqs, tokens, self.capacity, self.tokenizer, scores))
 
     async def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
         start = time.perf_counter()

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from specray.engine import logprobs as L
 from specray.engine import step as S
 from specray.engine.device_step import verify_on_device
 from specray.engine.verify import TargetScores, accept_verified, sampled_rows
@@ -43,10 +44,12 @@ class LocalExecutor:
     async def prefill(self, reqs, sampled):
         for r in reqs:
             self.target.reset(r.slot)
-        out = self.target.forward([r.slot for r in reqs], [r.prefill_ids for r in reqs],
+        every = L.every_position(reqs) if L.wants_prompt(reqs) else None  # echo: score the prompt too
+        out = self.target.forward([r.slot for r in reqs], [r.prefill_ids for r in reqs], every,
                                   **self._wants_features(reqs))
         self._last = out
-        return TargetScores.from_logits(out.logits, sampled)
+        logits, prompts = L.split_prefill(out.logits, reqs) if every is not None else (out.logits, {})
+        return replace(TargetScores.from_logits(logits, sampled, L.wanted(reqs)), prompt_logprobs=prompts)
 
     async def propose(self, plan):
         pending, parts = {}, {}
@@ -116,7 +119,7 @@ class LocalExecutor:
         out = self.target.forward([r.slot for r in reqs], inputs.tokens, inputs.logits_at, inputs.layout,
                                   **self._wants_features(reqs))
         self._last = out
-        return accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs)))
+        return accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs), L.wanted(reqs)))
 
     def recover(self, reqs, drafts):
         out = list(drafts)

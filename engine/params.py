@@ -11,10 +11,11 @@ from specray.policies.registry import MethodOptions, PlainOptions, parse_specula
 
 # What a request that names no method gets: the first of these the loaded weights allow. A
 # draft model first (the demo pair's draft accepts ~3.5 tokens per step at the lowest cost per
-# drafted token), then trained heads (EAGLE > ReDrafter > Medusa on the demo target's trained
-# heads: README "Results"), then prompt lookup, which needs nothing and costs no forward. Only
-# ``method`` is set, so the self-tuning controller picks the length (k = 0 when it does not pay).
-DEFAULT_METHOD_ORDER = ("draft", "eagle", "redrafter", "medusa", "ngram")
+# drafted token), then trained heads (EAGLE-3, the newest, reads three target layers; then EAGLE >
+# ReDrafter > Medusa on the demo target's trained heads: README "Results"), then prompt lookup,
+# which needs nothing and costs no forward. Only ``method`` is set, so the self-tuning
+# controller picks the length (k = 0 when it does not pay).
+DEFAULT_METHOD_ORDER = ("draft", "eagle3", "eagle", "redrafter", "medusa", "ngram")
 
 
 class SamplingParams(BaseModel):
@@ -34,6 +35,11 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list, description="Stop strings (not included in text).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Return each generated token's log-probability under the target's raw "
+        "distribution and this many most likely alternatives (0: the token's own only); None = none.")
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=20, description="The same for every prompt token after the first (OpenAI's echo).")
 
     @field_validator("stop", mode="before")
     @classmethod

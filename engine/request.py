@@ -31,6 +31,8 @@ class RequestOutput:
     metrics: dict
     step: dict | None = None  # what this step's speculation did (``speculation_event``)
     error: str | None = None  # finish_reason "error": what raised
+    logprobs: list[dict] | None = None  # every generated token's so far, when asked (``engine/logprobs.py``)
+    prompt_logprobs: list[dict | None] | None = None  # the prompt's, when asked
 
 
 @dataclass
@@ -47,6 +49,8 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
+    logprobs: list[dict] | None = None  # entries of the kept tokens, when sampling.logprobs asks
+    prompt_logprobs: list[dict | None] | None = None
     _prefix_offset: int = 0  # incremental detokenisation (``_decode_new``)
     _read_offset: int = 0
 
@@ -85,8 +89,9 @@ class Request:
     def remaining(self) -> int:
         return self.sampling.max_tokens - len(self.output_ids)
 
-    def append(self, tokens: Sequence[int], capacity: int, tokenizer) -> list[int]:
-        """Append emitted tokens until a stop condition; return the ones kept."""
+    def append(self, tokens: Sequence[int], capacity: int, tokenizer, logprobs: list[dict] | None = None) -> list[int]:
+        """Append emitted tokens until a stop condition; return the ones kept (``logprobs``:
+        the emitted tokens' entries; those of the kept ones are recorded)."""
         kept: list[int] = []
         for tok in tokens:
             self.output_ids.append(int(tok))
@@ -99,6 +104,8 @@ class Request:
                 break
         if tokenizer is not None:
             kept = self._update_text(kept, tokenizer)  # a stop string may drop tokens
+        if logprobs is not None and self.sampling.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(logprobs[: len(kept)])
         self.metrics.num_generated_tokens = len(self.output_ids)
         return kept
 
@@ -156,6 +163,8 @@ class Request:
             metrics=self.metrics.to_dict(),
             step=step,
             error=self.error,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

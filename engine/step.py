@@ -21,7 +21,8 @@ from typing import Mapping, Sequence
 import torch
 
 from specray.engine.request import Request, RequestOutput, speculation_event
-from specray.engine.verify import Verified
+from specray.engine import logprobs as L
+from specray.engine.verify import TargetScores, Verified
 from specray.policies.base import EMPTY, CommitRow, Draft, DraftRow, PrefillRow, ProposalRow, SamplingView
 from specray.policies.controller import RowView
 from specray.policies.registry import PLAIN, method_spec
@@ -159,7 +160,7 @@ def commit_step(batch: Sequence[Request], verified: Verified, capacity: int, tok
                 (i, CommitRow(r.slot, result.emitted[i], path, extra_best=verified.extra_best[i])))
         r.metrics.record_draft(d.size, n)
         r.metrics.target_forward_passes += 1
-        kept = r.append(result.emitted[i], capacity, tokenizer)
+        kept = r.append(result.emitted[i], capacity, tokenizer, verified.logprobs[i] if verified.logprobs else None)
         line, rejected = main_line(d, path)
         commit.outputs.append(r.output(kept, speculation_event(r.method, line, rejected, n, kept, d.size)))
         if r.finished:
@@ -179,9 +180,11 @@ def main_line(draft: DraftRow, path: list[int]) -> tuple[list[int], list[int]]:
     return [draft.tokens[p - 1] for p in path[1:]] + tail, tail
 
 
-def commit_prefill(reqs: Sequence[Request], tokens: Sequence[int | None], capacity: int, tokenizer) -> Commit:
+def commit_prefill(reqs: Sequence[Request], tokens: Sequence[int | None], capacity: int, tokenizer,
+                   scores: TargetScores | None = None) -> Commit:
     """The first token of each admitted request (its prompt is now in the target's cache); a
-    resumed request (token None) keeps its last emitted token as the root and emits nothing."""
+    resumed request (token None) keeps its last emitted token as the root and emits nothing.
+    scores: the prefill's, for requests that asked for log-probabilities."""
     commit = Commit()
     for i, (r, tok) in enumerate(zip(reqs, tokens)):
         if tok is None:
@@ -192,7 +195,12 @@ def commit_prefill(reqs: Sequence[Request], tokens: Sequence[int | None], capaci
         if r.method != PLAIN:
             commit.proposer_rows.setdefault(r.method, []).append((i, PrefillRow(r.slot, r.prompt_ids, tok)))
         r.metrics.target_forward_passes += 1
-        kept = r.append([tok], capacity, tokenizer)
+        first = None
+        if scores is not None and i in scores.scored:
+            first = L.entries(scores.scored[i][:1], [tok], r.sampling.logprobs)
+        if scores is not None and i in scores.prompt_logprobs:
+            r.prompt_logprobs = scores.prompt_logprobs[i]
+        kept = r.append([tok], capacity, tokenizer, first)
         commit.outputs.append(r.output(kept, speculation_event(r.method, [], [], 0, kept, 0)))
         if r.finished:
             commit.finished.append(r)

@@ -9,11 +9,12 @@ built next to the model, so a remote target ships a few ints per greedy row inst
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import torch
 
+from specray.engine import logprobs as L
 from specray.kernels.acceptance import greedy_accept, rejection_accept
 from specray.kernels.sampling import probs_from_logits
 from specray.kernels.tree_acceptance import tree_greedy_accept, tree_rejection_accept, tree_typical_accept
@@ -39,26 +40,33 @@ class Verified:
     result: StepResult
     drafts: list[DraftRow]
     extra_best: list[list[int] | None]
+    logprobs: list[list[dict] | None] | None = None  # per row, its emitted tokens' (rows that asked)
 
 
 @dataclass(frozen=True)
 class TargetScores:
     """best: [B][m] argmax ids at every scored position; logits: [n, m, V] of the rows in
-    ``sampled`` only (None when every row is greedy)."""
+    ``sampled`` only (None when every row is greedy); scored: {row: [m, V]} logits of the
+    rows that asked for log-probabilities (``engine/logprobs.py``); prompt_logprobs: {row:
+    entries} of a prefill's rows that asked for their prompt's."""
 
     best: list[list[int]]
     sampled: list[int]
     logits: torch.Tensor | None
+    scored: dict[int, torch.Tensor] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)
 
     @classmethod
-    def from_logits(cls, logits: torch.Tensor, sampled: Sequence[int] = ()) -> "TargetScores":  # [B, m, V]
+    def from_logits(cls, logits: torch.Tensor, sampled: Sequence[int] = (),
+                    scored: Sequence[int] = ()) -> "TargetScores":  # [B, m, V]
         sampled = list(sampled)
         kept = logits[torch.tensor(sampled, device=logits.device)] if sampled else None
-        return cls(logits.argmax(dim=-1).tolist(), sampled, kept)
+        return cls(logits.argmax(dim=-1).tolist(), sampled, kept, {i: logits[i] for i in scored})
 
     def cpu(self) -> "TargetScores":
         """For sending across processes (a local engine keeps the logits on its device)."""
-        return replace(self, logits=self.logits.cpu()) if self.logits is not None else self
+        return replace(self, logits=self.logits.cpu() if self.logits is not None else None,
+                       scored={i: t.cpu() for i, t in self.scored.items()})
 
     def probs(self, reqs: Sequence) -> torch.Tensor | None:
         """[n, m, V] the sampled rows' target distributions (temperature/top-k/top-p applied),
@@ -90,7 +98,9 @@ def accept_verified(reqs: Sequence, drafts: Sequence[DraftRow], scores: TargetSc
     """The host path: acceptance from the target's scores (the eager reference)."""
     extra_best = [scores.best[i][d.size + 1 : d.size + 1 + len(d.extra.tokens)] if d.extra is not None else None
                   for i, d in enumerate(drafts)]
-    return Verified(accept(reqs, drafts, scores), list(drafts), extra_best)
+    result = accept(reqs, drafts, scores)
+    logprobs = L.step_entries(reqs, scores.scored, result.paths, result.emitted) if scores.scored else None
+    return Verified(result, list(drafts), extra_best, logprobs)
 
 
 def accept(reqs: Sequence, drafts: Sequence[DraftRow], scores: TargetScores) -> StepResult:

@@ -23,8 +23,10 @@ def _detached(coro) -> asyncio.Task:
     return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
 
 
-class Overloaded(RuntimeError):
-    """The replica's bounded queue is full (HTTP 503)."""
+def client_error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
+    """What ``stream`` yields instead of outputs when a request is refused (the ingress answers
+    it with that status in OpenAI's shape)."""
+    return {"error": {"status": status, "message": message, "kind": kind, "param": param}}
 
 
 class EngineDeployment:
@@ -44,7 +46,9 @@ class EngineDeployment:
         await asyncio.shield(_detached(self.core._start()))
         waiting, _ = self._load()
         if waiting >= self.max_waiting:
-            raise Overloaded(f"server busy: {self.max_waiting} requests already waiting")
+            # Refusals travel as values: an exception here would be logged by Serve with a traceback.
+            yield client_error(503, f"server busy: {self.max_waiting} requests already waiting", "overloaded")
+            return
         self._inflight += 1
         # The coordinator's work for this request (its submit, which may start the step
         # loop, and the abort if the client goes away) runs in a task with a fresh
@@ -61,6 +65,9 @@ class EngineDeployment:
                 out = await outputs.get()
                 if out is _END:
                     break
+                if isinstance(out, ValueError):  # the request is bad: a 400, not a failure
+                    yield client_error(400, str(out).split("\n\n")[0].strip(), param=getattr(out, "param", None))
+                    return
                 if isinstance(out, BaseException):
                     raise out
                 now = time.monotonic()

@@ -6,12 +6,13 @@ import json
 import logging
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specray.engine.config import load_tokenizer
-from specray.engine.scheduler import ContextLengthError, encode_prompt
+from specray.serve import checks as C
 from specray.serve import protocol as P
 from specray.serve.config import ServeConfig
 from specray.serve.metrics import scrape
@@ -19,6 +20,43 @@ from specray.serve.playground import SpeculationTrack, methods_listing, static_f
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="specray", description="OpenAI-compatible speculative decoding server")
+MAX_BODY_BYTES = 32 * 2**20  # a request larger than this is refused (413) before it is parsed
+_KINDS = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
+          413: "invalid_request_error"}
+
+
+# Routing errors (unknown path, wrong HTTP method) answer in OpenAI's shape too, not FastAPI's
+# {"detail": ...}; the path or method is the param at fault.
+@app.exception_handler(StarletteHTTPException)
+async def _http_exception(request: Request, exc: StarletteHTTPException):
+    param = "method" if exc.status_code == 405 else "path" if exc.status_code == 404 else None
+    detail = exc.detail if isinstance(exc.detail, str) else "request refused"
+    if exc.status_code == 404:
+        detail = f"no such endpoint: {request.url.path}"
+    elif exc.status_code == 405:
+        detail = f"{request.method} is not allowed on {request.url.path}"
+    _log_client_error(exc.status_code, request.url.path, detail)
+    return JSONResponse(P.error_body(detail, _KINDS.get(exc.status_code, "invalid_request_error"), exc.status_code,
+                                     param), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_exception(request: Request, exc: RequestValidationError):
+    first = exc.errors()[0] if exc.errors() else {}
+    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    message = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
+    _log_client_error(400, request.url.path, message)
+    return JSONResponse(P.error_body(message, "invalid_request_error", 400, param), status_code=400)
+
+
+# Under "ray.serve", so the replica's log (with its request ids) carries these lines.
+client_log = logging.getLogger("ray.serve.specray.clients")
+client_log.setLevel(logging.INFO)
+
+
+def _log_client_error(status: int, path: str, message: str) -> None:
+    """A client's mistake is one line in the log, never a traceback."""
+    client_log.info("client error %d on %s: %s", status, path, " ".join(message.split())[:500])
 
 
 class HTTPError(Exception):
@@ -26,37 +64,23 @@ class HTTPError(Exception):
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
-def _validation_message(exc: ValidationError) -> tuple[str, str | None]:
-    err = exc.errors()[0]
-    field = ".".join(str(p) for p in err["loc"]) or None
-    return (f"{field}: {err['msg']}" if field else err["msg"]), field
-
-
 def _error_status(exc: Exception) -> HTTPError:
     """Map an engine-side exception (possibly wrapped by Ray) to an HTTP error."""
     from specray.actors.coordinator import WorkerLostError
-    from specray.serve.engine import Overloaded
 
+    if isinstance(exc, dict):  # the engine refused the request (serve/engine.py: client_error)
+        e = exc["error"]
+        return HTTPError(e["status"], e["message"], e["kind"], e["param"])
     cause = getattr(exc, "cause", None) or exc
     name = type(cause).__name__
-    if isinstance(cause, Overloaded) or name in ("BackPressureError", "Overloaded"):
+    if name == "BackPressureError":  # Serve's own queue bound
         return HTTPError(503, str(cause) or "server busy, retry later", "overloaded")
     if isinstance(cause, WorkerLostError):
         return HTTPError(503, f"{cause}; retry the request", "worker_lost")
     if isinstance(cause, ValueError):
-        return HTTPError(400, str(cause).split("\n\n")[0].strip())
+        return HTTPError(400, str(cause).split("\n\n")[0].strip(), param=getattr(cause, "param", None))
     log.exception("internal error", exc_info=exc)
     return HTTPError(500, f"internal error: {name}", "internal_error")
-
-
-def _context_length(cfg: ServeConfig) -> int | None:
-    """The engines' context, computed as they compute it (None without a target)."""
-    engine = cfg.engine.engine_config()
-    if engine.target is None:
-        return None
-    from transformers import AutoConfig
-
-    return engine.context_length(AutoConfig.from_pretrained(engine.target))
 
 
 @serve.ingress(app)
@@ -67,9 +91,12 @@ class OpenAIIngress:
         self.model = cfg.model_name
         self.default_max_tokens = cfg.default_max_tokens
         self.api_key = cfg.resolved_api_key()
-        self.tokenizer = load_tokenizer(cfg.engine.tokenizer or cfg.engine.target)
-        self.context = _context_length(cfg)
-        self.engine_config = cfg.engine
+        engine = cfg.engine.with_models()
+        self.tokenizer = load_tokenizer(engine.tokenizer or engine.target)
+        # What checking a request needs (context, vocabulary, methods), read once, as the engines see it.
+        self.facts = C.facts_for(engine, self.tokenizer)
+        self.token_text = P.token_text_of(self.tokenizer)
+        self.engine_config = engine
         self.static = static_files()
 
     # -- routes ----------------------------------------------------------------------------
@@ -104,11 +131,11 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._guard(request, lambda: self._generate(request, P.CompletionRequest, chat=False))
+        return await self._guard(request, lambda: self._generate(request, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat(self, request: Request):
-        return await self._guard(request, lambda: self._generate(request, P.ChatCompletionRequest, chat=True))
+        return await self._guard(request, lambda: self._generate(request, chat=True))
 
     # -- plumbing ----------------------------------------------------------------------------
     async def _guard(self, request: Request, handler):
@@ -116,6 +143,8 @@ class OpenAIIngress:
             self._authorize(request)
             return await handler()
         except HTTPError as e:
+            if e.status < 500:
+                _log_client_error(e.status, request.url.path, e.message)
             return JSONResponse(P.error_body(e.message, e.kind, e.status, e.param), status_code=e.status)
 
     def _authorize(self, request: Request) -> None:
@@ -133,82 +162,65 @@ class OpenAIIngress:
     async def _models(self):
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "specray"}]}
 
-    async def _parse(self, request: Request, model):
+    async def _parse(self, request: Request, chat: bool):
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise HTTPError(413, f"the body has {len(raw)} bytes; at most {MAX_BODY_BYTES} are accepted")
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HTTPError(400, f"malformed JSON body: {e}") from None
+        except RecursionError:
+            raise HTTPError(400, "malformed JSON body: nested too deeply") from None
         if not isinstance(body, dict):
             raise HTTPError(400, "the JSON body must be an object")
         try:
-            req = model.model_validate(body)
-        except ValidationError as e:
-            message, field = _validation_message(e)
-            raise HTTPError(400, message, param=field) from None
+            req = C.parse(body, chat, facts=self.facts)
+        except C.RequestError as e:
+            raise HTTPError(400, str(e), param=e.param) from None
+        except RecursionError:  # a field nested thousands of levels deep
+            raise HTTPError(400, "a field of the body is nested too deeply") from None
         if req.model != self.model:
             raise HTTPError(404, f"model {req.model!r} does not exist; this server serves {self.model!r}",
                             "invalid_request_error", param="model")
         return req
 
-    def _prompt(self, req, chat: bool):
-        if not chat:
-            return req.prompt
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise HTTPError(400, "this model has no chat template; use /v1/completions")
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    def _max_tokens(self, req, prompt, chat: bool) -> int:
-        """max_tokens for a request that gives none, after refusing (400) one whose prompt +
-        max_tokens exceeds the context, naming both numbers, as vLLM and OpenAI do.
-
-        Without max_tokens, chat runs up to the context (OpenAI's chat default) and a
-        completion gets ``default_max_tokens`` (OpenAI's 16), cut to the room the prompt leaves.
-        Prompts that are themselves bad (too long, empty, no tokenizer) are the engine's to refuse.
-        """
-        if self.context is None:
-            return self.default_max_tokens
+    async def _generate(self, request: Request, chat: bool):
+        req = await self._parse(request, chat)
         try:
-            prompt_tokens = len(encode_prompt(prompt, self.tokenizer))
-        except ValueError:
-            return self.default_max_tokens
-        if not 0 < prompt_tokens < self.context:
-            return self.default_max_tokens
-        try:
-            return P.resolve_max_tokens(req, prompt_tokens, self.context, self.default_max_tokens, chat)
-        except ContextLengthError as e:
-            raise HTTPError(400, str(e), param=req.requested_max_tokens()[0]) from None
-
-    async def _generate(self, request: Request, model, chat: bool):
-        req = await self._parse(request, model)
-        prompt = self._prompt(req, chat)
-        default_max_tokens = self._max_tokens(req, prompt, chat)
-        try:
-            samplings = [req.sampling(default_max_tokens, i) for i in range(req.n)]
-        except ValidationError as e:
-            raise HTTPError(400, _validation_message(e)[0]) from None
-        spec = req.speculation.model_dump() if req.speculation else None
-        streams = [
-            self.engine.options(stream=True).stream.remote(prompt, s.model_dump(), spec) for s in samplings
-        ]
+            checked = C.check(req, chat, self.facts, self.default_max_tokens)
+        except C.RequestError as e:
+            raise HTTPError(400, str(e), param=e.param) from None
+        streams = [self.engine.options(stream=True).stream.remote(ids, s.model_dump(), checked.speculation)
+                   for ids, choices in zip(checked.prompt_ids, checked.samplings) for s in choices]
+        # What each choice echoes (completions with echo): its prompt's text.
+        echo = getattr(req, "echo", False)
+        echoes = [P.echo_of(checked.prompts[i // req.n], checked.prompt_ids[i // req.n], self.tokenizer) if echo
+                  else None for i in range(len(streams))]
         rid = P.request_id("chatcmpl" if chat else "cmpl")
-        max_stop = max((len(s) for s in samplings[0].stop), default=0)
+        max_stop = max((len(s) for s in checked.samplings[0][0].stop), default=0)
         if req.stream:
             first = await self._first_items(streams)
             options = req.stream_options or P.StreamOptions()
             return StreamingResponse(
-                self._sse(rid, streams, first, chat, max_stop, options.include_usage, options.include_speculation),
+                self._sse(rid, streams, first, chat, max_stop, options.include_usage, options.include_speculation,
+                          echoes, [len(ids) for ids in checked.prompt_ids]),
                 media_type="text/event-stream",
             )
         finals = await asyncio.gather(*(self._last(s) for s in streams))
-        choices = [P.choice(i, o["text"], P.finish_reason(o["finish_reason"]), chat) for i, o in enumerate(finals)]
-        return P.completion_response(rid, self.model, choices, P.usage(finals), P.speculation_metrics(finals), chat)
+        choices = P.choices(finals, chat, echoes, self.token_text)
+        usage = P.usage(finals, [len(ids) for ids in checked.prompt_ids])
+        return P.completion_response(rid, self.model, choices, usage, P.speculation_metrics(finals), chat)
 
     async def _last(self, stream):
         last = None
         try:
             async for out in stream:
+                if "error" in out:
+                    raise _error_status(out)
                 last = out
+        except HTTPError:
+            raise
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP status
             raise _error_status(e) from None
         return last
@@ -216,13 +228,20 @@ class OpenAIIngress:
     async def _first_items(self, streams) -> list:
         """Wait for each stream's first output, so errors become a status code, not a broken stream."""
         try:
-            return list(await asyncio.gather(*(s.__anext__() for s in streams)))
+            firsts = list(await asyncio.gather(*(s.__anext__() for s in streams)))
         except Exception as e:  # noqa: BLE001
             for s in streams:
                 s.cancel()
             raise _error_status(e) from None
+        refused = next((f for f in firsts if "error" in f), None)
+        if refused is not None:
+            for s in streams:
+                s.cancel()
+            raise _error_status(refused)
+        return firsts
 
-    async def _sse(self, rid, streams, first, chat, max_stop, include_usage, include_speculation=False):
+    async def _sse(self, rid, streams, first, chat, max_stop, include_usage, include_speculation=False, echoes=None,
+                   prompt_sizes=None):
         queue: asyncio.Queue = asyncio.Queue()
         # With include_speculation each choice's steps travel with the text they make up.
         tracks = [SpeculationTrack(self.tokenizer) for _ in streams] if include_speculation else None
@@ -238,7 +257,9 @@ class OpenAIIngress:
 
         tasks = [asyncio.create_task(pump(i, s, h)) for i, (s, h) in enumerate(zip(streams, first))]
         sent = [0] * len(streams)
+        scored = [0] * len(streams)  # tokens whose log-probabilities were sent, per choice
         finals: list = [None] * len(streams)
+        echoes = echoes or [None] * len(streams)
         try:
             if chat:
                 roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -246,7 +267,7 @@ class OpenAIIngress:
                 yield P.sse(P.chunk(rid, self.model, roles, chat))
             while any(f is None for f in finals):
                 index, out = await queue.get()
-                if isinstance(out, Exception):
+                if isinstance(out, Exception) or "error" in out:
                     err = _error_status(out)
                     yield P.sse(P.error_body(err.message, err.kind, err.status))
                     return
@@ -256,17 +277,24 @@ class OpenAIIngress:
                 else:  # hold back a possible stop-string prefix until it is decided
                     upto = len(text) if out["finished"] or not max_stop else max(sent[index], len(text) - max_stop + 1)
                 delta = text[sent[index]:upto]
+                if echoes[index] is not None and sent[index] == 0 and (delta or out["finished"]):
+                    delta = echoes[index].text + delta  # echo: the prompt leads the first text
                 sent[index] = upto
                 reason = P.finish_reason(out["finish_reason"]) if out["finished"] else None
+                logprobs = None
+                if out.get("logprobs") is not None and (delta or reason) and len(out["logprobs"]) > scored[index]:
+                    logprobs = P.choice_logprobs(out, chat, echoes[index], self.token_text, scored[index])
+                    scored[index] = len(out["logprobs"])
                 if delta or reason or steps:
                     choice = P.choice(index, delta, reason, chat, delta=True)
+                    choice["logprobs"] = logprobs
                     if steps is not None:
                         choice["speculation"] = steps
                     yield P.sse(P.chunk(rid, self.model, [choice], chat))
                 if out["finished"]:
                     finals[index] = out
             if include_usage:
-                yield P.sse(P.chunk(rid, self.model, [], chat, usage=P.usage(finals)))
+                yield P.sse(P.chunk(rid, self.model, [], chat, usage=P.usage(finals, prompt_sizes)))
             yield "data: [DONE]\n\n"
         finally:  # also on client disconnect: cancelling the streams frees the sequences
             for t in tasks:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -25,6 +26,31 @@ class StreamOptions(BaseModel):
         False, description="specray extension: each chunk's choice lists the speculation steps that produced "
         "its text (``speculation``: drafted, accepted, rejected and bonus tokens; see serve/playground.py)"
     )
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v):
+        if v != "text":
+            raise ValueError(f"{v!r} is not supported: only 'text' (no structured output)")
+        return v
+
+
+def _unset(value):
+    """Fields accepted only empty (not implemented: a 400, never a silent no-op)."""
+    if value:
+        raise ValueError("not supported")
+    return value
+
+
+def _neutral(value, neutral):
+    if value not in (None, neutral):
+        raise ValueError(f"not supported (must be {neutral})")
+    return value
 
 
 class _Common(BaseModel):
@@ -43,29 +69,35 @@ class _Common(BaseModel):
     seed: int | None = None
     ignore_eos: bool = False
     user: str | None = None
-    # Accepted for compatibility only at their neutral values.
+    # Accepted for compatibility only at their neutral values (each refused on its own line,
+    # all at once: pydantic collects every field's error).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
     speculation: Speculation | None = Field(
         None, description="specray extension: per-request speculation, the options of its 'method'"
     )
 
-    @model_validator(mode="after")
-    def _unsupported(self):
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
-            if getattr(self, name) != neutral:
-                raise ValueError(f"{name} is not supported (must be {neutral})")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
-        if self.logprobs not in (None, False, 0):
-            raise ValueError("logprobs is not supported")
-        return self
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v):
+        return _neutral(v, 0.0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v):
+        return _unset(v)
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         """(field, value) of the client's own output limit; None when it gave none."""
         return "max_tokens", self.max_tokens
+
+    def top_logprobs_asked(self) -> int | None:
+        """Alternatives per token the client asked for (None: no log-probabilities)."""
+        return None
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return None
 
     def sampling(self, default_max_tokens: int, index: int = 0) -> SamplingParams:
         seed = None if self.seed is None else self.seed + index  # n > 1: distinct streams
@@ -78,35 +110,63 @@ class _Common(BaseModel):
             stop=self.stop,
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
+            logprobs=self.top_logprobs_asked(),
+            prompt_logprobs=self.prompt_logprobs_asked(),
         )
 
 
+def _prompt_shape(v):
+    """OpenAI's four prompt forms, checked here so a wrong one is one message (a union's
+    per-member errors would be four)."""
+    def ids(x):
+        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and v and (ids(v) or all(isinstance(p, str) for p in v) or all(ids(p) for p in v)):
+        if any(not p for p in v if isinstance(p, list)):
+            raise ValueError("a prompt in the list is empty")
+        return v
+    if isinstance(v, list) and not v:
+        raise ValueError("prompt is empty")
+    raise ValueError("must be a string, a list of strings, a list of token ids, or a list of token-id lists")
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] = Field(..., description="text, token ids, or one-element list of text")
-    echo: bool = False
+    prompt: Any = Field(..., description="text, token ids, or a list of either: each element its own prompt")
+    echo: bool = Field(False, description="prepend the prompt to the text (with logprobs: the prompt's too)")
+    logprobs: int | None = Field(None, ge=0, le=20, description="log-probabilities of this many alternatives "
+                                 "per token (the target's raw distribution)")
     suffix: str | None = None
     best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return v[0]
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt is empty")
-        return v
+    def _forms(cls, v):
+        return _prompt_shape(v)
 
-    @model_validator(mode="after")
-    def _completion_unsupported(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported")
-        return self
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        return _unset(v)
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        return _neutral(v, 1)
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request (a string or token ids), in order: OpenAI's four forms."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class ChatMessage(BaseModel):
@@ -119,11 +179,23 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="return each token's log-probability (the target's raw distribution)")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
         return super().requested_max_tokens()
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def sampling(self, default_max_tokens: int, index: int = 0) -> SamplingParams:
         params = super().sampling(default_max_tokens, index)
@@ -209,8 +281,80 @@ def sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
-def usage(finals: list[dict]) -> dict:
-    """OpenAI usage of a request's choices (the prompt counted once)."""
-    prompt = len(finals[0]["prompt_token_ids"]) if finals else 0
+def usage(finals: list[dict], prompt_sizes: list[int] | None = None) -> dict:
+    """OpenAI usage of a request's choices (each prompt counted once, however many choices)."""
+    if prompt_sizes is not None:
+        prompt = sum(prompt_sizes)
+    else:
+        prompt = len(finals[0]["prompt_token_ids"]) if finals else 0
     completion = sum(len(o["token_ids"]) for o in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, echoed before its text (``echo``): its text and token ids."""
+
+    text: str
+    ids: list[int]
+
+
+def logprobs_body(entries: list[dict], token_text, chat: bool, prompt: list | None = None,
+                  prompt_ids: list[int] | None = None) -> dict:
+    """OpenAI's ``logprobs`` of a choice from specray's entries (``engine/logprobs.py``).
+
+    Completions: ``tokens``, ``token_logprobs``, ``top_logprobs`` (token -> logprob) and
+    ``text_offset``, the echoed prompt's tokens first (its first token has none). Chat:
+    ``content``, one object per token with ``bytes`` and its ``top_logprobs``.
+    """
+    if chat:
+        def item(token_id, logprob):
+            text = token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**item(e["id"], e["logprob"]), "top_logprobs": [item(t, lp) for t, lp in e["top"]]}
+                            for e in entries]}
+    rows = []
+    if prompt is not None and prompt_ids is not None:
+        rows = [(t, e["logprob"] if e else None, {token_text(i): lp for i, lp in e["top"]} if e else None)
+                for t, e in zip(prompt_ids, prompt)]
+    rows += [(e["id"], e["logprob"], {token_text(i): lp for i, lp in e["top"]}) for e in entries]
+    tokens = [token_text(t) for t, _, _ in rows]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in rows], "top_logprobs": [top for _, _, top in rows],
+            "text_offset": offsets}
+
+
+def echo_of(prompt: str | list[int], ids: list[int], tokenizer) -> Echo:
+    text = prompt if isinstance(prompt, str) else (tokenizer.decode(prompt) if tokenizer is not None else "")
+    return Echo(text, ids)
+
+
+def token_text_of(tokenizer):
+    """token id -> the text a log-probability entry shows for it ("token_id:N" without a tokenizer)."""
+    if tokenizer is None:
+        return lambda token_id: f"token_id:{token_id}"
+    return lambda token_id: tokenizer.decode([token_id])
+
+
+def choice_logprobs(out: dict, chat: bool, echo: Echo | None, token_text, start: int = 0) -> dict | None:
+    """A choice's ``logprobs`` (its tokens from ``start``; the echoed prompt's with the first);
+    None when the request did not ask."""
+    entries = out.get("logprobs")
+    if entries is None:
+        return None
+    prompt = out.get("prompt_logprobs") if echo is not None and start == 0 else None
+    return logprobs_body(entries[start:], token_text, chat, prompt, echo.ids if echo else None)
+
+
+def choices(finals: list[dict], chat: bool, echoes: list[Echo | None], token_text) -> list[dict]:
+    """The choices of a finished (non-streamed) response, numbered as the outputs come."""
+    out = []
+    for i, (final, echo) in enumerate(zip(finals, echoes)):
+        c = choice(i, (echo.text if echo else "") + final["text"], finish_reason(final["finish_reason"]), chat)
+        c["logprobs"] = choice_logprobs(final, chat, echo, token_text)
+        out.append(c)
+    return out

@@ -121,8 +121,10 @@ def test_help_names_every_method_with_its_default(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "SPEC_" not in text and "--num-speculative-tokens N" in text
     assert "draft, ngram: Draft tokens per step (k) (default: self-tuning)" in text
-    assert "eagle, medusa, redrafter: exact" in text  # --acceptance belongs to every tree method
-    start = text.index("--tree NAME eagle:")
+    acceptance = text[text.index("--acceptance {exact,typical} "):text.index("--posterior-threshold X ", text.index(
+        "--acceptance {exact,typical} "))]
+    assert all(m in acceptance.split(":")[0] for m in ("eagle", "medusa", "redrafter"))  # every tree method
+    start = text.index("--tree NAME eagle")
     tree = text[start:text.index("--eagle-top-k N", start)]
     medusa_part = tree[tree.index("medusa:"):]
     assert "mc_sim_7b_63" in tree[:tree.index("medusa:")] and "mc_sim_7b_63" not in medusa_part
@@ -232,3 +234,31 @@ def test_served_name_defaults_to_the_target_directory(tmp_path):
     (tmp_path / "my-model" / "config.json").write_text("{}")
     assert serve_config("--target", str(tmp_path / "my-model")).model_name == "my-model"
     assert serve_config().model_name == "specray-demo"
+
+
+@pytest.mark.slow
+def test_generate_medusa_and_eagle_equal_plain(demo_pair, tmp_path, capsys):
+    """Random heads on the demo target: whatever they guess, greedy output is the target's."""
+    import torch
+
+    from specray.cluster.train_eagle import head_config
+    from specray.policies.eagle import EagleHead
+    from tests.test_medusa import random_heads
+
+    random_heads(hidden=64, vocab=2048).save(tmp_path / "medusa")
+    torch.manual_seed(0)
+    head = EagleHead(head_config(demo_pair.target))
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    head.save(tmp_path / "eagle")
+    common = ["generate", "--prompt", "import os\n", "--max-tokens", "16", "--json"]
+    code, out, _ = run(capsys, *common, "--method", "none")
+    plain = json.loads(out)
+    for extra in (["--method", "medusa", "--medusa", str(tmp_path / "medusa"), "--tree", "wide"],
+                  ["--method", "eagle", "--eagle", str(tmp_path / "eagle"), "--tree", "chain"],
+                  ["--method", "eagle", "--eagle", str(tmp_path / "eagle"), "--dynamic-tree", "--eagle-top-k", "3",
+                   "--depth", "3"]):
+        code, out, err = run(capsys, *common, *extra)
+        assert code == 0, err
+        spec = json.loads(out)
+        assert spec["token_ids"] == plain["token_ids"] and spec["metrics"]["num_drafts"] > 0, extra

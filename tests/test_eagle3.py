@@ -506,9 +506,9 @@ def test_cli_flags_and_generate(tiny_pair, head_dir, tmp_path, capsys):
     save_char_tokenizer(target_dir)
     common = ["generate", "--prompt", "dbdbfjcg", "--target", str(target_dir), "--max-tokens", "12", "--json"]
     want = hf_greedy(tiny_pair[0], [ALPHABET.index(c) for c in "dbdbfjcg"], 12)
-    assert main([*common, "--method", "eagle3", "--eagle3", head_dir, "--dynamic-tree", "true",
+    assert main([*common, "--method", "eagle3", "--eagle3", head_dir, "--dynamic-tree",
                  "--total-tokens", "8"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["token_ids"] == want and out["metrics"]["num_drafts"] > 0
-    with pytest.raises(SystemExit, match="needs --eagle3"):
-        main([*common, "--method", "eagle3"])
+    assert main([*common, "--method", "eagle3"]) == 2
+    assert "--method eagle3 needs --eagle3 DIR" in capsys.readouterr().err

@@ -110,6 +110,7 @@ def _check_output(lines: list[dict], recs, target) -> None:
         assert o["token_ids"] == hf_greedy(target, r["prompt"], n), o
         assert len(o["token_ids"]) == n and o["finish_reason"] == "length"
         method = (r.get("speculation") or {"method": "draft"})["method"]  # default: the config's
+        assert o["method"] == method  # each line says which method ran
         if method == "none":
             assert o["metrics"]["num_drafts"] == 0
         elif method in ("medusa", "eagle"):
@@ -220,6 +221,20 @@ def test_job_bad_config_and_output(tiny_dirs, tmp_path, capsys):
     assert jobs.main(["--input", str(inp), "--output", str(out), "--batch-size", "0"]) == 2
 
 
+def test_a_serve_config_with_vllm_names_configures_a_job(tiny_checkpoints, tmp_path):
+    """The serve config's flat names work for a job too (its server settings do not apply)."""
+    target = tiny_checkpoints["target"]
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"target: {target}\nmax-model-len: 128\nmax-num-seqs: 2\nport: 9999\nserved-model-name: x\n"
+                   'speculative-config: {"method": "ngram", "num_speculative_tokens": 2}\n')
+    config = jobs.load_config(str(cfg))
+    assert (config.target, config.max_model_len, config.max_num_seqs) == (target, 128, 2)
+    assert config.default_speculation.method == "ngram" and config.default_speculation.num_speculative_tokens == 2
+    cfg.write_text("max-model-len: 1\n")
+    with pytest.raises(jobs.UsageError, match="max_model_len"):
+        jobs.load_config(str(cfg))
+
+
 # -- end to end: ray start --head + ray job submission -------------------------------------
 def _free_ports(n: int) -> list[int]:
     socks = []
@@ -246,8 +261,8 @@ def ray_head():
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=token_path, RAY_USAGE_STATS_ENABLED="0",
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", SPECRAY_WORKER_THREADS="1")
-    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
-    cmd = [ray_bin, "start", "--head", "--block", "--temp-dir", os.path.join(temp_dir, "ray"),
+    # `ray start` with this interpreter: the cluster's workers then import this checkout.
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--temp-dir", os.path.join(temp_dir, "ray"),
            "--port", str(gcs), "--dashboard-port", str(dash), "--dashboard-host", "127.0.0.1",
            "--ray-client-server-port", str(client), "--node-manager-port", str(nm),
            "--object-manager-port", str(om), "--metrics-export-port", str(metrics),

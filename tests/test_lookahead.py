@@ -407,20 +407,16 @@ def test_lookahead_in_a_batch_job(ray_session, tiny_checkpoints, tiny_pair, tmp_
 
 
 def test_cli_flags_come_from_the_options(capsys):
-    import argparse
+    from specray.cluster.cli import build_parser, main, request_speculation
 
-    from specray.cluster.cli import _add_speculation_flags, _speculation, main
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--method", default="draft")
-    p.add_argument("--speculation", default=None)
-    _add_speculation_flags(p)
-    args = p.parse_args(["--method", "lookahead", "--window-size", "6", "--ngram-size", "5",
-                         "--verification-set-size", "3", "--shared-pool", "true"])
-    assert _speculation(args) == lookahead(6, 5, 3, shared_pool=True)
-    assert _speculation(p.parse_args(["--method", "lookahead"])) == LookaheadOptions()  # the defaults
+    p, flags = build_parser()
+    args = p.parse_args(["generate", "--prompt", "x", "--method", "lookahead", "--window-size", "6", "--ngram-size", "5",
+                         "--verification-set-size", "3", "--shared-pool"])
+    assert request_speculation(args, flags) == lookahead(6, 5, 3, shared_pool=True)
+    args = p.parse_args(["generate", "--prompt", "x", "--method", "lookahead"])
+    assert request_speculation(args, flags) == LookaheadOptions()  # the defaults
     assert main(["generate", "--prompt", "x", "--method", "lookahead", "--ngram-size", "1"]) == 2
-    assert "ngram_size" in capsys.readouterr().err
+    assert "--ngram-size 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -196,3 +196,34 @@ def test_trees_are_cut_to_the_room_a_step_has(tiny_pair):
     assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in prompts]
     t = capped.totals
     assert 0 < t.num_drafts and t.num_draft_tokens <= 3 * t.num_drafts
+
+
+def test_training_reports_measured_lengths_and_keeps_the_fit_only_if_it_wins(tmp_path, monkeypatch, capsys):
+    """The report's accepted lengths are the engine's, the distillation shows progress, and a
+    built-in tree that measures better than the fitted one becomes the heads' default."""
+    from specray.cluster import train_medusa as T
+    from specray.kernels.tree import NAMED_TREES
+
+    target = tiny_llama(seed=0)
+    target.save_pretrained(tmp_path / "target")
+    common = dict(heads=4, batch_size=256, sequences=64, gen_len=24, tree_size=5, prompts=random_prompts, steps=30,
+                  measure_prompts=4, measure_tokens=16)
+    report = T.train_medusa(str(tmp_path / "target"), str(tmp_path / "h"), **common)
+    err = capsys.readouterr().err
+    assert "generate:" in err and "64/64" in err and "target features" in err  # progress while distilling
+    measured = report["mean_accepted_length"]
+    assert set(measured) == {"fitted", *NAMED_TREES} and report["expected_accepted_length"] == measured[
+        report["default_tree"]]
+    assert report["default_tree"] == max(measured, key=lambda k: (measured[k], k != "fitted"))  # ties: built-in
+
+    # A built-in tree that measures higher replaces the fit as the saved default.
+    fake = {"fitted": 1.2, "chain": 1.5, "trtllm_example": 1.9, "wide": 1.4}
+    monkeypatch.setattr(T, "measure_accepted_length", lambda *a, **k: dict(fake))
+    report = T.train_medusa(str(tmp_path / "target"), str(tmp_path / "h2"), **common)
+    assert report["default_tree"] == "trtllm_example" and report["expected_accepted_length"] == 1.9
+    saved = json.loads((tmp_path / "h2" / "config.json").read_text())["medusa_choices"]
+    assert saved == NAMED_TREES["trtllm_example"]
+    fake["fitted"] = 2.5  # and the fit is kept when it wins
+    report = T.train_medusa(str(tmp_path / "target"), str(tmp_path / "h3"), **common)
+    assert report["default_tree"] == "fitted" and MedusaHeads.load(tmp_path / "h3", hidden_size=32).choices != \
+        NAMED_TREES["trtllm_example"]

@@ -371,7 +371,9 @@ def test_n_choices_with_seed(client):
 
 
 def test_n_choices_streamed(main_url):
-    body = {"model": MAIN, "prompt": "xyz", "max_tokens": 8, "temperature": 0.8, "n": 2, "seed": 3, "stream": True}
+    # A seed reproduces sampling for a fixed method and length (the self-tuning length varies with load).
+    body = {"model": MAIN, "prompt": "xyz", "max_tokens": 8, "temperature": 0.8, "n": 2, "seed": 3, "stream": True,
+            "speculation": {"method": "draft", "num_speculative_tokens": 2}}
     with httpx.stream("POST", f"{main_url}/v1/completions", json=body, timeout=60) as r:
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
@@ -405,18 +407,26 @@ ERRORS = [  # (id, body patch or raw bytes, status, the error's param, words of 
     ("top_p range", {"top_p": 0}, 400, "top_p", ["top_p", "greater than 0"]),
     ("n range", {"n": 0}, 400, "n", ["n: ", "greater than or equal to 1"]),
     ("negative max_tokens", {"max_tokens": -1}, 400, "max_tokens", ["max_tokens"]),
-    ("prompt too long", {"prompt": [1] * 300}, 400, None, ["prompt", "300", "256"]),
-    ("token id out of vocab", {"prompt": [1, 64]}, 400, None, ["prompt token ids"]),
+    ("prompt too long", {"prompt": [1] * 300}, 400, "prompt", ["prompt", "300", "256"]),
+    ("token id out of vocab", {"prompt": [1, 64]}, 400, "prompt", ["prompt token ids"]),
     ("empty prompt", {"prompt": []}, 400, "prompt", ["prompt", "empty"]),
     ("unknown model", {"model": "gpt-17"}, 404, "model", ["model", "gpt-17"]),
-    ("unknown speculation method", {"speculation": {"method": "bogus"}}, 400, None,
+    ("unknown speculation method", {"speculation": {"method": "bogus"}}, 400, "speculation.method",
      ["speculation method", "bogus"]),
     ("speculation k range", {"speculation": {"method": "draft", "num_speculative_tokens": 0}}, 400,
      "speculation.num_speculative_tokens", ["speculation.num_speculative_tokens"]),
     ("unknown field", {"frobnicate": 1}, 400, "frobnicate", ["frobnicate", "Extra inputs"]),
     ("unknown speculation field", {"speculation": {"method": "draft", "k": 2}}, 400, "speculation.k",
      ["speculation.k"]),
-    ("unsupported penalty", {"presence_penalty": 1.0}, 400, None, ["presence_penalty"]),
+    ("unsupported penalty", {"presence_penalty": 1.0}, 400, "presence_penalty", ["presence_penalty"]),
+    ("chat-only field", {"response_format": {"type": "text"}}, 400, "response_format", ["Extra inputs"]),
+    ("bad prompt form", {"prompt": [[1, 2], "x"]}, 400, "prompt", ["prompt: must be a string, a list of strings"]),
+    ("empty prompt in a list", {"prompt": [[1, 2], []]}, 400, "prompt", ["prompt: a prompt in the list is empty"]),
+    ("logprobs range", {"logprobs": 21}, 400, "logprobs", ["logprobs", "20"]),
+    ("nested 5000 deep", b'{"model": "tiny", "prompt": [1], "speculation": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     400, None, ["nested too deeply"]),
+    ("nested 200 deep", {"speculation": {"method": "draft", "x": json.loads("[" * 200 + "]" * 200)}}, 400,
+     "speculation.x", ["speculation.x"]),
 ]
 
 
@@ -614,7 +624,9 @@ def metric_sums(text: str, model: str) -> dict[str, float]:
 
 
 def test_metrics_match_responses(guarded_url):
+    """The counters grow by what the responses report (other tests' requests counted before)."""
     url = f"{guarded_url}/v1/completions"
+    before = metric_sums(httpx.get(f"{guarded_url}/metrics", timeout=30).text, GUARDED)
     expected = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
     for prompt, method in (("abcabcabcabc", "ngram"), ("helloWorld", "draft"), ("xyxyxyxy", "draft")):
         body = {"model": GUARDED, "prompt": prompt, "max_tokens": 32, "temperature": 0,
@@ -630,6 +642,7 @@ def test_metrics_match_responses(guarded_url):
     while True:
         text = httpx.get(f"{guarded_url}/metrics", timeout=30).text
         sums = metric_sums(text, GUARDED)
+        sums = {n: v - before.get(n, 0) for n, v in sums.items()}
         if all(sums.get(n, 0) == v for n, v in names.items()):
             break
         assert time.monotonic() < deadline, (names, {n: sums.get(n) for n in names})
@@ -640,6 +653,7 @@ def test_metrics_match_responses(guarded_url):
         assert sums.get(f"{hist}_count", 0) > 0 and f"{hist}_bucket" in sums, hist
     if expected["num_accepted_tokens"]:
         assert sums["ray_specray_spec_decode_num_accepted_tokens_per_pos"] == expected["num_accepted_tokens"]
+    assert "ray_specray_spec_decode_num_drafts_total" in text  # counters carry Prometheus' _total (README names)
 
 
 # -- the demo pair (real tokenizer, chat template) ------------------------------------------
@@ -717,3 +731,157 @@ def test_demo_chat_and_stream(demo_client, demo_reference, demo_models):
         model="specray-demo", messages=messages, max_tokens=24, temperature=0, stream=True,
         extra_body={"speculation": {"method": "ngram"}}) if c.choices]
     assert "".join(pieces) == ref.text and len([p for p in pieces if p]) >= 2
+
+
+# -- OpenAI conventions: prompt forms, errors, logprobs, echo --------------------------------------
+def test_every_prompt_form_is_its_own_choice(main_url, target_model):
+    url = f"{main_url}/v1/completions"
+    forms = {"text": "abcd", "texts": ["abcd", "xyz"], "ids": [1, 2, 3], "id lists": [[1, 2, 3], [4, 5], [9]]}
+    for name, prompt in forms.items():
+        prompts = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
+        body = {"model": MAIN, "prompt": prompt, "max_tokens": 6, "temperature": 0, "n": 2}
+        r = httpx.post(url, json=body, timeout=60).json()
+        assert [c["index"] for c in r["choices"]] == list(range(2 * len(prompts))), name
+        for i, c in enumerate(r["choices"]):
+            p = prompts[i // 2]
+            assert c["text"] == greedy_text(target_model, encode(p) if isinstance(p, str) else p, 6), (name, i)
+        sizes = [len(p) for p in prompts]  # one character per token
+        assert r["usage"] == {"prompt_tokens": sum(sizes), "completion_tokens": 12 * len(prompts),
+                              "total_tokens": sum(sizes) + 12 * len(prompts)}, name
+    # the batched form evaluation harnesses send, streamed too
+    body = {"model": MAIN, "prompt": [[1, 2, 3], [4, 5]], "max_tokens": 5, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        events = sse_events(r.iter_lines())
+    texts = {0: "", 1: ""}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == {0: greedy_text(target_model, [1, 2, 3], 5), 1: greedy_text(target_model, [4, 5], 5)}
+
+
+def test_the_whole_request_is_checked_at_once(main_url):
+    body = {"model": MAIN, "prompt": [1, 2], "presence_penalty": 1, "logprobs": 99, "suffix": "x", "echo": [1],
+            "speculation": {"method": "bogus"}}
+    err = assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400,
+                              "presence_penalty", "logprobs", "suffix", "echo", "bogus")
+    assert err["param"] in ("presence_penalty", "logprobs", "suffix", "echo") and "Value error" not in err["message"]
+    # semantic problems of several prompts and the speculation, all in one answer
+    body = {"model": MAIN, "prompt": [[1, 64], [1] * 300], "speculation": {"method": "bogus"}}
+    err = assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400,
+                              "prompt.0", "prompt.1", "bogus")
+    assert err["param"] == "prompt"
+
+
+def test_routing_errors_in_openai_shape(main_url):
+    err = assert_openai_error(httpx.get(f"{main_url}/v1/completions", timeout=30), 405, "GET")
+    assert err["param"] == "method"
+    err = assert_openai_error(httpx.post(f"{main_url}/v1/embeddings", json={}, timeout=30), 404, "/v1/embeddings")
+    assert err["param"] == "path"
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (33 * 2**20) + b'"}'
+    assert_openai_error(httpx.post(f"{main_url}/v1/completions", content=big, timeout=120), 413, "bytes")
+
+
+def test_chat_response_format(main_url):
+    url = f"{main_url}/v1/chat/completions"
+    base = {"model": MAIN, "messages": [{"role": "user", "content": "ab"}], "max_tokens": 3}
+    assert httpx.post(url, json={**base, "response_format": {"type": "text"}}, timeout=60).status_code == 200
+    err = assert_openai_error(httpx.post(url, json={**base, "response_format": {"type": "json_object"}}, timeout=60),
+                              400, "json_object")
+    assert err["param"] == "response_format.type"
+
+
+def hf_logprobs(model, ids) -> "torch.Tensor":
+    """[T, V] log-softmax of the target's logits at every position of ``ids`` (teacher-forced)."""
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def check_against_hf(model, prompt, choice_lp, tokens, atol=1e-4):
+    """Each reported logprob and its top alternatives equal the target's own distribution."""
+    lp = hf_logprobs(model, list(prompt) + list(tokens))
+    for j, (tok, reported, top) in enumerate(zip(tokens, choice_lp["token_logprobs"], choice_lp["top_logprobs"])):
+        row = lp[len(prompt) - 1 + j]
+        assert abs(reported - row[tok].item()) < atol, (j, reported, row[tok].item())
+        best = row.topk(len(top))
+        assert [encode(t)[0] for t in top] == best.indices.tolist()
+        assert all(abs(v - b) < atol for v, b in zip(top.values(), best.values.tolist()))
+
+
+def test_logprobs_equal_with_and_without_speculation(main_url, target_model):
+    url = f"{main_url}/v1/completions"
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    for temperature in (0, 0.8):  # greedy and sampled (each against the target's own distribution)
+        seen = {}
+        for spec in ({"method": "none"}, {"method": "draft", "num_speculative_tokens": 3},
+                     {"method": "ngram"}, {"method": "medusa"}, {"method": "eagle", "dynamic_tree": True}):
+            body = {"model": MAIN, "prompt": prompt, "max_tokens": 16, "temperature": temperature, "seed": 7,
+                    "logprobs": 3, "speculation": spec}
+            c = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+            lp = c["logprobs"]
+            tokens = encode(c["text"])
+            assert len(lp["tokens"]) == len(tokens) == 16 and all(len(t) == 3 for t in lp["top_logprobs"])
+            check_against_hf(target_model, prompt, lp, tokens)
+            seen[spec["method"]] = (tokens, lp["token_logprobs"])
+        if temperature == 0:  # the same tokens, the same numbers
+            ref_tokens, ref_lp = seen["none"]
+            for method, (tokens, lps) in seen.items():
+                assert tokens == ref_tokens and max(abs(a - b) for a, b in zip(lps, ref_lp)) < 1e-4, method
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_hf(main_url, target_model):
+    prompt = "helloWorld"
+    body = {"model": MAIN, "prompt": prompt, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1}
+    c = httpx.post(f"{main_url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert c["text"].startswith(prompt) and len(c["text"]) == len(prompt) + 4
+    lp = c["logprobs"]
+    assert lp["tokens"] == list(c["text"]) and lp["text_offset"] == list(range(len(prompt) + 4))
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ref = hf_logprobs(target_model, encode(c["text"]))
+    for t in range(1, len(c["text"])):
+        assert abs(lp["token_logprobs"][t] - ref[t - 1, encode(c["text"][t])[0]].item()) < 1e-4, t
+    plain = {**body, "logprobs": None}  # echo alone: the prompt's text, no numbers
+    c = httpx.post(f"{main_url}/v1/completions", json=plain, timeout=60).json()["choices"][0]
+    assert c["text"].startswith(prompt) and c["logprobs"] is None
+
+
+def test_chat_logprobs_streamed_and_not(main_url, target_model):
+    url = f"{main_url}/v1/chat/completions"
+    body = {"model": MAIN, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "speculation": {"method": "draft", "num_speculative_tokens": 3}}
+    c = httpx.post(url, json=body, timeout=60).json()["choices"][0]
+    content = c["logprobs"]["content"]
+    assert "".join(e["token"] for e in content) == c["message"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 and e["bytes"] == list(e["token"].encode()) for e in content)
+    ref = hf_logprobs(target_model, encode("helloZZ" + c["message"]["content"]))
+    for j, e in enumerate(content):
+        assert abs(e["logprob"] - ref[6 + j, encode(e["token"])[0]].item()) < 1e-4
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+        events = sse_events(r.iter_lines())
+    streamed = [e for ev in events[:-1] for ch in ev["choices"] for e in ((ch.get("logprobs") or {}).get("content") or [])]
+    assert [(e["token"], round(e["logprob"], 5)) for e in streamed] == \
+        [(e["token"], round(e["logprob"], 5)) for e in content]
+    err = assert_openai_error(httpx.post(url, json={**body, "logprobs": False}, timeout=60), 400, "top_logprobs")
+
+
+def test_client_errors_are_one_line_in_the_log(main_url):
+    """A bad request leaves one line in the ingress replica's log, and no traceback anywhere in
+    the application's replica logs (the engine's refusals travel as values)."""
+    import pathlib
+
+    marker = "frobnicate-" + str(time.time_ns())
+    assert_openai_error(httpx.post(f"{main_url}/v1/completions", json={"model": MAIN, "prompt": [1], marker: 1},
+                                   timeout=60), 400)
+    assert_openai_error(httpx.post(f"{main_url}/v1/completions", json={"model": MAIN, "prompt": [1] * 300},
+                                   timeout=60), 400)  # refused after parsing (the context)
+    logs = pathlib.Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
+    deadline = time.monotonic() + 20
+    while True:
+        text = "\n".join(p.read_text(errors="replace") for p in logs.glob("replica_main_*.log"))
+        lines = [ln for ln in text.splitlines() if marker in ln]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(lines) == 1 and "client error 400" in lines[0], lines
+    assert "Traceback" not in text

@@ -606,21 +606,17 @@ def test_suffix_in_a_batch_job(ray_session, tiny_checkpoints, tiny_pair, tmp_pat
 
 
 def test_cli_flags_come_from_the_options(capsys):
-    import argparse
+    from specray.cluster.cli import build_parser, main, request_speculation
 
-    from specray.cluster.cli import _add_speculation_flags, _speculation, main
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--method", default="draft")
-    p.add_argument("--speculation", default=None)
-    _add_speculation_flags(p)
-    args = p.parse_args(["--method", "suffix", "--num-speculative-tokens", "12", "--max-spec-factor", "2.5",
-                         "--max-spec-offset", "-1", "--min-token-prob", "0.2", "--tree", "false"])
-    assert _speculation(args) == suffix(num_speculative_tokens=12, max_spec_factor=2.5, max_spec_offset=-1,
-                                        min_token_prob=0.2, tree=False)
-    assert _speculation(p.parse_args(["--method", "suffix"])) == SuffixOptions()
+    p, flags = build_parser()
+    args = p.parse_args(["generate", "--prompt", "x", "--method", "suffix", "--num-speculative-tokens", "12",
+                         "--max-spec-factor", "2.5", "--max-spec-offset", "-1", "--min-token-prob", "0.2",
+                         "--no-suffix-tree"])
+    assert request_speculation(args, flags) == suffix(num_speculative_tokens=12, max_spec_factor=2.5,
+                                                      max_spec_offset=-1, min_token_prob=0.2, tree=False)
+    assert request_speculation(p.parse_args(["generate", "--prompt", "x", "--method", "suffix"]), flags) == SuffixOptions()
     assert main(["generate", "--prompt", "x", "--method", "suffix", "--min-token-prob", "2"]) == 2
-    assert "min_token_prob" in capsys.readouterr().err
+    assert "--min-token-prob 2" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -1,0 +1,158 @@
+"""One check of an OpenAI request, for the HTTP server and for batch files alike.
+
+A request is checked whole before anything runs, and every problem is reported at once
+(``RequestError.problems``: (param, message) pairs; ``param`` is OpenAI's: the field at
+fault): the body's shape (pydantic collects every field's error), then each prompt against
+the model (a tokenizer for text, the vocabulary for token ids, the context), the output
+limit against the context, and the speculation against what the server has loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from specray.engine.params import SamplingParams, best_speculation
+from specray.engine.scheduler import ContextLengthError, check_context_length, encode_prompt
+from specray.policies.registry import Limits, parse_speculation, validate_speculation
+from specray.serve import protocol as P
+
+MAX_REPORTED = 10  # problems listed in one message; the rest are counted
+
+
+class RequestError(ValueError):
+    """A bad request: every problem found, as (param, message) pairs (HTTP 400)."""
+
+    def __init__(self, problems: list[tuple[str | None, str]]):
+        self.problems = problems
+        shown = self.lines()[:MAX_REPORTED]
+        more = len(problems) - len(shown)
+        super().__init__("; ".join(shown) + (f"; and {more} more" if more > 0 else ""))
+
+    def lines(self) -> list[str]:
+        """Each problem as one line, starting with the field it is about."""
+        return [f"{param}: {msg}" if param and not msg.startswith(param) else msg for param, msg in self.problems]
+
+    @property
+    def param(self) -> str | None:
+        return self.problems[0][0] if self.problems else None
+
+
+@dataclass
+class Facts:
+    """What checking needs from the model (read once: by the ingress at start, by a batch job
+    per file)."""
+
+    tokenizer: Any
+    context: int
+    vocab_size: int
+    limits: Limits
+    default_speculation: Any
+
+
+def facts_for(config, tokenizer) -> Facts:
+    """Facts of a SpecrayConfig whose target is set (read from its files, no weights loaded)."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(config.target)
+    context = config.engine_config().context_length(model_config)
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    limits = Limits(capacity=context, vocab_size=text.vocab_size, methods=config.method_facts())
+    return Facts(tokenizer, context, text.vocab_size, limits,
+                 config.default_speculation or best_speculation(limits.methods))
+
+
+def validation_problems(exc: ValidationError, prefix: str = "") -> list[tuple[str | None, str]]:
+    """Every error of a pydantic validation, as (param, message) ("Value error, " dropped)."""
+    out = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        out.append((f"{prefix}{loc}" if loc else None, f"{prefix}{loc}: {msg}" if loc else msg))
+    return out
+
+
+def parse(body: dict, chat: bool, prefix: str = "", facts: Facts | None = None):
+    """The request model of a body (RequestError listing every field's error, and — with
+    ``facts`` — whether its speculation can run here, so that one answer says both)."""
+    model = P.ChatCompletionRequest if chat else P.CompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        problems = validation_problems(exc, prefix)
+        if facts is not None and body.get("speculation") is not None and not any(
+                (p or "").startswith(f"{prefix}speculation") for p, _ in problems):
+            try:
+                problems += _speculation_problems(parse_speculation(body["speculation"]), facts, prefix)
+            except ValueError:  # not even its method's options: pydantic has said so already
+                pass
+        raise RequestError(problems) from None
+
+
+def _speculation_problems(options, facts: Facts, prefix: str) -> list[tuple[str, str]]:
+    try:
+        validate_speculation(options, facts.limits)
+    except ValueError as exc:
+        message = str(exc)
+        about_method = "method" in message.split(":")[0] or "unknown speculation method" in message
+        param = f"{prefix}speculation{'.method' if about_method else ''}"
+        return [(param, f"{param}: {message}")]
+    return []
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A request ready to run: per prompt, its text or ids, its token ids and the sampling
+    of each of its ``n`` choices (choice index = prompt index x n + j, as OpenAI numbers them)."""
+
+    prompts: list[str | list[int]]
+    prompt_ids: list[list[int]]
+    samplings: list[list[SamplingParams]]
+    speculation: dict | None
+
+
+def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = "") -> Checked:
+    """Check a parsed request against the model; RequestError with every problem."""
+    problems: list[tuple[str | None, str]] = []
+    field = f"{prefix}{'messages' if chat else 'prompt'}"
+    if chat:
+        tok = facts.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise RequestError([(field, f"{field}: this model has no chat template; use /v1/completions")])
+        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        prompts = [tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)]
+    else:
+        prompts = req.prompts()
+    ids_per_prompt, samplings = [], []
+    for number, prompt in enumerate(prompts):
+        where = f"{field}" if len(prompts) == 1 else f"{field}.{number}"
+        try:
+            ids = encode_prompt(prompt, facts.tokenizer)
+        except ValueError as exc:
+            problems.append((field, f"{where}: {exc}"))
+            continue
+        if not ids:
+            problems.append((field, f"{where}: the prompt is empty"))
+            continue
+        if min(ids) < 0 or max(ids) >= facts.vocab_size:
+            problems.append((field, f"{where}: prompt token ids must lie in [0, {facts.vocab_size})"))
+            continue
+        try:
+            check_context_length(len(ids), None, facts.context)
+            max_tokens = P.resolve_max_tokens(req, len(ids), facts.context, default_max_tokens, chat)
+        except ContextLengthError as exc:
+            param = field if exc.max_tokens is None else f"{prefix}{req.requested_max_tokens()[0]}"
+            problems.append((param, f"{where}: {exc}" if exc.max_tokens is None else str(exc)))
+            continue
+        ids_per_prompt.append(ids)
+        try:
+            samplings.append([req.sampling(max_tokens, number * req.n + j) for j in range(req.n)])
+        except ValidationError as exc:
+            problems.extend(validation_problems(exc, prefix))
+    problems += _speculation_problems(req.speculation or facts.default_speculation, facts, prefix)
+    if problems:
+        raise RequestError(problems)
+    spec = req.speculation.model_dump() if req.speculation else None
+    return Checked(prompts, ids_per_prompt, samplings, spec)
