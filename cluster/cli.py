@@ -257,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--once", metavar="PROMPT", default=None, help="answer one completion for PROMPT, then exit")
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("train", help="train draft heads: `specray train medusa|eagle|redrafter --out DIR [--target DIR]`")
-    p.add_argument("what", help="medusa | eagle | redrafter")
+    p = sub.add_parser("train", help="train draft heads: `specray train medusa|eagle|eagle3|redrafter --out DIR [--target DIR]`")
+    p.add_argument("what", help="medusa | eagle | eagle3 | redrafter")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=_train)
 
