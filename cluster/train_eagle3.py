@@ -142,8 +142,9 @@ def chain_ranks(head: Eagle3Head, data: SequenceSet, taps: torch.Tensor, depth: 
 
 def train_eagle3(target: str, out: str, tokenizer: str | None = None, steps: int = 1200, batch_size: int = 16,
                  width: int = 128, lr: float = 3e-3, unroll: int = 7, decay: float = DECAY, vocab: int = 1024,
-                 init: str = "target", sequences: int = 1024, gen_len: int = 128, tree_size: int = 16,
-                 depth: int = 6, seed: int = 0, prompts: PromptSource | None = None) -> dict:
+                 init: str = "target", layers: tuple[int, ...] | None = None, sequences: int = 1024,
+                 gen_len: int = 128, tree_size: int = 16, depth: int = 6, seed: int = 0,
+                 prompts: PromptSource | None = None) -> dict:
     """Train, measure on held-out continuations, fit the default tree, save; returns a report."""
     from transformers import AutoConfig
 
@@ -152,9 +153,11 @@ def train_eagle3(target: str, out: str, tokenizer: str | None = None, steps: int
     start = time.time()
     data = distill_data(target, tokenizer, sequences, gen_len, seed, prompts)
     num_layers = AutoConfig.from_pretrained(target).num_hidden_layers
-    layers = default_layers(num_layers)
-    if not all(0 <= k < num_layers for k in layers):
-        raise ValueError(f"EAGLE-3's taps {layers} need a target of at least 5 layers, got {num_layers}")
+    chosen = tuple(layers) if layers else None
+    layers = chosen or default_layers(num_layers)
+    if len(layers) != 3 or not all(0 <= k < num_layers for k in layers):
+        raise ValueError(f"EAGLE-3 reads 3 target layers in 0..{num_layers - 1}; got {list(layers)} "
+                         f"(the default 2, L//2, L-3 needs a target of at least 5 layers)")
     taps, held_taps = (target_layer_inputs(target, d, layers) for d in (data.train, data.held_out))
     cfg = head_config(target)
     cfg._attn_implementation = "sdpa"
@@ -162,6 +165,7 @@ def train_eagle3(target: str, out: str, tokenizer: str | None = None, steps: int
     cfg.draft_vocab_size = len(ids)
     head = Eagle3Head(cfg)
     head.set_vocab(ids)
+    head.configured_layers = chosen  # saved in config.json when not the default
     if init == "target":
         init_from_target(head, target)
     head.bind(torch.nn.Embedding.from_pretrained(data.embed, freeze=True), num_layers)
@@ -193,10 +197,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", type=int, default=1024, help="tokens in the draft vocabulary")
     p.add_argument("--init", choices=("target", "random"), default="target", help="warm start from the target or not")
     p.add_argument("--depth", type=int, default=6, help="levels measured for the fitted tree")
+    p.add_argument("--layers", default=None, help="the 3 target layers whose inputs the head reads, e.g. 2,6,11 "
+                                                   "(default 2, L//2, L-3)")
     return run_recipe(argv, p, "eagle3", lambda a, target, tokenizer: train_eagle3(
         target, a.out, tokenizer, steps=a.steps, batch_size=a.batch_size, width=a.width, lr=a.lr, unroll=a.unroll,
-        decay=a.decay, vocab=a.draft_vocab, init=a.init, sequences=a.sequences, gen_len=a.gen_len,
-        tree_size=a.tree_size, depth=a.depth, seed=a.seed), EVAL_SPECS)
+        decay=a.decay, vocab=a.draft_vocab, init=a.init, layers=_layer_list(a.layers), sequences=a.sequences,
+        gen_len=a.gen_len, tree_size=a.tree_size, depth=a.depth, seed=a.seed), EVAL_SPECS)
+
+
+def _layer_list(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(k) for k in text.split(","))
+    except ValueError:
+        raise ValueError(f"--layers takes comma-separated layer indices, got {text!r}") from None
 
 
 if __name__ == "__main__":
