@@ -142,10 +142,12 @@ def chain_ranks(head: EagleHead, lm_head: torch.Tensor, data: SequenceSet, depth
 
 
 @torch.no_grad()
-def measure_step_cost(target: str, head: EagleHead, max_nodes: int, repeats: int = 30) -> Callable[[int, int], float]:
+def measure_step_cost(target: str, head, max_nodes: int, repeats: int = 30,
+                      bind: Callable | None = None) -> Callable[[int, int], float]:
     """``cost(nodes, depth)``: seconds of one EAGLE step on this machine, one thread — the
     target verifying the root + ``nodes`` under a tree mask, and ``depth`` head forwards
-    (the catch-up, then one per level below the first)."""
+    (the catch-up, then one per level below the first). ``bind(head, target_runner)``
+    attaches a copy of the head to the target (default: EAGLE-1's embedding + LM head)."""
     import copy
     import statistics
 
@@ -159,7 +161,8 @@ def measure_step_cost(target: str, head: EagleHead, max_nodes: int, repeats: int
     torch.set_num_threads(1)
     try:
         runner = ModelRunner(AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32), 1, 512)
-        probe = copy.deepcopy(head).bind(runner.decoder.embed_tokens, runner.lm_head)
+        bind = bind or (lambda h, r: h.bind(r.decoder.embed_tokens, r.lm_head))
+        probe = bind(copy.deepcopy(head), runner)
         head_runner = ModelRunner(probe, 1, 512)
         prefix = [1 + i % (runner.vocab_size - 1) for i in range(64)]
         runner.forward([0], [prefix])
@@ -216,23 +219,39 @@ def train_eagle(target: str, out: str, tokenizer: str | None = None, steps: int 
                                                                 noise, token_weight, unroll),
                      steps, lr, "eagle head", clip=0.5)
     head.eval()
-    nll = {round(0.1 * 1.15 ** i, 4): 0.0 for i in range(25)}  # 0.1 .. ~2.9
+    nll = temperature_grid()
     ranks = chain_ranks(head, lm_head, data.held_out, depth, top=8, nll=nll)
+    cost = measure_step_cost(target, head, tree_size)
+    return {"head_dir": out, "steps": steps, "final_loss": round(final, 4),
+            **fit_and_save(head, ranks, nll, cost, tree_size, out, target),
+            "data_seconds": round(data.seconds, 1), "seconds": round(time.time() - start, 1)}
+
+
+def temperature_grid() -> dict[float, float]:
+    """Candidate greedy-rows temperatures 0.1 .. ~2.9, each with its NLL accumulator."""
+    return {round(0.1 * 1.15 ** i, 4): 0.0 for i in range(25)}
+
+
+def fit_and_save(head, ranks: torch.Tensor, nll: dict[float, float], cost: Callable[[int, int], float],
+                 tree_size: int, out: str, target: str) -> dict:
+    """From held-out drafting along the true continuations (``ranks`` [M, depth], ``nll`` per
+    temperature): the greedy-rows temperature, the k-step accuracies and the fitted default
+    tree, saved with the head (EAGLE's and EAGLE-3's recipes); returns the report's part."""
     head.greedy_temperature = min(nll, key=nll.get)
+    depth = ranks.shape[1]
     accuracy = [round((ranks[:, d] == 0).float().mean().item(), 3) for d in range(depth)]
     # k-step accuracy: the first k levels all right (a chain of k accepted tokens)
     chain = [round((ranks[:, : d + 1] == 0).all(-1).float().mean().item(), 3) for d in range(depth)]
-    cost = measure_step_cost(target, head, tree_size)
     choices, expected = fit_tree(ranks, tree_size, max_children=8, step_cost=cost)
     head.choices = choices
     head.save(out, base_model=target)
+    tree_depth = max(len(c) for c in choices)
     return {
-        "head_dir": out, "steps": steps, "final_loss": round(final, 4), "positions": int(ranks.shape[0]),
-        "held_out_top1_per_depth": accuracy, "held_out_chain_accuracy": chain, "tree_size": len(choices),
-        "expected_accepted_length": round(expected, 3), "chain_expected_accepted_length": round(1 + sum(chain), 3),
-        "tree_depth": max(len(c) for c in choices), "greedy_temperature": head.greedy_temperature,
-        "step_ms_plain": round(1000 * cost(0, 0), 3), "step_ms_tree": round(1000 * cost(len(choices), max(len(c) for c in choices)), 3),
-        "data_seconds": round(data.seconds, 1), "seconds": round(time.time() - start, 1),
+        "positions": int(ranks.shape[0]), "held_out_top1_per_depth": accuracy, "held_out_chain_accuracy": chain,
+        "tree_size": len(choices), "expected_accepted_length": round(expected, 3),
+        "chain_expected_accepted_length": round(1 + sum(chain), 3), "tree_depth": tree_depth,
+        "greedy_temperature": head.greedy_temperature, "step_ms_plain": round(1000 * cost(0, 0), 3),
+        "step_ms_tree": round(1000 * cost(len(choices), tree_depth), 3),
     }
 
 

@@ -18,7 +18,7 @@ import heapq
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 import torch
@@ -59,6 +59,7 @@ class SequenceSet:
     features: torch.Tensor
     lengths: torch.Tensor
     prompt_lens: torch.Tensor
+    taps: dict = field(default_factory=dict, repr=False)  # target_layer_inputs' cache
 
     def positions(self, ahead: int) -> torch.Tensor:
         """[P, 2] (sequence, t) of continuation positions with ``ahead`` known tokens after t."""
@@ -104,6 +105,25 @@ def target_features(model, seqs: list[list[int]], batch_size: int = 16) -> torch
         ids = torch.tensor([s + [pad] * (width - len(s)) for s in chunk])
         out[lo : lo + len(chunk)] = decoder(input_ids=ids).last_hidden_state.float()
     return out
+
+
+@torch.no_grad()
+def target_layer_inputs(target: str, data: SequenceSet, layers: tuple[int, ...], batch_size: int = 16) -> torch.Tensor:
+    """[N, T, len(layers) * H] float32: the residual stream entering each decoder layer in
+    ``layers`` (HF's ``output_hidden_states[k]``) at every position of ``data``'s sequences,
+    concatenated — EAGLE-3's taps. Computed once per process for each (data, layers)."""
+    key = (target, tuple(layers))
+    if key not in data.taps:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+        decoder, (n, width) = model.get_decoder(), data.tokens.shape
+        out = torch.zeros(n, width, len(layers) * model.config.hidden_size)
+        for lo in range(0, n, batch_size):
+            states = decoder(input_ids=data.tokens[lo : lo + batch_size], output_hidden_states=True).hidden_states
+            out[lo : lo + batch_size] = torch.cat([states[k] for k in layers], dim=-1).float()
+        data.taps[key] = out
+    return data.taps[key]
 
 
 _DATA: dict[tuple, DistillData] = {}  # one process training several heads builds the data once
@@ -219,9 +239,10 @@ def ranks_of(logits: torch.Tensor, labels: torch.Tensor, top: int) -> torch.Tens
 
 # -- the command ----------------------------------------------------------------------------
 def recipes() -> dict[str, Callable[[list[str]], int]]:
-    from specray.cluster import train_eagle, train_medusa, train_redrafter
+    from specray.cluster import train_eagle, train_eagle3, train_medusa, train_redrafter
 
-    return {"medusa": train_medusa.main, "eagle": train_eagle.main, "redrafter": train_redrafter.main}
+    return {"medusa": train_medusa.main, "eagle": train_eagle.main, "eagle3": train_eagle3.main,
+            "redrafter": train_redrafter.main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -420,6 +420,34 @@ def test_trees_are_cut_to_the_room_a_step_has(target):
             assert o.token_ids == hf_greedy(target, p, 20 - len(p))
 
 
+def test_training_learns_and_saves_the_public_layout(tmp_path):
+    """A short training-time-test run on a tiny 6-layer target (taps 2, 3, 3): the loss falls,
+    the held-out depth-1 accuracy rises, the draft vocabulary, fitted tree and
+    temperature are saved in the public layout, and the head serves losslessly."""
+    from specray.cluster import train_eagle3 as T
+    from tests.test_medusa import random_prompts
+
+    target = tiny_llama(layers=6, seed=0)
+    target.save_pretrained(tmp_path / "target")
+    common = dict(batch_size=8, width=32, sequences=96, gen_len=24, tree_size=6, depth=3, unroll=3, vocab=48,
+                  prompts=random_prompts)
+    first = T.train_eagle3(str(tmp_path / "target"), str(tmp_path / "h1"), steps=1, **common)
+    last = T.train_eagle3(str(tmp_path / "target"), str(tmp_path / "h2"), steps=150, lr=1e-2, **common)
+    assert last["final_loss"] < first["final_loss"] - 0.5, (first, last)
+    # a random target's continuations are hard to guess from its middle layers; the real floor
+    # is the trained-head test's on the demo target (tests/test_trained_heads.py)
+    assert last["held_out_top1_per_depth"][0] > first["held_out_top1_per_depth"][0]
+    assert last["layers"] == [2, 3, 3] and last["draft_vocab"] == 48
+    head = Eagle3Head.load(tmp_path / "h2", hidden_size=32, vocab_size=64)
+    assert head.draft_vocab_size == 48 and int(head.t2d.sum()) == 48
+    assert head.choices is not None and len(head.choices) == last["tree_size"] <= 6
+    assert head.greedy_temperature == last["greedy_temperature"]
+    engine = eagle3_engine(target, head)
+    outs = engine.generate(ragged_prompts(3), GREEDY, SpeculationParams(method="eagle3", eagle_choices=head.choices))
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(3)]
+    assert engine.totals.num_accepted_tokens > 0
+
+
 # -- every entry point ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def head_dir(tiny_pair, tmp_path_factory):
