@@ -226,6 +226,9 @@ def test_global_tree_is_lru_bounded_and_inserts_within_a_budget():
     cache.add([30, 31])
     cache.poll()
     assert cache.cached() == [ids[1], 3] and not cache.tree.match([20, 21])  # the untouched one went
+    assert cache.add([10, 11, 12, 13, 14, 15]) == ids[1]  # a retry's answer, already cached: touched
+    cache.poll()
+    assert cache.cached() == [3, ids[1]] and len(cache.tree) == 2
     assert GlobalSuffixCache(max_cached_requests=0).enabled is False
     with pytest.raises(ValueError, match="max_cached_requests"):
         GlobalSuffixCache(max_cached_requests=-1)
