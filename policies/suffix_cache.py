@@ -58,8 +58,8 @@ class SuffixCacheConfig(BaseModel):
                                      "recently used out); 0: no global tree (each request's own tree only).")
     shared: bool = Field(True, description="One global tree for every engine replica (a Ray actor) instead of "
                          "one per engine.")
-    name: str = Field("specray-suffix-cache", min_length=1, description="The shared tree actor's name (replicas "
-                      "with the same name share it).")
+    name: str | None = Field(None, min_length=1, description="The shared tree actor's name (replicas with the "
+                             "same name share it); default: one per target model and tokenizer.")
     sync_every_requests: int = Field(8, ge=1, description="A replica sends its finished outputs after this many.")
     sync_interval_s: float = Field(2.0, gt=0, description="... or after this many seconds, and pulls the others'.")
 
