@@ -13,9 +13,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specray.engine.config import EngineConfig
+from specray.engine.config import EngineConfig, resolve_dtype
+from specray.engine.memory import DEFAULT_MAX_NUM_SEQS, KVPlan, plan_for_checkpoints
 from specray.engine.params import Speculation
-from specray.policies.registry import PlainOptions, method_spec, registered_methods
+from specray.policies.registry import method_spec, registered_methods
 from specray.policies.spec_length import SpeculationLengthPolicy
 from specray.policies.suffix_cache import SuffixCacheConfig
 
@@ -66,10 +67,20 @@ class SpecrayConfig(BaseModel):
     checkpoints: dict[str, str] = Field(
         default_factory=dict, description="Weights of other methods by their checkpoint key (e.g. eagle: DIR)."
     )
-    dtype: str = Field("float32", description="float32 | bfloat16 | float16")
-    max_num_seqs: int = Field(8, ge=1, description="Sequences batched at once (KV-cache rows).")
-    max_model_len: int | None = Field(None, ge=2, description="Context per sequence.")
-    default_speculation: Speculation = Field(default_factory=PlainOptions)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations: auto = bfloat16 on CUDA, float32 on CPU.")
+    device: str = Field("auto", description="auto (CUDA where the worker has a GPU, else CPU), cpu, cuda or cuda:N.")
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="Sequences batched at once (KV-cache rows); default: sized from GPU memory "
+        "(gpu_memory_utilization) on CUDA, 8 on CPU.")
+    max_model_len: int | None = Field(
+        None, ge=2, description="Context per sequence (prompt + output); default: the model's, at most 4096.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="Share of the GPU's memory this server may use: weights, activations and "
+        "the KV cache, which gets the rest (used only when max_num_seqs is not given).")
+    default_speculation: Speculation | None = Field(
+        None, description="Speculation for requests that give none; default: the best method loaded (draft, "
+        "then EAGLE/ReDrafter/Medusa heads, then prompt lookup) under the self-tuning speculation length.")
     speculation_off_above_batch: int | None = Field(
         None, ge=1, description="Static caps: running batch larger than this, plain decoding for everyone. "
         "Without caps, a controller learns each step's k from measured acceptance and costs."
@@ -86,7 +97,7 @@ class SpecrayConfig(BaseModel):
         "and whether engine replicas share it (a Ray actor)."
     )
 
-    def engine_config(self, device: str = "cpu") -> EngineConfig:
+    def engine_config(self, device: str | None = None) -> EngineConfig:
         return EngineConfig(
             target=self.target,
             draft=self.draft,
@@ -94,8 +105,8 @@ class SpecrayConfig(BaseModel):
             medusa=self.medusa,
             checkpoints=dict(self.checkpoints),
             dtype=self.dtype,
-            device=device,
-            max_num_seqs=self.max_num_seqs,
+            device=device or self.device,
+            max_num_seqs=self.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             max_model_len=self.max_model_len,
             default_speculation=self.default_speculation,
             # Caps given: static caps; none: the self-tuning controller.
@@ -122,9 +133,21 @@ class SpecrayConfig(BaseModel):
                 facts[name] = None
         return facts
 
-    def resolved(self) -> "SpecrayConfig":
-        """Fill in the demo pair's paths when no target is given (built once, cached): the
-        entry points (Coordinator, Serve builder, jobs, CLI) call this; the engine never does."""
+    def resolved(self, free_total: tuple[int, int] | None = None) -> "SpecrayConfig":
+        """Fill in the demo pair's paths when no target is given (built once, cached), and
+        the KV cache's size (``kv_plan``): the entry points (Coordinator, Serve builder, jobs,
+        CLI) call this; the engine never does. Idempotent."""
+        cfg = self.with_models()
+        if cfg.max_num_seqs is None:
+            if free_total is not None or cfg.engine_config().resolved_device.startswith("cuda"):
+                plan = cfg.kv_plan(free_total)
+                cfg = cfg.model_copy(update={"max_num_seqs": plan.max_num_seqs, "max_model_len": plan.max_model_len})
+            else:  # nothing to size from: the CPU default (the context is the model's, read where it loads)
+                cfg = cfg.model_copy(update={"max_num_seqs": DEFAULT_MAX_NUM_SEQS})
+        return cfg
+
+    def with_models(self) -> "SpecrayConfig":
+        """The demo pair's paths filled in when no target is given (built once, cached)."""
         if self.target is not None:
             return self
         from specray.demo import load_or_build_demo_pair
@@ -132,3 +155,14 @@ class SpecrayConfig(BaseModel):
         pair = load_or_build_demo_pair()
         return self.model_copy(update={"target": pair.target, "draft": self.draft or pair.draft,
                                        "tokenizer": self.tokenizer or pair.tokenizer})
+
+    def kv_plan(self, free_total: tuple[int, int] | None = None) -> KVPlan:
+        """The KV cache's rows and context for these checkpoints on this process's device
+        (sized from GPU memory where max_num_seqs is not given; ``engine/memory.py``).
+        ``free_total``: (free, total) GPU bytes to size from instead of the driver's (tests)."""
+        engine = self.engine_config()
+        paths = [p for p in (self.target, self.draft) if p is not None]
+        device = "cuda" if free_total is not None else engine.resolved_device
+        return plan_for_checkpoints(paths, resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
+                                    max_num_seqs=self.max_num_seqs, utilization=self.gpu_memory_utilization,
+                                    device=device, free_total=free_total)

@@ -40,8 +40,9 @@ def _threads() -> None:
 
 
 def _on_this_device(config: EngineConfig) -> EngineConfig:
-    """Models load where this worker runs: only the worker sees the GPU Ray gave it."""
-    return replace(config, device=worker_device())
+    """Models load where this worker runs: only the worker sees the GPU Ray gave it (an
+    explicit ``device`` is kept: ``--device cpu`` on a GPU machine)."""
+    return replace(config, device=worker_device() if config.device == "auto" else config.device)
 
 
 class _Placed:
@@ -76,7 +77,7 @@ class ProposerWorker(_Placed):
             return ModelRunner(model, config.max_num_seqs, capacity + extra_capacity)
 
         ctx = ProposerContext(vocab_size=vocab_size, max_num_seqs=config.max_num_seqs, capacity=capacity,
-                              device=config.device, dtype=config.dtype, runner_for=runner_for)
+                              device=config.device, dtype=config.resolved_dtype, runner_for=runner_for)
         path = config.checkpoint(spec.checkpoint) if spec.checkpoint else None
         resource = spec.load(path, ctx) if path else None
         self.proposer = spec.build(replace(ctx, resource=resource))

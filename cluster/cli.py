@@ -1,9 +1,12 @@
 """The ``specray`` command.
 
-    specray demo-models                       # build or find the demo pair, print JSON
-    specray generate --prompt "def fib(n):" --method draft --num-speculative-tokens 4
-    specray serve [--config FILE]             # OpenAI-compatible HTTP on Ray Serve
-    specray bench                             # speed table + plot on the demo pair
+    specray serve [--target DIR] [--once PROMPT]  # OpenAI-compatible HTTP on Ray Serve (vLLM's flags)
+    specray generate --prompt "def fib(n):"       # one completion in this process
+    specray jobs --input in.jsonl --output out.jsonl   # a batch file (local Ray unless --address)
+    specray train medusa|eagle|redrafter --out DIR
+    specray bench speed|load|actors|trees|lookahead
+    specray env                                   # versions, devices, dtype, attention kernel
+    specray demo-models                           # build or find the demo pair
 """
 
 from __future__ import annotations
@@ -13,7 +16,18 @@ import json
 import logging
 import sys
 
+from specray.cluster import flags as F
+from specray.cluster.serving import serve_main
+
 log = logging.getLogger("specray")
+
+BENCHMARKS = {
+    "speed": "specray vs Hugging Face generate on the demo pair, batch 1 (tokens/s, acceptance, the bound)",
+    "load": "the HTTP server under concurrent streams: plain vs speculative decoding",
+    "actors": "per-step cost of the Ray actor layouts against the in-process engine",
+    "trees": "tree methods (EAGLE-1/2, Medusa, ReDrafter) against plain and draft-model speculation",
+    "lookahead": "lookahead decoding against plain decoding and prompt lookup",
+}
 
 
 def _demo_models(args) -> int:
@@ -24,257 +38,204 @@ def _demo_models(args) -> int:
     return 0
 
 
-def _speculation(args):
-    """The request's speculation from ``--method``, ``--speculation JSON`` and the per-field flags."""
+def engine_settings(args, file_data: dict):
+    """The SpecrayConfig that --config and the model flags describe, paths and device checked
+    (one line naming the flag for anything wrong)."""
+    from pydantic import ValidationError
+
+    from specray.engine.config import check_device
+    from specray.serve.config import ServeConfig
+
+    try:
+        cfg = ServeConfig.model_validate(F.config_data(args, file_data))
+    except ValidationError as exc:
+        raise ValueError(F.one_line(exc)) from None
+    F.check_paths(cfg.engine)
+    check_device(cfg.engine.device)
+    return cfg
+
+
+def _generate(args, option_flags: list[F.OptionFlag]) -> int:
+    from specray.engine.engine import LLMEngine
+    from specray.engine.params import SamplingParams, best_speculation
     from specray.policies.registry import method_spec, parse_speculation
 
+    cfg = engine_settings(args, F.load_config_file(args.config))
+    engine_cfg = cfg.engine
+    given = F.given_options(args, option_flags)
+    # The request's method: --method, or --speculation's, or the server default (the
+    # config's speculative-config, else the best the loaded weights allow).
     fields = json.loads(args.speculation) if args.speculation else {}
-    method = fields.setdefault("method", args.method)
-    options = method_spec(method).options  # an unknown method fails here, before any model loads
-    for name in options.model_fields:
-        value = getattr(args, f"spec_{name}", None)
-        if name != "method" and value is not None:
-            fields[name] = value
-    return parse_speculation(fields)
-
-
-def _add_speculation_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per field of every method's options (``--num-speculative-tokens``, ``--tree``,
-    ...); a name taken by a sampling flag gets its method's prefix (``--eagle-top-k``).
-    List-valued fields take JSON."""
-    import typing
-
-    import specray.policies  # noqa: F401  (registers the methods)
-    from specray.policies.registry import method_spec, registered_methods
-
-    taken = set(p._option_string_actions)
-    seen: set[str] = set()
-    for method in registered_methods():
-        for name, info in method_spec(method).options.model_fields.items():
-            if name == "method" or name in seen:
-                continue
-            seen.add(name)
-            flag = "--" + name.replace("_", "-")
-            if flag in taken:
-                flag = f"--{method}-" + name.replace("_", "-")
-            kinds = [a for a in typing.get_args(info.annotation) or (info.annotation,) if a is not type(None)]
-            kind = kinds[0] if kinds else str
-            if getattr(kind, "__origin__", None) in (list, tuple) or kind in (list, dict):
-                conv = json.loads
-            elif kind is bool:
-                conv = lambda v: v.lower() in ("1", "true", "yes")  # noqa: E731
-            elif kind in (int, float, str):
-                conv = kind
-            else:
-                conv = str
-            p.add_argument(flag, dest=f"spec_{name}", type=conv, default=None,
-                           help=f"{method}: {info.description or name}")
-
-
-def _generate(args) -> int:
-    from specray.engine.config import EngineConfig
-    from specray.engine.engine import LLMEngine
-    from specray.engine.params import SamplingParams
-
-    if args.draft and not args.target:
-        raise SystemExit("--draft needs --target (without both, the demo pair is used)")
-    speculation = _speculation(args)  # fail before loading any model
-    sampling = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop or [],
-    )
-    checkpoints = {k: v for k, v in _checkpoint_flags(args).items() if k not in ("draft", "medusa")}
-    if speculation.method != "none" and (spec_checkpoint := _method_checkpoint(speculation.method)):
-        if not (getattr(args, spec_checkpoint, None) or (spec_checkpoint == "draft" and not args.target)):
-            raise SystemExit(f"--method {speculation.method} needs --{spec_checkpoint} DIR")
-    target, draft, tokenizer = args.target, args.draft, None
-    if target is None:
-        from specray.demo import load_or_build_demo_pair
-
-        pair = load_or_build_demo_pair()
-        target, draft, tokenizer = pair.target, draft or pair.draft, pair.tokenizer
-    engine = LLMEngine(EngineConfig(target=target, draft=draft, tokenizer=tokenizer, medusa=args.medusa,
-                                    checkpoints=checkpoints, max_num_seqs=1, device=args.device))
+    if not isinstance(fields, dict):
+        raise ValueError("--speculation: must be a JSON object of the method's options")
+    if args.method is not None:
+        fields["method"] = args.method
+    if "method" in fields:
+        method, how = fields["method"], "--method"
+    elif engine_cfg.default_speculation is not None:
+        fields = engine_cfg.default_speculation.model_dump(exclude_unset=True)
+        method, how = fields["method"], "the config's speculative-config"
+    else:
+        method = best_speculation(engine_cfg.method_facts()).method
+        fields, how = {"method": method}, "the default: the best method these weights allow"
+    method_spec(method)  # an unknown method fails here, before any model loads
+    F.check_method_flags(method, given, how)
+    fields.update({field: value for field, (_, value) in given.items()})
+    try:
+        speculation = parse_speculation(fields)
+    except ValueError as exc:
+        raise ValueError(F.one_line(exc, {f.field: f.flag for f in option_flags})) from None
+    checkpoint = method_spec(method).checkpoint
+    demo = engine_cfg.target is None
+    if checkpoint and not engine_cfg.engine_config().checkpoint(checkpoint) and not (demo and checkpoint == "draft"):
+        raise ValueError(f"--method {method} needs --{checkpoint} DIR")
+    try:
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                  top_k=args.top_k, seed=args.seed, stop=args.stop or [],
+                                  ignore_eos=bool(args.ignore_eos))
+    except ValueError as exc:
+        raise ValueError(F.one_line(exc, {name: F.flag_name(name) for name in SamplingParams.model_fields})) from None
+    if not demo and engine_cfg.tokenizer is None and F.tokenizer_dir_problem(engine_cfg.target):
+        raise ValueError(f"--target {engine_cfg.target} has no tokenizer: give --tokenizer DIR")
+    engine_cfg = engine_cfg.model_copy(update={"max_num_seqs": 1}).resolved()
+    engine = LLMEngine(engine_cfg.engine_config())
     out = engine.generate([args.prompt], sampling, speculation)[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "metrics": out.metrics}))
+                          "method": speculation.method, "metrics": out.metrics}))
     else:
         print(args.prompt + out.text)
         m = out.metrics
-        print(
-            f"\n[{len(out.token_ids)} tokens, finish={out.finish_reason}, method={speculation.method}, "
-            f"mean accepted length {m['mean_accepted_length']:.2f}, "
-            f"target forwards {m['target_forward_passes']}]",
-            file=sys.stderr,
-        )
+        print(f"\n[{len(out.token_ids)} tokens, finish={out.finish_reason}, method={speculation.method}, "
+              f"mean accepted length {m['mean_accepted_length']:.2f}, target forwards {m['target_forward_passes']}]",
+              file=sys.stderr)
     return 0
-
-
-def _method_checkpoint(method: str) -> str | None:
-    from specray.policies.registry import method_spec
-
-    return method_spec(method).checkpoint
-
-
-def _checkpoint_flags(args) -> dict[str, str]:
-    """--draft/--medusa/--<method> DIR flags given: checkpoint key -> directory."""
-    return {key: getattr(args, key) for key in _checkpoint_keys() if getattr(args, key, None)}
-
-
-def _checkpoint_keys() -> list[str]:
-    import specray.policies  # noqa: F401
-    from specray.policies.registry import method_spec, registered_methods
-
-    keys = [method_spec(m).checkpoint for m in registered_methods()]
-    return sorted({k for k in keys if k})
-
-
-def _add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
-    """--<key> DIR for every method with weights (draft and target flags are added apart)."""
-    for key in _checkpoint_keys():
-        if key != "draft":
-            p.add_argument(f"--{key}", default=None, help=f"{key} weights dir (enables method '{key}')")
-
-
-def _serve(args) -> int:
-    import time
-
-    import ray
-    from ray import serve
-
-    from specray.serve.app import build_app
-    from specray.serve.config import ServeConfig
-
-    data = _load_config(args.config) if args.config else {}
-    engine = dict(data.get("engine", {}))
-    if args.target:
-        engine.update({"target": args.target, "draft": args.draft, "tokenizer": args.tokenizer})
-    for key, path in _checkpoint_flags(args).items():
-        if key == "medusa":
-            engine["medusa"] = path
-        elif key != "draft":
-            engine.setdefault("checkpoints", {})[key] = path
-    data["engine"] = engine
-    for key in ("host", "port", "model_name"):
-        if getattr(args, key) is not None:
-            data[key] = getattr(args, key)
-    cfg = ServeConfig.model_validate(data)
-    ray.init(address=args.address, include_dashboard=False)
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(build_app(cfg), name="specray", route_prefix=cfg.route_prefix, blocking=False)
-    url = f"http://{cfg.host}:{cfg.port}"
-    print(f"specray serving {cfg.model_name!r} at {url}/v1")
-    print(
-        f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
-        f"-d '{{\"model\": \"{cfg.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32, "
-        f"\"temperature\": 0, \"speculation\": {{\"method\": \"draft\"}}}}'",
-        flush=True,
-    )
-    print(f"  watch speculation live: {url}{(cfg.route_prefix or '').rstrip('/')}/playground", flush=True)
-    if args.once:  # answer one request through HTTP, then stop (the README's main job)
-        import httpx
-
-        body = {"model": cfg.model_name, "prompt": args.once, "max_tokens": 48, "temperature": 0,
-                "speculation": {"method": "draft", "num_speculative_tokens": 4}}
-        headers = {"Authorization": f"Bearer {cfg.resolved_api_key()}"} if cfg.resolved_api_key() else {}
-        reply = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300).json()
-        print(json.dumps(reply, indent=2))
-        serve.shutdown()
-        return 0 if "choices" in reply else 1
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        serve.shutdown()
-    return 0
-
-
-def _load_config(path: str) -> dict:
-    import yaml
-
-    with open(path) as f:
-        return yaml.safe_load(f) or {}
 
 
 def _train(args) -> int:
-    from specray.cluster.training import main as train_main, recipes
+    from specray.cluster.training import main as train_main
 
-    if args.what not in recipes():
-        raise ValueError(f"unknown training target {args.what!r}; known: {sorted(recipes())}")
     return train_main([args.what, *args.rest])
 
 
 def _bench(args) -> int:
-    from specray.bench.speed import main as bench_main
+    import importlib
 
-    return bench_main(args.rest)
+    return importlib.import_module(f"specray.bench.{args.what}").main(args.rest)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _jobs(args) -> int:
+    from specray.cluster.jobs import main as jobs_main
+
+    return jobs_main(args.rest, prog="specray jobs")
+
+
+def _env(args) -> int:
+    from specray.cluster.environment import describe
+
+    print(describe())
+    return 0
+
+
+def _recipes_help() -> str:
+    from specray.cluster.training import recipes
+
+    lines = []
+    for name, main in sorted(recipes().items()):
+        doc = (sys.modules[main.__module__].__doc__ or "").strip().split("\n\n")[0]
+        lines.append(f"  {name:10s} {' '.join(doc.split()).split(': ', 1)[-1]}")
+    return "recipes:\n" + "\n".join(lines) + "\n\n`specray train RECIPE --help` shows a recipe's options."
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, list[F.OptionFlag]]:
     parser = argparse.ArgumentParser(prog="specray", description="Speculative decoding on Ray.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    raw = argparse.RawDescriptionHelpFormatter
 
-    p = sub.add_parser("demo-models", help="build (or find cached) the demo target/draft pair; print JSON paths")
-    p.add_argument("--cache-dir", default=None, help="default: $SPECRAY_CACHE or ~/.cache/specray")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="rebuild even if cached")
-    p.set_defaults(func=_demo_models)
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible API (default: the demo pair)",
+                       description="Serve an OpenAI-compatible API on Ray Serve. Flags are vLLM's names; "
+                                   "--config takes the same names as YAML keys, and flags override it.")
+    F.add_model_flags(p)
+    F.add_server_flags(p)
+    p.set_defaults(func=serve_main)
 
-    p = sub.add_parser("generate", help="generate one completion")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--method", default="draft", help="a registered method: none, draft, ngram, medusa, ... (default: draft)")
-    p.add_argument("--speculation", default=None, help="the method's options as JSON (flags below override)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--target", default=None, help="target checkpoint dir (default: demo pair)")
-    p.add_argument("--draft", default=None, help="draft checkpoint dir")
-    _add_checkpoint_flags(p)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", action="store_true", help="print text, token_ids and metrics as JSON")
-    _add_speculation_flags(p)
-    p.set_defaults(func=_generate)
+    p = sub.add_parser("generate", help="generate one completion in this process",
+                       description="One completion in this process (no Ray), on the demo pair or --target DIR.")
+    p.add_argument("--prompt", required=True, metavar="TEXT")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="the serve config file (YAML/JSON); its model settings apply, flags override them")
+    p.add_argument("--json", action="store_true", help="print text, token_ids, method and metrics as JSON")
+    F.add_model_flags(p)
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, metavar="N", default=64, help="(default: 64)")
+    g.add_argument("--temperature", type=float, metavar="T", default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, metavar="P", default=1.0, help="(default: 1.0)")
+    g.add_argument("--top-k", type=int, metavar="K", default=0, help="0 = off (default: 0)")
+    g.add_argument("--seed", type=int, metavar="N", default=None, help="(default: none)")
+    g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep generating past EOS (default: off)")
+    g = p.add_argument_group("speculation")
+    import specray.policies  # noqa: F401
+    from specray.policies.registry import registered_methods
 
-    p = sub.add_parser("serve", help="serve an OpenAI-compatible API (default: the demo pair)")
-    p.add_argument("--config", default=None, help="YAML/JSON ServeConfig file (see examples/)")
-    p.add_argument("--target", default=None)
-    p.add_argument("--draft", default=None)
-    p.add_argument("--tokenizer", default=None)
-    _add_checkpoint_flags(p)
-    p.add_argument("--model-name", dest="model_name", default=None)
-    p.add_argument("--host", default=None, help="default 127.0.0.1")
-    p.add_argument("--port", type=int, default=None, help="default 8000")
-    p.add_argument("--address", default=None, help="Ray address (default: start a local Ray)")
-    p.add_argument("--once", metavar="PROMPT", default=None, help="answer one completion for PROMPT, then exit")
-    p.set_defaults(func=_serve)
+    g.add_argument("--method", default=None, metavar="METHOD",
+                   help=f"one of {', '.join(registered_methods())} (default: the best loaded: draft, then "
+                        "heads, then ngram, with a self-tuning length)")
+    g.add_argument("--speculation", metavar="JSON", default=None,
+                   help="the method's options as JSON, e.g. '{\"method\": \"ngram\"}' (flags below override)")
+    taken = set(p._option_string_actions)
+    option_flags = F.add_speculation_flags(p, taken)
+    p.set_defaults(func=lambda a: _generate(a, option_flags))
 
-    p = sub.add_parser("train", help="train draft heads: `specray train medusa|eagle|redrafter --out DIR [--target DIR]`")
-    p.add_argument("what", help="medusa | eagle | redrafter")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = sub.add_parser("jobs", help="run a JSONL batch file (starts a local Ray unless --address is given)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="python -m specray.cluster.jobs's arguments")
+    p.set_defaults(func=_jobs)
+
+    p = sub.add_parser("train", help="train draft heads on a frozen target", formatter_class=raw,
+                       description="Train a draft head on a frozen target.", epilog=_recipes_help())
+    from specray.cluster.training import recipes
+
+    p.add_argument("what", choices=sorted(recipes()), metavar="RECIPE", help=", ".join(sorted(recipes())))
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the recipe's options")
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("bench", help="speed benchmark on the demo pair (see specray.bench.speed --help)")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = sub.add_parser("bench", help="benchmarks on the demo pair", formatter_class=raw,
+                       description="Benchmarks on the demo pair; each prints a table and writes CSV/JSON/PNG.",
+                       epilog="benchmarks:\n" + "\n".join(f"  {k:10s} {v}" for k, v in BENCHMARKS.items())
+                       + "\n\n`specray bench NAME --help` shows a benchmark's options.")
+    p.add_argument("what", choices=list(BENCHMARKS), metavar="NAME", help=", ".join(BENCHMARKS))
+    p.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the benchmark's options")
     p.set_defaults(func=_bench)
-    return parser
+
+    p = sub.add_parser("env", help="versions, devices, dtype and the attention kernel this machine gets, and why")
+    p.set_defaults(func=_env)
+
+    p = sub.add_parser("demo-models", help="build (or find cached) the demo target/draft pair; print JSON paths")
+    p.add_argument("--cache-dir", metavar="DIR", default=None, help="default: $SPECRAY_CACHE or ~/.cache/specray")
+    p.add_argument("--seed", type=int, metavar="N", default=0, help="(default: 0)")
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.set_defaults(func=_demo_models)
+    return parser, option_flags
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["jobs"]:  # its own parser (argparse cannot hand a leading --flag to a REMAINDER)
+        return _jobs(argparse.Namespace(rest=argv[1:]))
+    args = build_parser()[0].parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not args.verbose:  # a bar per checkpoint loaded says nothing a user needs
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     try:
         return args.func(args)
-    except ValueError as exc:  # bad parameters: a clear message, not a traceback
-        print(f"specray: error: {exc}", file=sys.stderr)
+    except ValueError as exc:  # bad input: one line naming the flag, no traceback
+        print(f"specray {args.command}: error: {F.one_line(exc)}", file=sys.stderr)
         return 2
 
 

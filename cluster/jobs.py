@@ -53,8 +53,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from specray.actors.config import SpecrayConfig
 from specray.cluster import openai_batch
 from specray.engine.metrics import SpecMetrics
-from specray.engine.params import SamplingParams, Speculation
+from specray.engine.params import SamplingParams, Speculation, best_speculation
 from specray.policies.registry import Limits, validate_speculation
+from specray.serve import protocol as P
 
 log = logging.getLogger("specray.jobs")
 
@@ -223,8 +224,9 @@ def _batch_facts(config: SpecrayConfig) -> openai_batch.Facts:
         raise UsageError(f"cannot read the target {config.target}: {exc}") from None
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     limits = Limits(capacity=context, vocab_size=text_config.vocab_size, methods=config.method_facts())
+    default = config.default_speculation or best_speculation(limits.methods)
     return openai_batch.Facts(load_tokenizer(config.tokenizer or config.target), context,
-                              text_config.vocab_size, limits, config.default_speculation)
+                              text_config.vocab_size, limits, default)
 
 
 def _check_record(rec: JobLine, config, vocab, has_tokenizer, limits: Limits) -> str | None:
@@ -239,7 +241,7 @@ def _check_record(rec: JobLine, config, vocab, has_tokenizer, limits: Limits) ->
         if vocab is not None and (min(rec.prompt) < 0 or max(rec.prompt) >= vocab):
             return f"prompt: token ids must lie in [0, {vocab})"
     try:
-        validate_speculation(rec.speculation or config.default_speculation, limits)
+        validate_speculation(rec.speculation or config.default_speculation or best_speculation(limits.methods), limits)
     except ValueError as exc:
         return f"speculation: {exc}"
     return None
@@ -319,6 +321,7 @@ def output_line(index: int, rec: JobLine, out: dict) -> str:
         "text": out["text"],
         "token_ids": out["token_ids"],
         "finish_reason": out["finish_reason"],
+        "method": P.ran_method(out),
         "metrics": out["metrics"],
     }) + "\n"
 
@@ -381,24 +384,28 @@ def _stop_coordinator(coordinator, pgs_before: set[str]) -> None:
 
 
 # -- main -----------------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m specray.cluster.jobs") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m specray.cluster.jobs",
+        prog=prog,
         description="Resumable batch generation over a JSONL file with a specray Coordinator.",
     )
-    p.add_argument("--input", required=True, help="JSONL prompts (prompt, optional id, sampling, speculation)")
-    p.add_argument("--output", required=True, help="JSONL completions, in input order (resumed if it exists)")
-    p.add_argument("--config", default=None, help="SpecrayConfig as YAML or JSON (default: the demo pair)")
-    p.add_argument("--batch-size", type=int, default=64, help="records per coordinator.generate call (default 64)")
-    p.add_argument("--address", default=None,
+    p.add_argument("--input", required=True, metavar="FILE",
+                   help="JSONL prompts (prompt, optional id, sampling, speculation), or OpenAI's batch format")
+    p.add_argument("--output", required=True, metavar="FILE",
+                   help="JSONL completions, in input order (resumed if it exists)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="SpecrayConfig as YAML or JSON (default: the demo pair)")
+    p.add_argument("--batch-size", type=int, default=64, metavar="N",
+                   help="records per coordinator.generate call (default 64)")
+    p.add_argument("--address", default=None, metavar="ADDRESS",
                    help="Ray address (default: $RAY_ADDRESS, else a new local Ray; 'auto' = a running cluster)")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m specray.cluster.jobs") -> int:
     t_start = time.perf_counter()
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(prog).parse_args(argv)
     except SystemExit as exc:  # argparse already printed the message
         return int(exc.code or 0)
     if not log.handlers and not logging.getLogger().handlers:

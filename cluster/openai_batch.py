@@ -79,7 +79,7 @@ class BatchRequest:
         """The OpenAI batch output line for this request's finished choices."""
         rid = P.request_id("chatcmpl" if self.chat else "cmpl")
         choices = [P.choice(i, o["text"], P.finish_reason(o["finish_reason"]), self.chat) for i, o in enumerate(outs)]
-        body = P.completion_response(rid, self.model, choices, P.usage(outs), [o["metrics"] for o in outs], self.chat)
+        body = P.completion_response(rid, self.model, choices, P.usage(outs), P.speculation_metrics(outs), self.chat)
         return json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": self.custom_id,
                            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}) + "\n"
 

@@ -40,7 +40,8 @@ class DeviceVerification:
     """What the executor keeps of a device verification until ``apply``."""
 
     verified: Verified
-    features: torch.Tensor | None  # [Bb, W, H] hidden states of every verified position
+    features: torch.Tensor  # [Bb, W, H] final-norm hidden states of every verified position
+    layers: dict[int, torch.Tensor]  # {k: [Bb, W, H]} the target's tapped layers there
 
 
 def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
@@ -85,7 +86,7 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
         part = accept([reqs[i] for i in host_rows], [filled[i] for i in host_rows], scores)
         for j, i in enumerate(host_rows):
             accepted[i], emitted[i], paths[i] = part.num_accepted[j], part.emitted[j], part.paths[j]
-    return DeviceVerification(Verified(result, filled, extra_best), out.hidden)
+    return DeviceVerification(Verified(result, filled, extra_best), out.hidden, out.layers)
 
 
 def _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc: BatchAcceptance) -> list[int]:

@@ -9,20 +9,16 @@ ObjectRefs) without blocking its actor; an in-process executor never suspends, a
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
-from dataclasses import replace
 from typing import Mapping, Protocol, Sequence
 
 from specray.engine import step as S
 from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
-from specray.engine.device_step import verify_on_device
-from specray.engine.verify import TargetScores, Verified, accept_verified, sampled_rows
+from specray.engine.verify import TargetScores, Verified, sampled_rows
 from specray.kernels.sampling import sample
-from specray.policies.base import Draft, DraftRow, PrefillRow
-from specray.policies.registry import method_spec
+from specray.policies.base import Draft, DraftRow
 from specray.policies.controller import AdaptiveSpeculation
 from specray.policies.spec_length import SpeculationLengthPolicy
 
@@ -30,7 +26,14 @@ log = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
-    """Where a step's work runs (the target and each method's proposer)."""
+    """Where a step's work runs (the target and each method's proposer).
+
+    Failures are contained row by row (a proposer or a verification that raises fails the
+    requests it concerns, never the engine): ``propose`` retries a method whose batch
+    raised one row at a time and reports the rows that still raise (``failed_rows``; they
+    decode plainly this step), ``verify`` leaves the target as it was when it raises (the
+    driver then verifies row by row), and ``apply`` reports the slots whose proposer
+    hooks raised."""
 
     async def prefill(self, reqs: Sequence[Request], sampled: Sequence[int]) -> TargetScores:
         """Run the admitted prompts through the target: scores at each last prompt token."""
@@ -38,11 +41,18 @@ class Executor(Protocol):
     async def propose(self, plan: S.ProposalPlan) -> Mapping[str, Draft | None]:
         """Each method's draft for its rows (None: that proposer is unavailable this step)."""
 
+    def failed_rows(self) -> Mapping[int, BaseException]:
+        """Batch rows whose proposer raised in the last ``propose`` (their drafts are empty)."""
+
     async def verify(self, reqs: Sequence[Request], drafts: Sequence[DraftRow]) -> Verified:
         """One target forward over every row's root + nodes, and acceptance."""
 
-    def apply(self, commit: S.Commit) -> None:
-        """Keep each row's accepted path in the target; tell proposers what was kept."""
+    def recover(self, reqs: Sequence[Request], drafts: Sequence[DraftRow]) -> list[DraftRow]:
+        """After a failed ``verify``: the drafts with every token on the host (to retry per row)."""
+
+    def apply(self, commit: S.Commit) -> Mapping[int, BaseException] | None:
+        """Keep each row's accepted path in the target; tell proposers what was kept. Returns
+        the slots whose proposer hooks raised."""
 
     def release(self, slots: Sequence[int]) -> None:
         """These slots' requests are gone."""
@@ -73,7 +83,12 @@ class StepDriver:
     async def _prefill(self, reqs: list[Request]) -> list[RequestOutput]:
         # Resumed requests (moved from a lost worker) already have their root: nothing is sampled.
         sampled = [i for i in sampled_rows(reqs) if not reqs[i].output_ids]
-        scores = await self.executor.prefill(reqs, sampled)
+        try:
+            scores = await self.executor.prefill(reqs, sampled)
+        except Exception as exc:  # noqa: BLE001 - contained: only the rows that raise alone fail
+            if len(reqs) == 1:
+                return [self.fail(reqs[0], exc)]
+            return [out for r in reqs for out in await self._prefill([r])]
         tokens = [None if r.output_ids else t for r, t in zip(reqs, first_tokens(reqs, scores))]
         return self._apply(S.commit_prefill(reqs, tokens, self.capacity, self.tokenizer))
 
@@ -82,21 +97,63 @@ class StepDriver:
         views = [S.row_view(r) for r in batch]
         plan = S.plan_proposals(batch, self.capacity, self.length_policy.caps(views))
         drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
+        failed = dict(self.executor.failed_rows()) if hasattr(self.executor, "failed_rows") else {}
         proposed = time.perf_counter()
-        verified = await self.executor.verify(batch, drafts)
-        self.phase_seconds["propose"] += proposed - start
-        self.phase_seconds["verify"] += time.perf_counter() - proposed
-        self.phase_seconds["steps"] += 1
-        outputs = self._apply(S.commit_step(batch, verified, self.capacity, self.tokenizer))
-        self.length_policy.observe(views, [d.size for d in drafts], verified.result.num_accepted,
-                                   time.perf_counter() - start)
+        try:
+            verified = await self.executor.verify(batch, drafts)
+        except Exception as exc:  # noqa: BLE001 - contained: verify row by row
+            outputs = await self._verify_alone(batch, drafts, exc)
+        else:
+            self.phase_seconds["propose"] += proposed - start
+            self.phase_seconds["verify"] += time.perf_counter() - proposed
+            self.phase_seconds["steps"] += 1
+            outputs = self._apply(S.commit_step(batch, verified, self.capacity, self.tokenizer))
+            self.length_policy.observe(views, [d.size for d in drafts], verified.result.num_accepted,
+                                       time.perf_counter() - start)
+        return self._fail_after(outputs, {batch[i].slot: exc for i, exc in failed.items()})
+
+    async def _verify_alone(self, batch: list[Request], drafts, exc: BaseException) -> list[RequestOutput]:
+        """A verification raised: the target is as it was; verify each row on its own."""
+        if len(batch) == 1:
+            return [self.fail(batch[0], exc)]
+        log.warning("verification of %d rows raised (%s: %s); verifying them one by one",
+                    len(batch), type(exc).__name__, exc)
+        drafts = self.executor.recover(batch, drafts)
+        outputs = []
+        for r, d in zip(batch, drafts):
+            try:
+                verified = await self.executor.verify([r], [d])
+            except Exception as row_exc:  # noqa: BLE001
+                outputs.append(self.fail(r, row_exc))
+                continue
+            outputs += self._apply(S.commit_step([r], verified, self.capacity, self.tokenizer))
         return outputs
 
     def _apply(self, commit: S.Commit) -> list[RequestOutput]:
-        self.executor.apply(commit)
+        failed = self.executor.apply(commit) or {}
         for r in commit.finished:
             self.release(r)
-        return commit.outputs
+        return self._fail_after(commit.outputs, failed)
+
+    def _fail_after(self, outputs: list[RequestOutput], failed: Mapping[int, BaseException]) -> list[RequestOutput]:
+        """Rows that raised after they were committed (slot -> error): their output of this
+        step is their last, finishing with 'error'."""
+        if not failed:
+            return outputs
+        out = []
+        for o in outputs:
+            r = self.scheduler.find(o.request_id)
+            exc = failed.get(r.slot) if r is not None else None
+            out.append(self.fail(r, exc, o.new_token_ids, o.step) if exc is not None else o)
+        return out
+
+    def fail(self, r: Request, exc: BaseException, new_tokens: Sequence[int] = (), step=None) -> RequestOutput:
+        """Finish a request with 'error' (the message says what raised) and free its slot; the
+        engine goes on serving the others."""
+        log.error("request %s failed: %s: %s", r.request_id, type(exc).__name__, exc, exc_info=exc)
+        r.fail(f"{type(exc).__name__}: {exc}")
+        self.release(r)
+        return r.output(list(new_tokens), step)
 
     def release(self, r: Request) -> None:
         """Free a finished or aborted request's slot and its workers' state."""
@@ -123,123 +180,3 @@ def run_sync(coro):
         return done.value
     coro.close()
     raise RuntimeError("the step waited on a remote worker: run it in an event loop (an async actor)")
-
-
-class LocalExecutor:
-    """The target's runner in this process, and each method's proposer (local objects, or
-    remote proxies whose ``propose`` returns an awaitable). Proposers that read features sit
-    here, beside the target: the hidden states of the last forward never leave the device.
-
-    With a fixed-shape target (``target.static``, ``engine/graphs.py``), verification and
-    acceptance run on the device with one read-back per step (``engine/device_step.py``),
-    and proposers that can draft on the device (``propose_on_device``) do so; else the
-    eager forward and host acceptance (the reference)."""
-
-    def __init__(self, target, proposers: "ProposerTable"):
-        self.target = target
-        self.proposers = proposers
-        self._features = None  # [B, q, H] of the last forward, when a row's method reads them
-        self._device_parts: dict = {}  # method -> (batch indices, DeviceDraft) of this step
-        self._compacted = False  # the last verification kept its paths in the cache already
-
-    async def prefill(self, reqs, sampled):
-        for r in reqs:
-            self.target.reset(r.slot)
-        out = self.target.forward([r.slot for r in reqs], [r.prefill_ids for r in reqs],
-                                  features=self._wants_features(reqs))
-        self._features = out.features
-        return TargetScores.from_logits(out.logits, sampled)
-
-    async def propose(self, plan):
-        pending, parts = {}, {}
-        # Local proposers draft here; a remote proxy returns an awaitable, awaited after them
-        # (with overlap on, its worker has been drafting ahead since the last verification).
-        self._device_parts = {}
-        for method, (idx, rows) in plan.rows.items():
-            proposer = self.proposers.get(method)
-            if proposer is not None and self.target.static is not None and hasattr(proposer, "propose_on_device"):
-                part = proposer.propose_on_device(rows)
-                if part is not None:
-                    parts[method] = part
-                    self._device_parts[method] = (idx, part)
-                    continue
-            parts[method] = proposer.propose(rows) if proposer is not None else None
-            if inspect.isawaitable(parts[method]):
-                pending[method] = parts.pop(method)
-        for method, awaitable in pending.items():
-            parts[method] = await awaitable  # a remote proxy answers None when its worker is down
-        return parts
-
-    async def verify(self, reqs, drafts):
-        if self.target.static is not None:
-            done = verify_on_device(self.target, reqs, drafts, self._device_parts)
-            self._device_parts, self._compacted = {}, True
-            self._features = done.features if self._wants_features(reqs) else None
-            return done.verified
-        inputs = S.verify_inputs(reqs, drafts)
-        out = self.target.forward([r.slot for r in reqs], inputs.tokens, inputs.logits_at, inputs.layout,
-                                  features=self._wants_features(reqs))
-        self._features = out.features
-        return accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs)))
-
-    def apply(self, commit):
-        if self._compacted:  # the device kept the paths; the host learns the lengths
-            for slot, base, path in commit.target_keep:
-                self.target.set_length(slot, base + len(path))
-            self._compacted = False
-        else:
-            self.target.keep(commit.target_keep)
-        for method, rows in commit.proposer_rows.items():
-            proposer = self.proposers.get(method)
-            if proposer is None:
-                continue
-            if method_spec(method).needs_features:
-                rows = [(i, _with_features(row, self._features[i])) for i, row in rows]
-            prefill = [row for _, row in rows if isinstance(row, PrefillRow)]
-            commits = [row for _, row in rows if not isinstance(row, PrefillRow)]
-            if prefill and hasattr(proposer, "prefill"):
-                proposer.prefill(prefill)
-            if commits:
-                proposer.commit(commits)
-        self._features = None
-
-    def release(self, slots):
-        for s in slots:
-            self.target.reset(s)
-        self.proposers.release(slots)
-
-    @staticmethod
-    def _wants_features(reqs) -> bool:
-        return any(method_spec(r.method).needs_features for r in reqs)
-
-
-def _with_features(row, feats):  # feats: [q, H] the row's new positions
-    if isinstance(row, PrefillRow):
-        return replace(row, features=feats[: len(row.token_ids)])
-    return replace(row, features=feats[row.path])
-
-
-class ProposerTable:
-    """Each method's proposer in this engine, built on first use from its spec.
-
-    ``overrides`` are proposers supplied from outside (Ray proxies to workers of their own).
-    """
-
-    def __init__(self, context, resources: Mapping[str, object], overrides: Mapping[str, object] | None = None):
-        self.context, self.resources = context, dict(resources)
-        self._built: dict[str, object] = dict(overrides or {})
-
-    def get(self, method: str):
-        if method not in self._built:
-            spec = method_spec(method)
-            if spec.build is None:
-                return None
-            if spec.checkpoint is not None and method not in self.resources:
-                return None
-            self._built[method] = spec.build(replace(self.context, resource=self.resources.get(method)))
-        return self._built[method]
-
-    def release(self, slots: Sequence[int]) -> None:
-        for proposer in self._built.values():
-            for s in slots:
-                proposer.release(s)

@@ -19,7 +19,8 @@ import logging
 from typing import Iterable, Mapping, Sequence
 
 from specray.engine.config import EngineConfig, load_tokenizer
-from specray.engine.driver import LocalExecutor, ProposerTable, StepDriver, run_sync
+from specray.engine.driver import StepDriver, run_sync
+from specray.engine.executor import LocalExecutor, ProposerTable
 from specray.engine.params import SamplingParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
@@ -62,7 +63,7 @@ class LLMEngine:
         self.step_mode = config.step_mode(self.target.device)
         context = ProposerContext(
             vocab_size=self.target.vocab_size, max_num_seqs=config.max_num_seqs, capacity=self.capacity,
-            device=str(self.target.device), dtype=config.dtype, target=self.target, runner_for=self._runner_for,
+            device=str(self.target.device), dtype=config.resolved_dtype, target=self.target, runner_for=self._runner_for,
         )
         given = dict(resources or {})
         if draft_model is not None:
@@ -72,12 +73,6 @@ class LLMEngine:
         proposers = dict(proposers or {})
         self.resources = load_resources(config, context, given, skip=set(proposers))
         facts = {m: {} for m in proposers} | dict(proposer_facts or {})
-        if self.step_mode != "eager":
-            self.target.enable_static(self.step_mode)
-            draft = self.resources.get("draft")
-            if isinstance(draft, ModelRunner):  # the draft model drafts with fixed shapes too
-                draft.enable_static(self.step_mode)
-        log.info("step mode: %s", self.step_mode)
         self.limits = Limits(
             capacity=self.capacity,
             vocab_size=self.target.vocab_size,
@@ -85,6 +80,13 @@ class LLMEngine:
             methods=available_methods(self.resources, facts),
         )
         self.proposers = ProposerTable(context, self.resources, {m: make(context) for m, make in proposers.items()})
+        if self.step_mode != "eager":
+            # The fixed-shape forward hands over the layer taps every loaded method reads.
+            self.target.enable_static(self.step_mode, layers=self.proposers.all_feature_layers())
+            draft = self.resources.get("draft")
+            if isinstance(draft, ModelRunner):  # the draft model drafts with fixed shapes too
+                draft.enable_static(self.step_mode)
+        log.info("step mode: %s", self.step_mode)
         self.scheduler = Scheduler(config.max_num_seqs, self.limits, tokenizer, config.default_speculation)
         self.executor = LocalExecutor(self.target, self.proposers)
         self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, config.speculation_length)

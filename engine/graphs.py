@@ -16,12 +16,15 @@ and computes everything that depends on the rows' lengths on the device, from sm
 index tensors: write positions, position ids and the additive mask (prefix + chain or
 tree). Nothing in the function reads a tensor back or branches on a value, so it can be
 
-* ``eager`` — run as is (the CPU reference of the static path),
+* ``static`` — run as is (the CPU reference of the static path),
 * ``compile`` — ``torch.compile(dynamic=True, fullgraph=True)``: one graph for every
-  batch, width and kv size (dynamo specializes sizes 0 and 1 only, so at most four
-  variants per model), and no recompiles as lengths change (they are tensor values),
-* ``graphs`` (CUDA) — the compiled function captured as a CUDA graph per (batch, width,
-  kv) key on first use and replayed (vLLM and SGLang capture per batch size the same way).
+  batch, width and kv size, and no recompiles as lengths change (they are tensor values).
+  Dynamo specializes sizes 0 and 1, so compiled forwards pad batch and width to at least
+  2: one variant per model, compiled once,
+* ``cudagraph`` (CUDA) — the uncompiled function captured as a CUDA graph per (batch,
+  width, kv) key on first use and replayed (vLLM and SGLang capture per batch size the
+  same way),
+* ``graphs`` (CUDA) — the compiled function captured the same way.
 
 The eager ``ModelRunner.forward`` stays the reference: tests check the static path
 against it token for token.
@@ -30,6 +33,7 @@ against it token for token.
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -39,11 +43,13 @@ from specray.kernels import attention
 
 log = logging.getLogger(__name__)
 
-StepMode = Literal["eager", "static", "compile", "graphs"]
-STEP_MODES = ("eager", "static", "compile", "graphs")
+StepMode = Literal["eager", "static", "compile", "cudagraph", "graphs"]
+STEP_MODES = ("eager", "static", "compile", "cudagraph", "graphs")
 """eager: ModelRunner.forward + host acceptance (the reference); static: fixed shapes,
 device acceptance, one read-back per step, uncompiled; compile: the same compiled;
-graphs: the same compiled and captured as CUDA graphs (CUDA only)."""
+cudagraph: static captured as CUDA graphs; graphs: compiled and captured (CUDA only)."""
+COMPILED = ("compile", "graphs")
+CAPTURED = ("cudagraph", "graphs")
 
 KV_BLOCK = 64  # keys are attended in multiples of this (fewer distinct shapes)
 
@@ -63,6 +69,8 @@ class StaticOutput:
 
     logits:  [Bb, W, V] float32 at every new position
     hidden:  [Bb, W, H] final-norm hidden states
+    layers:  {k: [Bb, W, H]} the hidden states entering decoder layer k, for the runner's
+             tapped layers (``StaticForward.layers``)
     ids:     [Bb, W] the tokens run (device drafts spliced in)
     tree:    [Bb, W, W] bool, new token j sees new token i
     offsets: [Bb, W] position offsets (a tree's depths)
@@ -71,6 +79,7 @@ class StaticOutput:
 
     logits: torch.Tensor
     hidden: torch.Tensor
+    layers: dict[int, torch.Tensor]
     ids: torch.Tensor
     tree: torch.Tensor
     offsets: torch.Tensor
@@ -87,23 +96,36 @@ class StaticForward:
     >>> out = static.run([0, 3], [[7], [9]])                       # two rows decode
     """
 
-    def __init__(self, runner, mode: StepMode = "static", kv_block: int = KV_BLOCK):
+    def __init__(self, runner, mode: StepMode = "static", kv_block: int = KV_BLOCK, layers: Sequence[int] = ()):
         if mode not in STEP_MODES or mode == "eager":
-            raise ValueError(f"StaticForward mode must be one of static, compile, graphs; got {mode!r}")
-        if mode == "graphs" and runner.device.type != "cuda":
-            raise ValueError("mode 'graphs' captures CUDA graphs and needs a CUDA device; use 'compile' on CPU")
+            raise ValueError(f"StaticForward mode must be one of {', '.join(STEP_MODES[1:])}; got {mode!r}")
+        if mode in CAPTURED and runner.device.type != "cuda":
+            raise ValueError(f"mode {mode!r} captures CUDA graphs and needs a CUDA device; use 'compile' on CPU")
         self.runner, self.mode, self.kv_block = runner, mode, kv_block
+        self.layers = tuple(layers)  # decoder layers whose inputs every forward returns (EAGLE-3's taps)
         self.limit = runner.num_slots
+        # Compiled forwards never see a batch or width of 1 (see the module docstring).
+        self.min_size = 2 if mode in COMPILED else 1
         fn = self._forward
-        if mode in ("compile", "graphs"):
+        if mode in COMPILED:
             import torch._dynamo
 
-            # Every runner compiles its own function; lift the per-code cache limit so two
-            # models (draft and target) each keep their variants.
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            fn = torch.compile(self._forward, dynamic=True, fullgraph=True)
+            # Dynamo caches compiled code per code object: give each runner (draft, target) a
+            # copy of _forward's, so that each model compiles once and neither shows up as a
+            # recompile of the other.
+            own = types.FunctionType(StaticForward._forward.__code__.replace(), globals(), "_forward")
+            fn = types.MethodType(own, self)
+            # No "duck sizing": a batch of 2 must not be tied to a width of 2, or to the cache's
+            # 2 kv heads, which would recompile when either changes.
+            torch.fx.experimental._config.use_duck_shape = False
+            # The model's modules never change after start-up, so their guards are skipped:
+            # checking every parameter on each call cost more than a small model's forward.
+            fn = torch.compile(fn, dynamic=True, fullgraph=True,
+                               options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self._fn = fn
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
+        self._chains: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (Bb, W) -> chain layout
+        self._kv_keys: dict[int, torch.Tensor] = {}
         self._pool = None
 
     # -- the pure fixed-shape function -------------------------------------------------
@@ -112,7 +134,8 @@ class StaticForward:
         row; rows [Bb] cache rows; tree_mask [Bb, W, W] bool (new token j sees new token i);
         offsets [Bb, W] position offsets of the new tokens; kv_keys [kv] = arange(kv), whose
         length is the number of keys attended (a shape, not a value, so a compiled graph
-        keeps it symbolic). Returns (logits [Bb, W, V] float32, hidden [Bb, W, H])."""
+        keeps it symbolic). Returns (logits [Bb, W, V] float32, hidden [Bb, W, H], and the
+        tapped layers' inputs, one [Bb, W, H] each)."""
         runner = self.runner
         width = ids.shape[1]
         col = torch.arange(width, device=ids.device)
@@ -124,8 +147,9 @@ class StaticForward:
             cache=runner.cache, rows=rows, contiguous=False, write_pos=write_pos, kv_len=kv_keys.shape[0],
             mask=mask, lengths=lengths, positions=positions, offsets=offsets,
         )
-        hidden = runner._run_decoder(ids, positions, ctx)  # [Bb, W, H]
-        return runner.logits(hidden), hidden
+        taps: dict[int, torch.Tensor] = {}
+        hidden = runner._run_decoder(ids, positions, ctx, None, self.layers, taps)  # [Bb, W, H]
+        return (runner.logits(hidden), hidden, *(taps[k] for k in self.layers))
 
     # -- one forward ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -152,45 +176,66 @@ class StaticForward:
         for s, n, L in zip(slots, q_lens, lengths):
             if n < 1 or L + n > runner.capacity:
                 raise ValueError(f"slot {s}: {L} cached + {n} new tokens must fit capacity {runner.capacity}")
-        width = max(q_lens)
-        rows_b = batch_bucket(batch, self.limit)
+        width = max(max(q_lens), self.min_size)
+        rows_b = max(batch_bucket(batch, self.limit), self.min_size)
         kv = min(-(-(max(L + n for L, n in zip(lengths, q_lens))) // self.kv_block) * self.kv_block,
                  runner.capacity + 1)
-        inputs = self._host_inputs(slots, tokens, q_lens, lengths, layout, rows_b, width)
         device = runner.device
-        dev = [t.to(device, non_blocking=True) for t in inputs]
-        for rows, col, toks in spliced:  # device drafts
-            dev[0][rows, col : col + toks.shape[1]] = toks
-        kv_keys = torch.arange(kv, device=device)
-        if self.mode == "graphs":
-            logits, hidden = self._replay((rows_b, width, kv), dev, kv_keys)
+        ids, lens, q, rows = self._host_inputs(slots, tokens, q_lens, lengths, rows_b, width)
+        for r, col, toks in spliced:  # device drafts
+            ids[r, col : col + toks.shape[1]] = toks
+        if layout is None:  # chains: constant per shape, built once
+            tree, offsets = self._chain(rows_b, width)
         else:
-            logits, hidden = self._fn(*dev, kv_keys)
+            tree, offsets = self._tree(layout, rows_b, width)
+        dev = [ids, lens, q, rows, tree, offsets]
+        if self.mode in CAPTURED:
+            logits, hidden, *taps = self._replay((rows_b, width, kv), dev, self._keys(kv))
+            # The graph rewrites its outputs at its next replay: features handed to proposers
+            # (kept across steps) get memory of their own; logits are read before then.
+            hidden, taps = hidden.clone(), [t.clone() for t in taps]
+        else:
+            logits, hidden, *taps = self._fn(*dev, self._keys(kv))
         for s, n in zip(slots, q_lens):
             runner.lengths[s] += n
-        ids, _, _, rows, tree, offsets = dev
-        return StaticOutput(logits, hidden, ids, tree, offsets, rows, batch)
+        return StaticOutput(logits, hidden, dict(zip(self.layers, taps)), ids, tree, offsets, rows, batch)
 
-    def _host_inputs(self, slots, tokens, q_lens, lengths, layout, rows_b, width):
-        """The small index tensors of one forward, built on the host (one copy each)."""
-        scratch = self.runner.num_slots  # the cache's padding row
-        ids = torch.zeros(rows_b, width, dtype=torch.long)
-        for i, t in enumerate(tokens):
-            ids[i, : len(t)] = torch.as_tensor(t, dtype=torch.long)
+    def _host_inputs(self, slots, tokens, q_lens, lengths, rows_b, width):
+        """ids [Bb, W], lengths, new-token counts and cache rows [Bb]: built on the host as two
+        tensors, copied to the device once each."""
         pad = rows_b - len(slots)
-        lens = torch.tensor(list(lengths) + [0] * pad, dtype=torch.long)
-        q = torch.tensor(list(q_lens) + [width] * pad, dtype=torch.long)
-        rows = torch.tensor(list(slots) + [scratch] * pad, dtype=torch.long)
-        if layout is None:
-            tree = torch.ones(width, width, dtype=torch.bool).tril().expand(rows_b, -1, -1).contiguous()
-            offsets = torch.arange(width).expand(rows_b, -1).contiguous()
-        else:
-            tree = torch.eye(width, dtype=torch.bool).repeat(rows_b, 1, 1)
-            offsets = torch.arange(width).repeat(rows_b, 1)
-            m, o = layout
-            tree[: len(slots), : m.shape[1], : m.shape[2]] = m  # host tensors (engine/step.py)
-            offsets[: len(slots), : o.shape[1]] = o
-        return ids, lens, q, rows, tree, offsets
+        flat = [t for row in tokens for t in (*row, *([0] * (width - len(row))))]
+        ids = torch.tensor(flat + [0] * (pad * width), dtype=torch.long).view(rows_b, width)
+        meta = torch.tensor([*lengths, *([0] * pad), *q_lens, *([width] * pad), *slots,
+                             *([self.runner.num_slots] * pad)], dtype=torch.long)  # padding rows: the scratch row
+        device = self.runner.device
+        meta = meta.to(device, non_blocking=True).view(3, rows_b)
+        return ids.to(device, non_blocking=True), meta[0], meta[1], meta[2]
+
+    def _chain(self, rows_b: int, width: int):
+        key = (rows_b, width)
+        hit = self._chains.get(key)
+        if hit is None:
+            device = self.runner.device
+            tree = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(rows_b, -1, -1).contiguous()
+            offsets = torch.arange(width, device=device).expand(rows_b, -1).contiguous()
+            hit = self._chains[key] = (tree, offsets)
+        return hit
+
+    def _tree(self, layout, rows_b: int, width: int):
+        m, o = layout  # host tensors (engine/step.py), [B, q, q] and [B, q]
+        tree = torch.eye(width, dtype=torch.bool).repeat(rows_b, 1, 1)
+        offsets = torch.arange(width).repeat(rows_b, 1)
+        tree[: m.shape[0], : m.shape[1], : m.shape[2]] = m
+        offsets[: o.shape[0], : o.shape[1]] = o
+        device = self.runner.device
+        return tree.to(device, non_blocking=True), offsets.to(device, non_blocking=True)
+
+    def _keys(self, kv: int) -> torch.Tensor:
+        keys = self._kv_keys.get(kv)
+        if keys is None:
+            keys = self._kv_keys[kv] = torch.arange(kv, device=self.runner.device)
+        return keys
 
     # -- CUDA graphs -----------------------------------------------------------------------
     def _replay(self, key, dev, kv_keys):
@@ -224,4 +269,4 @@ class StaticForward:
 class _Captured:
     graph: "torch.cuda.CUDAGraph"
     inputs: list[torch.Tensor]  # the static buffers new inputs are copied into
-    outputs: tuple[torch.Tensor, torch.Tensor]
+    outputs: tuple[torch.Tensor, ...]  # (logits, hidden, *taps)

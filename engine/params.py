@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema, field_validator
 
 import specray.policies  # noqa: F401  (registers every method)
-from specray.policies.registry import MethodOptions, parse_speculation
+from specray.policies.registry import MethodOptions, PlainOptions, parse_speculation
+
+# What a request that names no method gets: the first of these the loaded weights allow. A
+# draft model first (the demo pair's draft accepts ~3.5 tokens per step at the lowest cost per
+# drafted token), then trained heads (EAGLE > ReDrafter > Medusa on the demo target's trained
+# heads: README "Results"), then prompt lookup, which needs nothing and costs no forward. Only
+# ``method`` is set, so the self-tuning controller picks the length (k = 0 when it does not pay).
+DEFAULT_METHOD_ORDER = ("draft", "eagle", "redrafter", "medusa", "ngram")
 
 
 class SamplingParams(BaseModel):
@@ -69,3 +76,16 @@ Speculation = Annotated[
 ]
 """A pydantic field type for a request's ``speculation``: a discriminated union on ``method``
 over the registered methods' options models (methods registered later join it)."""
+
+
+def best_speculation(available: Iterable[str]) -> MethodOptions:
+    """The default speculation where ``available`` methods can run (``Limits.methods``).
+
+    >>> best_speculation(["none", "ngram", "draft"]).method
+    'draft'
+    """
+    available = set(available)
+    for name in DEFAULT_METHOD_ORDER:
+        if name in available:
+            return parse_speculation({"method": name})
+    return PlainOptions()

@@ -27,9 +27,10 @@ class RequestOutput:
     new_token_ids: list[int]  # generated in this step
     text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     metrics: dict
     step: dict | None = None  # what this step's speculation did (``speculation_event``)
+    error: str | None = None  # finish_reason "error": what raised
 
 
 @dataclass
@@ -44,6 +45,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    error: str | None = None
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     _prefix_offset: int = 0  # incremental detokenisation (``_decode_new``)
     _read_offset: int = 0
@@ -138,6 +140,10 @@ class Request:
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         return full[len(prefix) :]
 
+    def fail(self, message: str) -> None:
+        """Finish with 'error': something raised while serving this request (only this one)."""
+        self.finish_reason, self.error = "error", message
+
     def output(self, new_tokens: list[int], step: dict | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
@@ -149,6 +155,7 @@ class Request:
             finish_reason=self.finish_reason,
             metrics=self.metrics.to_dict(),
             step=step,
+            error=self.error,
         )
 
 

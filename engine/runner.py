@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -29,11 +29,14 @@ DIRECT_LAYER_LOOP = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 class ForwardOutput:
     """logits: [B, m, V] float32 at the requested positions; hidden: [B, m, H] (final norm)
     at the same positions; features: [B, q, H] final-norm hidden states of every new token
-    (only when asked for: feature-level drafters read them)."""
+    (only when asked for: feature-level drafters read them); layers: {k: [B, q, H]} the
+    residual stream entering decoder layer k at every new token, for each k asked for (EAGLE-3
+    reads three such taps)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
     features: torch.Tensor | None = None
+    layers: Mapping[int, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -64,7 +67,7 @@ class ModelRunner:
         # +1 row: scratch for the padding rows of fixed-shape batches; +1 position: scratch
         # for padding tokens within a row.
         shape = (num_slots + 1, kv_heads, capacity + 1, head_dim)
-        layers = text_config.num_hidden_layers
+        self.num_layers = layers = text_config.num_hidden_layers
         self.cache = attention.LayerCache(
             keys=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
             values=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
@@ -99,6 +102,7 @@ class ModelRunner:
         layout: tuple[torch.Tensor, torch.Tensor] | None = None,
         features: bool = False,
         embeds: Sequence[torch.Tensor] | None = None,
+        layers: Sequence[int] = (),
     ) -> ForwardOutput:
         """Append ``tokens[i]`` to ``slots[i]``'s cache and run the model.
 
@@ -115,10 +119,14 @@ class ModelRunner:
         embeds:    [B][q_i, H] input embeddings to use instead of the token ids' (a
                    feature-level drafter feeding fused features); ``tokens`` then only
                    give the rows' lengths.
+        layers:    also return the hidden states entering these decoder layers (0 = the
+                   embeddings' output, as HF's ``output_hidden_states[k]``; k < num layers).
         Lengths advance by len(tokens[i]); callers roll back with ``set_length``/``keep``.
         """
         q_lens = [len(t) for t in tokens]
         q = max(q_lens)
+        if any(not 0 <= k < self.num_layers for k in layers):
+            raise ValueError(f"layers {list(layers)}: the model has decoder layers 0..{self.num_layers - 1}")
         if min(q_lens) < 1:
             raise ValueError("every row needs at least one new token")
         lengths = [self.lengths[s] for s in slots]
@@ -131,7 +139,8 @@ class ModelRunner:
             inputs = torch.zeros(len(slots), q, embeds[0].shape[-1], dtype=self.dtype, device=self.device)
             for i, e in enumerate(embeds):
                 inputs[i, : e.shape[0]] = e
-        hidden = self._run_decoder(ids, pos_ids, ctx, inputs)  # [B, q, H]
+        taps: dict[int, torch.Tensor] = {}  # {k: [B, q, H]}, filled for ``layers``
+        hidden = self._run_decoder(ids, pos_ids, ctx, inputs, layers, taps)  # [B, q, H]
         for s, n in zip(slots, q_lens):
             self.lengths[s] += n
 
@@ -139,7 +148,8 @@ class ModelRunner:
         idx = last if logits_at is None else torch.minimum(logits_at, last)  # [B, m]
         idx = idx.to(self.device)
         picked = hidden.gather(1, idx[:, :, None].expand(-1, -1, hidden.shape[-1]))  # [B, m, H]
-        return ForwardOutput(logits=self.logits(picked), hidden=picked, features=hidden if features else None)
+        return ForwardOutput(logits=self.logits(picked), hidden=picked, features=hidden if features else None,
+                             layers=taps if layers else None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] final hidden states -> [..., V] float32 logits (soft-capped if the model does)."""
@@ -188,8 +198,8 @@ class ModelRunner:
         )
         return ctx, ids.to(self.device), pos_ids.to(self.device)
 
-    def _run_decoder(self, ids, pos_ids, ctx, inputs=None) -> torch.Tensor:
-        """Final-norm hidden states [B, q, H].
+    def _run_decoder(self, ids, pos_ids, ctx, inputs=None, layers=(), taps=None) -> torch.Tensor:
+        """Final-norm hidden states [B, q, H]; ``taps[k]`` = [B, q, H] entering layer k, for k in ``layers``.
 
         For architectures whose decoder forward is exactly embed -> rotary -> layers ->
         norm, the layers are called directly: transformers' wrapper (mask creation,
@@ -197,11 +207,17 @@ class ModelRunner:
         """
         if not self._direct:
             given = {"inputs_embeds": inputs} if inputs is not None else {"input_ids": ids}
-            return self.decoder(**given, position_ids=pos_ids, use_cache=False, specray_batch=ctx).last_hidden_state
+            out = self.decoder(**given, position_ids=pos_ids, use_cache=False, specray_batch=ctx,
+                               output_hidden_states=bool(layers))
+            for k in layers:
+                taps[k] = out.hidden_states[k]
+            return out.last_hidden_state
         dec = self.decoder
         hidden = dec.embed_tokens(ids) if inputs is None else inputs
         rope = dec.rotary_emb(hidden, position_ids=pos_ids)
-        for layer in dec.layers:
+        for k, layer in enumerate(dec.layers):
+            if k in layers:
+                taps[k] = hidden
             hidden = layer(hidden, attention_mask=None, position_embeddings=rope, position_ids=pos_ids, specray_batch=ctx)
         return dec.norm(hidden)
 
@@ -256,11 +272,12 @@ class ModelRunner:
         for buf in (*self.cache.keys, *self.cache.values):
             buf[rows[:, None], :, dst] = buf[rows[:, None], :, src]  # advanced-index read copies first
 
-    def enable_static(self, mode: str) -> None:
-        """Serve fixed-shape forwards (``engine/graphs.py``) beside the eager one."""
+    def enable_static(self, mode: str, layers: Sequence[int] = ()) -> None:
+        """Serve fixed-shape forwards (``engine/graphs.py``) beside the eager one; ``layers``:
+        the decoder layers whose inputs every fixed-shape forward also returns."""
         from specray.engine.graphs import StaticForward
 
-        self.static = StaticForward(self, mode)
+        self.static = StaticForward(self, mode, layers=layers)
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):

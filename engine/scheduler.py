@@ -13,9 +13,9 @@ from typing import Sequence
 import torch
 
 from specray.engine.metrics import SpecMetrics
-from specray.engine.params import SamplingParams
+from specray.engine.params import SamplingParams, best_speculation
 from specray.engine.request import Request, RequestOutput
-from specray.policies.registry import Limits, MethodOptions, PlainOptions, validate_speculation
+from specray.policies.registry import Limits, MethodOptions, validate_speculation
 
 
 class ContextLengthError(ValueError):
@@ -64,7 +64,8 @@ class Scheduler:
                  default_speculation: MethodOptions | None = None, strict_context: bool = False):
         self.limits = limits
         self.tokenizer = tokenizer
-        self.default_speculation = default_speculation or PlainOptions()
+        # Requests that name no method get the best one these models allow (params.best_speculation).
+        self.default_speculation = default_speculation or best_speculation(limits.methods)
         self.strict_context = strict_context
         self.free_slots = list(range(num_slots))
         self.waiting: deque[Request] = deque()

@@ -9,7 +9,9 @@ linear-draft verification and (later) tree verification differ only in that mask
 
 CUDA: ``xformers.ops.memory_efficient_attention`` with the same mask as an explicit
 attention bias (the prefix is block-diagonal with padded keys per row, the suffix the
-causal or tree mask). CPU (or ``SPECRAY_ATTENTION=sdpa``):
+causal or tree mask), where a start-up probe saw its CUDA kernels run
+(``kernels/backends.py``; xformers is optional). Otherwise (CPU, no working xformers, or
+``SPECRAY_ATTENTION=sdpa``):
 ``torch.nn.functional.scaled_dot_product_attention`` with the materialized mask.
 Both get the same mask; tests/test_gpu.py compares them on a GPU (not yet run: no GPU
 has been available to this project's sessions).
@@ -24,12 +26,12 @@ switches to :func:`softcapped_attention`, the one path that caps scores before t
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
+
+from specray.kernels.backends import attention_backend
 
 ATTENTION_NAME = "specray"
 
@@ -202,8 +204,22 @@ def sdpa_attention(query, keys, values, mask, scaling, groups: int | None = None
     compiled graph with symbolic shapes never branches on a size); None = from the shapes.
     """
     gqa = (query.shape[1] != keys.shape[1]) if groups is None else groups != 1
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    if query.is_cuda:
+        with _sdpa_backends():
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
+
+
+def _sdpa_backends():
+    """SDPA's CUDA kernels chosen on purpose: never cuDNN, which builds a new plan for every
+    new shape (1.4-4.4 ms of host time per call in a decode loop whose key count grows each
+    step, seen on an H100). With specray's additive mask the memory-efficient kernel serves;
+    flash (no mask) and math stay allowed."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH])
 
 
 def softcapped_attention(query, keys, values, mask, scaling, softcap: float):
@@ -245,15 +261,9 @@ def xformers_attention(query, keys, values, mask, scaling):
     )
 
 
-@lru_cache(maxsize=1)
 def _use_xformers() -> bool:
-    if os.environ.get("SPECRAY_ATTENTION", "auto") == "sdpa":
-        return False
-    try:
-        import xformers.ops  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """xformers only where its CUDA kernels were seen to run (``kernels/backends.py``)."""
+    return attention_backend("cuda")[0] == "xformers"
 
 
 def _no_mask(*args, **kwargs):

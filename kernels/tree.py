@@ -1,4 +1,4 @@
-"""Token trees for tree speculation (Medusa ``medusa_choices``), built with xformers.
+"""Token trees for tree speculation (Medusa ``medusa_choices``), built with xformers when installed.
 
 A tree is a list of candidates, each a path of top-k indices: ``(0,)`` is head 0's
 most likely token, ``(0, 1)`` head 1's second choice after it, and so on. The root (the
@@ -123,6 +123,26 @@ class TokenTree:
             kids[parent].append(node)
         return kids
 
+    def prefix(self, n: int) -> "TokenTree":
+        """The tree of the root and its first ``n`` nodes (cached). Nodes are ordered by depth
+        with parents first, so every kept node's parent is kept: a cut costs slicing, not a
+        rebuild (and reads no tensor back)."""
+        if n >= self.size - 1:
+            return self
+        cut = self._prefixes.get(n)
+        if cut is None:
+            choices = self.choices[:n] if self.choices is not None else None
+            topk = () if choices is None else tuple(
+                max(c[level] for c in choices if len(c) > level) + 1 for level in range(max(len(c) for c in choices)))
+            m = n + 1
+            cut = self._prefixes[n] = TokenTree(parents=self.parents[:m], mask=self.mask[:m, :m].contiguous(),
+                                                depth=self.depth[:m], choices=choices, topk=topk)
+        return cut
+
+    @cached_property
+    def _prefixes(self) -> dict:
+        return {}
+
     @cached_property
     def children_table(self) -> torch.Tensor:
         """[T, C] each node's children in node order, padded with -1 (C >= 1)."""
@@ -166,14 +186,18 @@ def chain_tree(length: int) -> TokenTree:
 
 @lru_cache(maxsize=64)
 def _build(choices: tuple) -> TokenTree:
-    from xformers.ops.tree_attention import TreeAttnMetadata
-
+    depth_levels = max(len(c) for c in choices)
+    topk = tuple(max(c[level] for c in choices if len(c) > level) + 1 for level in range(depth_levels))
+    try:
+        from xformers.ops.tree_attention import TreeAttnMetadata
+    except ImportError:  # xformers is optional: the same tree from the sorted choices' parents
+        index = {c: i + 1 for i, c in enumerate(choices)}
+        base = _from_parents(tuple(index.get(c[:-1], 0) for c in choices))
+        return TokenTree(parents=base.parents, mask=base.mask, depth=base.depth, choices=choices, topk=topk)
     meta = TreeAttnMetadata.from_tree_choices(list(choices), torch.float32, "cpu")
     mask = meta.attention_bias == 0  # [T, T], 0 = attend
     # xformers lists the parents of the non-root nodes, as root-inclusive node indices.
     parents = torch.cat([torch.tensor([-1]), meta.parent_node_indices.long()])
-    depth_levels = max(len(c) for c in choices)
-    topk = tuple(max(c[level] for c in choices if len(c) > level) + 1 for level in range(depth_levels))
     return TokenTree(parents=parents, mask=mask, depth=meta.tree_seq_position_ids.long(), choices=choices, topk=topk)
 
 

@@ -4,4 +4,6 @@ Importing the package registers every method (``policies.registry``), so
 ``registered_methods()`` is complete wherever a policy is used.
 """
 
-from specray.policies import draft_model, eagle, lookahead, medusa, prompt_lookup, redrafter, registry, suffix  # noqa: F401,E501  (registration)
+from specray.policies import (  # noqa: F401  (registration)
+    draft_model, eagle, eagle3, lookahead, medusa, prompt_lookup, redrafter, registry, suffix,
+)

@@ -16,9 +16,10 @@ kept in the cache.
 
 A ``CommitRow`` tells the proposer, per row, the emitted tokens, the accepted path (node
 indices, root first) and — for methods that declare ``needs_features`` — the target's
-final hidden states at the root and each accepted node, the positions whose outputs
-produced the emitted tokens. Prefill hands the same features for the prompt
-(``PrefillRow``). Rollback stays an integer per row.
+hidden states at the root and each accepted node, the positions whose outputs produced the
+emitted tokens: the final norm's, or the layers the method's ``feature_layers`` names,
+concatenated. Prefill hands the same features for the prompt (``PrefillRow``). Rollback
+stays an integer per row.
 """
 
 from __future__ import annotations
@@ -199,8 +200,9 @@ class CommitRow:
     tokens:   emitted tokens: the accepted nodes' tokens, then the recovered/bonus token
               (the new root, not yet in the target's cache)
     path:     kept node indices, root first (a chain: 0 .. num_accepted)
-    features: [len(path), H] the target's final hidden states at the path's nodes (the
-              outputs that produced ``tokens``), for methods that need features; else None
+    features: [len(path), F] the target's hidden states at the path's nodes (the outputs
+              that produced ``tokens``) for methods that need features, else None: the final
+              norm's (F = H), or the method's ``feature_layers`` concatenated (F = n x H)
     extra_best: the target's argmax at each extra node (lookahead windows), else None
     """
 
@@ -219,8 +221,9 @@ class CommitRow:
 class PrefillRow:
     """A request entered the batch: its prompt went through the target.
 
-    features: [len(token_ids), H] the target's final hidden states at the prompt tokens
-              (methods that need features), else None; ``first_token`` is the new root.
+    features: [len(token_ids), F] the target's hidden states at the prompt tokens (methods
+              that need features; as ``CommitRow.features``), else None; ``first_token`` is
+              the new root.
     """
 
     slot: int

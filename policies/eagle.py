@@ -54,6 +54,7 @@ from torch import nn
 
 from specray.kernels.sampling import probs_from_logits
 from specray.kernels.tree import NAMED_TREES, TokenTree, build_tree, normalize_choices
+from specray.policies.checkpoint_files import read_json_config, read_tensors
 from specray.policies.base import CommitRow, Draft, DraftRow, PrefillRow, ProposalRow
 from specray.policies.registry import MethodSpec, TreeAcceptanceOptions, register_method
 
@@ -163,6 +164,9 @@ class EagleHead(nn.Module):
         emb = self.embed_tokens(tokens).to(features.dtype)
         return self.fc(torch.cat([emb, features], dim=-1))
 
+    # EAGLE-1 reads the target's features and its own predicted ones the same way (EAGLE-3 does not).
+    fuse_target = fuse
+
     def forward_sequence(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Training/eval: f̂ [B, T, H] for pairs (features[:, t], tokens[:, t]) (causal, no cache)."""
         hidden = self.fuse(tokens, features)
@@ -181,69 +185,82 @@ class EagleHead(nn.Module):
 
     # -- the public checkpoint layout --------------------------------------------------------
     def save(self, directory: str | pathlib.Path, base_model: str | None = None) -> None:
-        from safetensors.torch import save_file
-
-        out = pathlib.Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
         cfg = self.config.to_dict()
         cfg.update({"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "bias": self.fc.bias is not None,
                     "base_model_name_or_path": base_model})
-        cfg.pop("_attn_implementation", None)
-        if self.choices is not None:
-            cfg["eagle_choices"] = self.choices
-        cfg["greedy_temperature"] = self.greedy_temperature
-        (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
-        state = {k: v.contiguous() for k, v in self.state_dict().items()}
+        state = dict(self.state_dict())
         if self._target:  # the public layout carries the embedding; specray reads the target's
-            state["embed_tokens.weight"] = self.embed_tokens.weight.detach().contiguous()
-        save_file(state, str(out / WEIGHT_FILES[0]))
+            state["embed_tokens.weight"] = self.embed_tokens.weight.detach()
+        write_head_dir(directory, cfg, state, self)
 
     @classmethod
     def load(cls, directory: str | pathlib.Path, hidden_size: int | None = None) -> "EagleHead":
-        from transformers import LlamaConfig
-
-        path = pathlib.Path(directory)
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{cfg_file} not found: not an EAGLE head directory")
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except ValueError as exc:
-            raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from None
-        missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in raw]
-        if missing:
-            raise ValueError(f"{cfg_file} lacks {missing}: not a Llama-layer EAGLE config")
+        raw, cfg_file = read_head_config(directory, "EAGLE head")
         if hidden_size is not None and raw["hidden_size"] != hidden_size:
             raise ValueError(f"the EAGLE head expects hidden size {raw['hidden_size']}, the target has {hidden_size}")
-        weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
-        if weights is None:
-            raise FileNotFoundError(f"no {' or '.join(WEIGHT_FILES)} in {path}")
-        if weights.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(str(weights))
-        else:
-            state = torch.load(weights, map_location="cpu", weights_only=True)
-        state = {k.removeprefix("model."): v for k, v in state.items() if k not in ("embed_tokens.weight",
-                                                                                      "model.embed_tokens.weight")}
-        extra = ("eagle_choices", "bias", "greedy_temperature")
-        config = LlamaConfig(**{**{k: v for k, v in raw.items() if k not in extra}, "num_hidden_layers": 1})
-        head = cls(config, bias=bool(raw.get("bias", "fc.bias" in state)))
+        state, weights = read_head_weights(directory)
+        state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}
+        head = cls(llama_config(raw), bias=bool(raw.get("bias", "fc.bias" in state)))
         try:
             head.load_state_dict(state)
         except RuntimeError as exc:
             raise ValueError(f"{weights} does not match a one-layer EAGLE head of {cfg_file}: {exc}") from None
-        if raw.get("eagle_choices") is not None:
-            try:
-                build_tree(raw["eagle_choices"], max_depth=MAX_DEPTH)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{cfg_file}: bad eagle_choices: {exc}") from None
-            head.choices = raw["eagle_choices"]
-        tau = raw.get("greedy_temperature", 1.0)
-        if not isinstance(tau, (int, float)) or not 0 < tau <= 100:
-            raise ValueError(f"{cfg_file}: greedy_temperature must be a positive number, got {tau!r}")
-        head.greedy_temperature = float(tau)
+        read_extras(head, raw, cfg_file)
         return head.eval()
+
+
+# -- checkpoint files shared by the EAGLE heads (EAGLE-1/2 here, EAGLE-3 in eagle3.py) ------
+SPECRAY_KEYS = ("eagle_choices", "greedy_temperature")  # specray's additions to config.json
+
+
+def read_head_config(directory: str | pathlib.Path, what: str) -> tuple[dict, pathlib.Path]:
+    """A head directory's config.json (a one-layer Llama's), or a typed error naming what is wrong."""
+    raw, cfg_file = read_json_config(directory, f"an {what}")
+    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size") if k not in raw]
+    if missing:
+        raise ValueError(f"{cfg_file} lacks {missing}: not a Llama-layer {what} config")
+    return raw, cfg_file
+
+
+def read_head_weights(directory: str | pathlib.Path) -> tuple[dict, pathlib.Path]:
+    """A head directory's tensors (model.safetensors or pytorch_model.bin; ``model.`` prefixes dropped)."""
+    state, weights = read_tensors(directory, WEIGHT_FILES)
+    return {k.removeprefix("model."): v for k, v in state.items()}, weights
+
+
+def llama_config(raw: dict, drop: Sequence[str] = ("bias",)):
+    """The head's one-layer LlamaConfig from its config.json (specray's keys and ``drop`` left out)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**{k: v for k, v in raw.items() if k not in (*SPECRAY_KEYS, *drop)}, "num_hidden_layers": 1})
+
+
+def read_extras(head, raw: dict, cfg_file) -> None:
+    """specray's keys: the fitted default tree and the greedy-rows confidence temperature."""
+    if raw.get("eagle_choices") is not None:
+        try:
+            build_tree(raw["eagle_choices"], max_depth=MAX_DEPTH)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{cfg_file}: bad eagle_choices: {exc}") from None
+        head.choices = raw["eagle_choices"]
+    tau = raw.get("greedy_temperature", 1.0)
+    if not isinstance(tau, (int, float)) or not 0 < tau <= 100:
+        raise ValueError(f"{cfg_file}: greedy_temperature must be a positive number, got {tau!r}")
+    head.greedy_temperature = float(tau)
+
+
+def write_head_dir(directory: str | pathlib.Path, cfg: dict, state: dict, head) -> None:
+    """config.json (with specray's keys) and model.safetensors."""
+    from safetensors.torch import save_file
+
+    out = pathlib.Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {k: v for k, v in cfg.items() if k != "_attn_implementation"}
+    if head.choices is not None:
+        cfg["eagle_choices"] = head.choices
+    cfg["greedy_temperature"] = head.greedy_temperature
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / WEIGHT_FILES[0]))
 
 
 # -- drafting ------------------------------------------------------------------------------
@@ -333,7 +350,7 @@ class EagleProposer:
             f = torch.cat(feats).to(self.runner.dtype)
             t = torch.tensor(toks, device=f.device)
             slots.append(row.slot)
-            embeds.append(self.head.fuse(t, f))
+            embeds.append(self.head.fuse_target(t, f))  # the target's features
             tokens.append(toks)
         out = self.runner.forward(slots, tokens, embeds=embeds)
         return out.hidden[:, 0], out.logits[:, 0]
@@ -378,6 +395,8 @@ class EagleProposer:
             for p, idx, vals in zip(parents, top.indices.tolist(), top.values.tolist()):
                 base = plan.nodes[p].score if p >= 0 else 0.0
                 for tok, val in zip(idx, vals):
+                    if val == -math.inf:  # outside a reduced draft vocabulary (EAGLE-3)
+                        continue
                     plan.nodes.append(_Node(tok, p, level, base + val))
                     new.append(len(plan.nodes) - 1)
             plan.frontier = sorted(new, key=lambda n: -plan.nodes[n].score)[:k] if level < plan.depth else []
@@ -491,14 +510,11 @@ def _load(path: str, ctx) -> tuple[EagleHead, object]:
 
 def _bind(head: EagleHead, ctx):
     decoder = ctx.target.decoder
-    head = head.bind(decoder.embed_tokens, ctx.target.lm_head).to(ctx.device)
-    return head
+    return ctx.place(head.bind(decoder.embed_tokens, ctx.target.lm_head))
 
 
 def _build(ctx) -> EagleProposer:
-    head = ctx.resource
-    if not head._target:
-        head = _bind(head, ctx)
+    head = _bind(ctx.resource, ctx)  # in-memory heads too: the target's dtype and device
     # The head's cache holds the committed pairs plus one step's expanded nodes.
     runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256)
     return EagleProposer(head, runner, ctx.vocab_size)

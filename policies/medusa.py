@@ -23,6 +23,7 @@ from torch import nn
 
 from specray.kernels.tree import NAMED_TREES, TokenTree, TreeError, build_tree, normalize_choices
 from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, PrefillRow, ProposalRow
+from specray.policies.checkpoint_files import read_json_config, read_tensors
 from specray.policies.registry import MethodSpec, TreeAcceptanceOptions, register_method
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -109,22 +110,10 @@ class MedusaHeads(nn.Module):
     @classmethod
     def load(cls, directory: str | pathlib.Path, hidden_size: int | None = None, vocab_size: int | None = None):
         """Heads from a Medusa checkpoint dir; ``hidden_size``/``vocab_size`` default to the file's."""
-        path = pathlib.Path(directory)
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{cfg_file} not found: not a Medusa heads directory")
-        cfg = json.loads(cfg_file.read_text())
+        cfg, cfg_file = read_json_config(directory, "a Medusa heads")
         if "medusa_num_heads" not in cfg:
             raise ValueError(f"{cfg_file} has no medusa_num_heads")
-        weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
-        if weights is None:
-            raise FileNotFoundError(f"no {' or '.join(WEIGHT_FILES)} in {path}")
-        if weights.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state = load_file(str(weights))
-        else:
-            state = torch.load(weights, map_location="cpu", weights_only=True)
+        state, weights = read_tensors(directory, WEIGHT_FILES)
         state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
         num_heads, num_layers = int(cfg["medusa_num_heads"]), int(cfg.get("medusa_num_layers", 1))
         proj = state.get(f"0.{num_layers}.weight")
@@ -163,7 +152,7 @@ def _fit(tree: TokenTree, room: int) -> TokenTree:
     """The tree cut to its first ``room`` candidates (near the context or max_tokens, or
     under a speculation-length cap). Candidates are ordered by depth, so every kept node's
     parent is kept too."""
-    return tree if tree.size - 1 <= room else build_tree(tree.choices[:room], form="explicit")
+    return tree.prefix(room)
 
 
 class MedusaProposer:
@@ -231,13 +220,13 @@ def _offline_facts(path: str) -> dict:
 register_method(MethodSpec(
     name="medusa",
     options=MedusaOptions,
-    build=lambda ctx: MedusaProposer(ctx.resource),
+    build=lambda ctx: MedusaProposer(ctx.place(ctx.resource)),
     needs_features=True,
     drafts_trees=True,
     placement="target",
     checkpoint="medusa",
     requirement="Medusa heads (EngineConfig.medusa; `specray train medusa`)",
-    load=lambda path, ctx: MedusaHeads.load(path, hidden_size=ctx.target.hidden_size).to(ctx.device),
+    load=lambda path, ctx: ctx.place(MedusaHeads.load(path, hidden_size=ctx.target.hidden_size)),
     facts=lambda heads: {"num_heads": heads.num_heads},
     offline_facts=_offline_facts,
     check=_check,

@@ -61,6 +61,7 @@ from pydantic import Field
 from torch import nn
 
 from specray.kernels.tree import TokenTree
+from specray.policies.checkpoint_files import read_json_config, read_tensors
 from specray.policies.base import CommitRow, Draft, DraftRow, PrefillRow, ProposalRow
 from specray.policies.medusa import ResBlock
 from specray.policies.registry import Limits, MethodSpec, TreeAcceptanceOptions, register_method
@@ -181,20 +182,7 @@ class Drafter(nn.Module):
             raise ValueError(f"the drafter expects hidden size {cfg['hidden_size']}, the target has {hidden_size}")
         if vocab_size is not None and cfg["vocab_size"] != vocab_size:
             raise ValueError(f"the drafter has vocab size {cfg['vocab_size']}, the target {vocab_size}")
-        weights = next((path / f for f in WEIGHT_FILES if (path / f).is_file()), None)
-        if weights is None:
-            raise FileNotFoundError(f"no {' or '.join(WEIGHT_FILES)} in {path}")
-        try:
-            if weights.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
-                state = load_file(str(weights))
-            else:
-                state = torch.load(weights, map_location="cpu", weights_only=True)
-        except Exception as exc:  # a truncated or foreign file: say which one
-            raise ValueError(f"{weights} is not a readable weights file: {exc}") from None
-        if not isinstance(state, dict):
-            raise ValueError(f"{weights} holds a {type(state).__name__}, not a dict of tensors")
+        state, weights = read_tensors(path, WEIGHT_FILES)
         drafter = cls(cfg["hidden_size"], cfg["vocab_size"], cfg["exit_dim"], cfg["num_draft_layers"], cfg["rnn"])
         try:
             drafter.load_state_dict(_canonical(state))
@@ -219,15 +207,7 @@ def _canonical(state: dict) -> dict:
 
 def read_config(path: pathlib.Path) -> dict:
     """The drafter's config.json, checked: the fields the module needs, with their types."""
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(f"{cfg_file} not found: not a ReDrafter drafter directory")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except ValueError as exc:
-        raise ValueError(f"{cfg_file} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{cfg_file} must hold a JSON object")
+    raw, cfg_file = read_json_config(path, "a ReDrafter drafter")
     if raw.get("model_type", MODEL_TYPE) != MODEL_TYPE:
         raise ValueError(f"{cfg_file}: model_type {raw['model_type']!r} is not {MODEL_TYPE!r}")
     missing = [k for k in ("vocab_size", "hidden_size", "num_draft_layers") if k not in raw]
@@ -337,12 +317,12 @@ class ReDrafterProposer:
 # -- the spec ------------------------------------------------------------------------------
 def _load(path: str, ctx) -> Drafter:
     drafter = Drafter.load(path, hidden_size=ctx.target.hidden_size, vocab_size=ctx.vocab_size)
-    return drafter.to(device=ctx.device, dtype=getattr(torch, ctx.dtype))
+    return ctx.place(drafter)
 
 
 def _build(ctx) -> ReDrafterProposer:
     embed = ctx.target.decoder.get_input_embeddings()  # the target's own table
-    drafter = ctx.resource.to(device=embed.weight.device)
+    drafter = ctx.place(ctx.resource)
     return ReDrafterProposer(drafter, embed)
 
 

@@ -12,6 +12,9 @@ workers, HTTP, batch jobs, the CLI — reads the spec:
   head count). The scheduler, the job runner, the CLI and HTTP all call it.
 * ``needs_features``: the proposer reads the target's hidden states (they reach it through
   ``CommitRow.features``/``PrefillRow.features``; such proposers live beside the target).
+  By default these are the final norm's (the LM head's input); ``feature_layers(resource)``
+  names instead the decoder layers whose inputs it reads (EAGLE-3: three of them), handed
+  over concatenated in that order.
 * ``drafts_trees``: its draft size is its tree, not ``num_speculative_tokens``.
 * ``placement``: ``"worker"`` — may run in an actor of its own (a draft model on its own
   GPU, the n-gram pool); ``"target"`` — runs in the target's process.
@@ -23,7 +26,7 @@ workers, HTTP, batch jobs, the CLI — reads the spec:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -117,11 +120,18 @@ class MethodSpec:
     facts: Callable[[Any], dict] | None = None
     offline_facts: Callable[[str], dict] | None = None
     check: Callable[[MethodOptions, Mapping[str, Any], Limits], None] | None = None
+    # With needs_features: which target hidden states the proposer reads, given its loaded
+    # resource — None: the final norm's, [.., H]; else indices k of the residual stream
+    # entering decoder layer k (HF's ``output_hidden_states[k]``), concatenated, [.., len * H].
+    feature_layers: Callable[[Any], Sequence[int]] | None = None
 
     def validate(self, options: MethodOptions, limits: Limits) -> None:
         """Raise ValueError (naming the field) unless these options can run on these models."""
         if self.name not in limits.methods:
-            raise ValueError(f"method {self.name!r} needs {self.requirement or 'resources this server lacks'}")
+            # Named as a user starts a server (the flag), not as the Python API spells it.
+            needs = self.requirement.split(" (")[0] or "resources this server lacks"
+            where = f", which this server was not started with (--{self.checkpoint} DIR)" if self.checkpoint else ""
+            raise ValueError(f"method {self.name!r} needs {needs}{where}")
         facts = limits.methods[self.name]
         if self.check is not None and facts is not None:
             self.check(options, facts, limits)
@@ -147,6 +157,15 @@ class ProposerContext:
     target: Any = None
     resource: Any = None
     runner_for: Callable[..., Any] | None = None
+
+    def place(self, module):
+        """``module`` (a head, a drafter) on the target's device and in the target's dtype:
+        its outputs meet the target's features and LM head (bf16/fp16 targets included)."""
+        import torch
+
+        if self.target is not None:
+            return module.to(device=self.target.device, dtype=self.target.dtype)
+        return module.to(device=self.device, dtype=getattr(torch, self.dtype))
 
 
 _METHODS: dict[str, MethodSpec] = {}

@@ -40,6 +40,7 @@ def build_app(config: ServeConfig | dict | None = None):
         max_queued_requests=cfg.max_queued_requests,
         ray_actor_options={"num_cpus": REPLICA_CPUS},
         health_check_period_s=10,
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_s,
         **scaling,
     )
     # The ingress only forwards: it must admit every request the engines may hold or
@@ -50,5 +51,6 @@ def build_app(config: ServeConfig | dict | None = None):
         name="OpenAIIngress",
         max_ongoing_requests=most * (cfg.max_ongoing_requests + cfg.max_queued_requests) + 8,
         ray_actor_options={"num_cpus": REPLICA_CPUS},
+        graceful_shutdown_timeout_s=cfg.graceful_shutdown_s,
     )
     return ingress.bind(engine.bind(cfg.model_dump()), cfg.model_dump())

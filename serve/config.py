@@ -1,16 +1,120 @@
 """Configuration of the Serve application (pydantic; from Python, YAML or the CLI).
 
-Ray Serve silently ignores unknown ``autoscaling_config`` keys, so a typo would quietly
-disable autoscaling; here the keys are checked against a strict model first.
+Two spellings of one config: the nested layout (``model_name``, ``engine: {...}``, ...) and
+vLLM's flat option names, as ``vllm serve`` takes them on the command line and in its
+``--config`` YAML (``served-model-name``, ``max-model-len``, ``speculative-config``, ...;
+dashes or underscores). ``specray serve`` flags are exactly these names, and override the
+file's values. Ray Serve silently ignores unknown ``autoscaling_config`` keys, so a typo
+would quietly disable autoscaling; here the keys are checked against a strict model first.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specray.actors.config import SpecrayConfig
+from specray.policies.registry import PLAIN, method_spec, parse_speculation
+
+DEMO_MODEL_NAME = "specray-demo"
+
+# vLLM's flat option names -> where they live here (flags and flat YAML keys read this).
+FLAT_KEYS: dict[str, tuple[str, ...]] = {
+    "served_model_name": ("model_name",),
+    "model": ("engine", "target"),
+    "target": ("engine", "target"),
+    "draft": ("engine", "draft"),
+    "tokenizer": ("engine", "tokenizer"),
+    "medusa": ("engine", "medusa"),
+    "dtype": ("engine", "dtype"),
+    "device": ("engine", "device"),
+    "max_model_len": ("engine", "max_model_len"),
+    "max_num_seqs": ("engine", "max_num_seqs"),
+    "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),
+}
+# vLLM's names for methods and their options in --speculative-config, as specray's.
+SPEC_METHOD_ALIASES = {"draft_model": "draft", "prompt_lookup": "ngram"}
+SPEC_KEY_ALIASES = {"prompt_lookup_max": "max_matching_ngram_size"}
+
+
+def speculative_config(value: Any) -> tuple[dict, str | None, str | None]:
+    """vLLM's ``--speculative-config`` (a JSON object or its text): ``method``,
+    ``num_speculative_tokens``, ``model`` (the method's weights dir) and the method's own
+    options -> (the server's default speculation, checkpoint key, weights dir). Only the keys
+    given are set, so a length left out stays with the self-tuning controller."""
+    flag = "--speculative-config"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag}: not JSON ({exc.msg} at character {exc.pos}); e.g. "
+                             """'{"method": "draft", "model": "DIR", "num_speculative_tokens": 4}'""") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}: must be a JSON object with a 'method', got {type(value).__name__}")
+    fields = {SPEC_KEY_ALIASES.get(k, k): v for k, v in value.items()}
+    model = fields.pop("model", None)
+    method = fields.pop("method", None) or ("draft" if model else None)
+    if method is None:
+        raise ValueError(f"{flag}: give a 'method' (e.g. draft, ngram, medusa, eagle)")
+    method = SPEC_METHOD_ALIASES.get(method, method)
+    spec = method_spec(method)  # unknown: "unknown speculation method ...; known: [...]"
+    if model is not None and spec.checkpoint is None:
+        raise ValueError(f"{flag}: method {method!r} loads no weights; drop 'model'")
+    try:
+        options = parse_speculation({"method": method, **fields})
+    except ValueError as exc:  # pydantic: one line per bad key
+        errors = getattr(exc, "errors", lambda: [])()
+        lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors] or [str(exc)]
+        raise ValueError(f"{flag}: " + "; ".join(lines)) from None
+    return options.model_dump(exclude_unset=True) | {"method": method}, spec.checkpoint, model
+
+
+def flat_to_nested(data: dict) -> dict:
+    """Move vLLM-style flat keys (``max-model-len``, ``speculative-config``, ...) of a config
+    dict to their nested places; other keys are kept as they are (and checked strictly)."""
+    out: dict = {}
+    engine = dict(data.get("engine") or {})
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name == "engine":
+            continue
+        if name in FLAT_KEYS and value is not None:
+            path = FLAT_KEYS[name]
+            if path[0] == "engine":
+                engine[path[1]] = value
+            else:
+                out[path[0]] = value
+        elif name not in _top_level() and _is_checkpoint_key(name):  # --eagle DIR, --redrafter DIR, ...
+            if value is not None:
+                engine.setdefault("checkpoints", {})[name] = value
+        elif name == "speculative_config":
+            if value is None:
+                continue
+            options, key_, model = speculative_config(value)
+            engine["default_speculation"] = options
+            if model is not None:
+                if key_ in ("draft", "medusa"):
+                    engine[key_] = model
+                else:
+                    engine.setdefault("checkpoints", {})[key_] = model
+        else:
+            out[name if name in _top_level() else key] = value
+    if engine or "engine" in data:
+        out["engine"] = engine
+    return out
+
+
+def _top_level() -> frozenset[str]:
+    return frozenset(ServeConfig.model_fields)
+
+
+def _is_checkpoint_key(name: str) -> bool:
+    from specray.policies.registry import registered_methods
+
+    return any(method_spec(m).checkpoint == name for m in registered_methods())
 
 
 class AutoscalingSpec(BaseModel):
@@ -46,7 +150,9 @@ class ServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_name: str = Field("specray-demo", min_length=1, description="The id clients pass as `model`.")
+    model_name: str | None = Field(
+        None, min_length=1, description="The id clients pass as `model` (vLLM: served_model_name); default: the "
+        "target directory's name, or specray-demo for the demo pair.")
     engine: SpecrayConfig = Field(default_factory=SpecrayConfig, description="Models, batch and placement.")
     num_replicas: int = Field(1, ge=1, description="Engine replicas when autoscaling is off.")
     autoscaling: AutoscalingSpec | None = Field(None, description="Ray Serve autoscaling (strict keys).")
@@ -56,9 +162,23 @@ class ServeConfig(BaseModel):
     api_key: str | None = Field(
         None, description="Bearer token clients must send; default from $SPECRAY_API_KEY; None = open."
     )
+    graceful_shutdown_s: float = Field(
+        2.0, ge=0, description="On shutdown, how long replicas wait for requests in flight (Serve's default: 20 s).")
     host: str = Field("127.0.0.1")
     port: int = Field(8000, ge=1, le=65535)
     route_prefix: str = Field("/")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_keys(cls, data):
+        return flat_to_nested(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _default_name(self):
+        if self.model_name is None:
+            target = self.engine.target
+            self.model_name = os.path.basename(os.path.normpath(target)) if target else DEMO_MODEL_NAME
+        return self
 
     def resolved_api_key(self) -> str | None:
         return self.api_key if self.api_key is not None else os.environ.get("SPECRAY_API_KEY") or None

@@ -202,7 +202,7 @@ class OpenAIIngress:
             )
         finals = await asyncio.gather(*(self._last(s) for s in streams))
         choices = [P.choice(i, o["text"], P.finish_reason(o["finish_reason"]), chat) for i, o in enumerate(finals)]
-        return P.completion_response(rid, self.model, choices, P.usage(finals), [o["metrics"] for o in finals], chat)
+        return P.completion_response(rid, self.model, choices, P.usage(finals), P.speculation_metrics(finals), chat)
 
     async def _last(self, stream):
         last = None

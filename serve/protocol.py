@@ -168,6 +168,16 @@ def completion_response(rid: str, model: str, choices: list[dict], usage: dict, 
     }
 
 
+def ran_method(out: dict) -> str | None:
+    """The speculation method that made an output (its last step says; None if aborted)."""
+    return (out.get("step") or {}).get("method")
+
+
+def speculation_metrics(finals: list[dict]) -> list[dict]:
+    """Per choice: the method that ran and its acceptance counters (``speculation_metrics``)."""
+    return [{"method": ran_method(o), **o["metrics"]} for o in finals]
+
+
 def choice(index: int, text: str, finish_reason: str | None, chat: bool, delta: bool = False) -> dict:
     if not chat:
         return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}

@@ -40,3 +40,21 @@ def test_quick_benchmark(tmp_path):
     assert 0.0 <= s["alpha_teacher_forced"] <= 1.0
     assert 0.0 < s["cost_ratio_c"] < 1.0  # a 1-layer draft is cheaper than the target
     assert {r["config"] for r in report["rows"]} == set(rows)
+
+
+def test_gpu_benchmark_runs_on_the_cpu(tmp_path):
+    """bench.gpu must work in one command on a GPU machine; on the CPU its small synthetic
+    shape runs the same code (pair, HF baseline, engines, probes, table, plot)."""
+    from specray.bench import gpu
+
+    rc = gpu.main(["--device", "cpu", "--shape", "tiny", "--batch", "1,2", "--max-tokens", "12", "--modes",
+                   "eager,static", "--configs", "none,draft k=4", "--profile-steps", "3", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    rows = {(r["config"], r["mode"], r["batch"]): r for r in report["rows"]}
+    assert report["summary"]["pair"].startswith("SYNTHETIC")
+    assert rows[("specray none", "static", 2)]["reads"] == 1  # one host read per step
+    assert rows[("specray draft k=4", "static", 1)]["reads"] == 1
+    assert rows[("specray draft k=4", "eager", 1)]["reads"] > 1  # the eager reference reads per draft token
+    assert all(r["agree_rows"] in (None, "1/1", "2/2") for r in report["rows"])  # float32: greedy identical
+    assert (tmp_path / "gpu.png").stat().st_size > 0

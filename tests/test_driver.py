@@ -148,7 +148,7 @@ def test_every_layout_runs_the_same_driver(ray_session, tiny_checkpoints):
             assert out["metrics"]["num_drafts"] > 0
             described = ray.get(worker.describe.remote())
             assert described["driver"] == "specray.engine.driver.StepDriver"
-            assert described["executor"] == "specray.engine.driver.LocalExecutor"
+            assert described["executor"] == "specray.engine.executor.LocalExecutor"
             expected = "specray.actors.remote.RemoteProposer" if mode == "separate" else \
                 "specray.policies.draft_model.DraftModelProposer"
             assert described["proposers"]["draft"] == expected

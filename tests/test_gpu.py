@@ -47,3 +47,74 @@ def test_tree_verification_on_gpu_matches_cpu():
                              layout=(tree.mask[None].to(device), tree.depth[None].to(device)))
         outs.append(out.logits.cpu())
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+
+
+def _xformers_runs() -> bool:
+    try:
+        from specray.kernels.backends import attention_backend
+    except ImportError:  # the probe module
+        return False
+    return attention_backend("cuda")[0] == "xformers"
+
+
+needs_xformers = pytest.mark.skipif(not _xformers_runs(), reason="xformers' CUDA kernels do not run here")
+test_xformers_equals_sdpa = needs_xformers(test_xformers_equals_sdpa)
+
+
+@pytest.mark.parametrize("mode", ["static", "cudagraph", "graphs"])
+def test_captured_step_equals_eager_for_every_method(tiny_pair, mode):
+    """float32 on the GPU: the fixed-shape step, captured or not, equals the eager one."""
+    from tests.test_engine import GREEDY, ragged_prompts
+    from tests.test_static_step import SPECS, speculation
+
+    prompts = ragged_prompts(8)
+    target, draft = (m.to("cuda") for m in copy.deepcopy(tiny_pair))
+    for name in SPECS:
+        outs = {}
+        for step in ("eager", mode):
+            engine = _cuda_engine((target, draft), step)
+            outs[step] = [o.token_ids for o in engine.generate(prompts, GREEDY, speculation(name))]
+        assert outs[mode] == outs["eager"], name
+
+
+def _cuda_engine(models, step, dtype=None):
+    from specray.engine.config import EngineConfig
+    from specray.engine.engine import LLMEngine
+    from specray.policies.spec_length import SpeculationLengthPolicy
+    from tests.test_eagle import random_head
+    from tests.test_medusa import random_heads
+    from tests.test_redrafter import random_drafter
+
+    target, draft = (copy.deepcopy(m) for m in models)
+    if dtype is not None:
+        target, draft = target.to(dtype), draft.to(dtype)
+    return LLMEngine(
+        EngineConfig(target="x", max_num_seqs=4, step=step, device="cuda",
+                     speculation_length=SpeculationLengthPolicy()),
+        target_model=target, draft_model=draft, medusa_heads=random_heads().cuda(),
+        resources={"eagle": random_head(models[0]).cuda(), "redrafter": random_drafter().cuda()},
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_method_runs_in_half_precision_on_the_gpu(tiny_pair, dtype):
+    from specray.engine.params import SamplingParams
+    from tests.test_engine import ragged_prompts
+    from tests.test_static_step import SPECS, speculation
+
+    models = tuple(m.to("cuda") for m in copy.deepcopy(tiny_pair))
+    for step in ("eager", "graphs"):
+        engine = _cuda_engine(models, step, dtype)
+        for name in SPECS:
+            for temperature in (0.0, 0.8):
+                outs = engine.generate(ragged_prompts(4), SamplingParams(max_tokens=12, temperature=temperature, seed=1,
+                                                                         ignore_eos=True), speculation(name))
+                assert all(len(o.token_ids) == 12 for o in outs), (step, name)
+
+
+def test_gpu_benchmark_runs(tmp_path):
+    from specray.bench import gpu
+
+    assert gpu.main(["--shape", "tiny", "--batch", "1,2", "--max-tokens", "16", "--profile-steps", "4",
+                     "--modes", "cudagraph,graphs", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "gpu.png").stat().st_size > 0

@@ -13,12 +13,11 @@ reference, on the CPU.
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 import torch
 
+from specray.bench.probes import host_reads
 from specray.engine.config import EngineConfig
 from specray.engine.engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
@@ -83,33 +82,6 @@ def test_static_step_mixed_methods_and_abort(tiny_pair, references):
             assert done[rid] == references[i], names[i % len(names)]
 
 
-@contextmanager
-def counting_reads():
-    """Count the host reads of tensors: the calls that copy a value back (and, on a GPU,
-    wait for the device)."""
-    counts = {"n": 0}
-    patched = {}
-
-    def wrap(owner, name):
-        original = getattr(owner, name)
-        patched[(owner, name)] = original
-
-        def counted(*args, **kwargs):
-            counts["n"] += 1
-            return original(*args, **kwargs)
-
-        setattr(owner, name, counted)
-
-    for name in ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "nonzero"):
-        wrap(torch.Tensor, name)
-    wrap(torch, "nonzero")
-    try:
-        yield counts
-    finally:
-        for (owner, name), original in patched.items():
-            setattr(owner, name, original)
-
-
 @pytest.mark.parametrize("name", ["none", "draft", "ngram", "medusa"])
 def test_one_host_read_per_step(tiny_pair, name):
     engine = engine_for(tiny_pair, "static")
@@ -119,9 +91,9 @@ def test_one_host_read_per_step(tiny_pair, name):
     engine.step()  # admits everyone (prefill reads the first tokens)
     reads = []
     while engine.has_unfinished():
-        with counting_reads() as counts:
+        with host_reads() as counts:
             engine.step()
-        reads.append(counts["n"])
+        reads.append(counts["reads"])
     assert len(reads) >= 3 and max(reads) == 1, reads
 
 
@@ -133,30 +105,30 @@ def test_sampled_rows_read_once_too(tiny_pair):
     engine.step()
     reads = []
     while engine.has_unfinished():
-        with counting_reads() as counts:
+        with host_reads() as counts:
             engine.step()
-        reads.append(counts["n"])
+        reads.append(counts["reads"])
     assert max(reads) == 1, reads
 
 
 def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
-    """torch.compile with dynamic shapes: one graph per (batch > 1, width > 1) variant, none
-    recompiled as the lengths change step after step."""
+    """torch.compile with dynamic shapes: one graph per model for every batch size and width
+    (dynamo specializes only sizes 0 and 1, which the static path pads away), none
+    recompiled as batches, widths and lengths change step after step."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    engine = engine_for(tiny_pair, "compile", max_num_seqs=2)
-    prompts = ragged_prompts(8)[:4]
-    first = engine.generate(prompts[:2], GREEDY, speculation("none"))  # compiles (batch 2, width 1)
-    assert [o.token_ids for o in first] == references[:2]
-    graphs = counters["stats"]["unique_graphs"]
+    engine = engine_for(tiny_pair, "compile")
+    prompts = ragged_prompts(8)
+    first = engine.generate(prompts, GREEDY, [speculation(["none", "draft", "ngram", "medusa"][i % 4]) for i in range(8)])
+    assert [o.token_ids for o in first] == references  # 8 requests on 4 slots: batches of 1 to 4, widths 1 to 11
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # the target's and the draft's
     long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
-    outs = engine.generate(prompts[2:4], long, speculation("none"))  # 100 steps, lengths change each
-    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
-    assert not counters["recompiles"], dict(counters["recompiles"])
-    eager = engine_for(tiny_pair, "eager", max_num_seqs=2).generate(prompts[2:4], long, speculation("none"))
+    outs = engine.generate(prompts[:3], long, speculation("none"))  # 100 steps, lengths change each
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["recompiles"], dict(counters["recompiles"])
+    eager = engine_for(tiny_pair, "eager").generate(prompts[:3], long, speculation("none"))
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
 
 

@@ -98,3 +98,14 @@ def test_compact_keeps_a_path_as_if_decoded_sequentially():
     with torch.no_grad():
         expected = ref(torch.tensor([prefix[:-1] + kept + [42]])).logits[0, -1]
     torch.testing.assert_close(out.logits[0, 0], expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["trtllm_example", "wide"])
+def test_prefix_equals_the_rebuilt_cut_tree(name):
+    tree = build_tree(NAMED_TREES[name])
+    for n in range(1, tree.size):
+        cut, ref = tree.prefix(n), build_tree(tree.choices[:n], form="explicit")
+        assert cut.choices == ref.choices and cut.topk == ref.topk
+        for field in ("parents", "mask", "depth"):
+            assert torch.equal(getattr(cut, field), getattr(ref, field)), (n, field)
+    assert tree.prefix(tree.size) is tree and tree.prefix(2) is tree.prefix(2)

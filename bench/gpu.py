@@ -1,0 +1,448 @@
+"""The step against the memory-bandwidth bound, on a GPU, with nothing to download.
+
+    python -m specray.bench.gpu                      # any CUDA machine: synthetic 8B-shaped pair, bf16
+    python -m specray.bench.gpu --device cpu         # the same benchmark on the CPU, demo pair
+
+The pair (CUDA default) is SYNTHETIC and labelled so everywhere it is printed: a
+Llama-3-8B-shaped target (hidden 4096, 32 layers, GQA 32/8, FFN 14336, vocab 32000) with
+random weights, built on the GPU in bf16, and a draft made of the target's first
+``--draft-layers`` layers with the same embedding, final norm and LM head (shared, no extra
+memory); the target's later layers have their residual writes (``o_proj``, ``down_proj``)
+scaled by ``--scale``, which sets how often the draft agrees with it (0.03: about 0.75,
+teacher-forced). Cost is real, outputs are not language. On the CPU the default pair is the
+trained demo pair instead (``--shape tiny`` builds a small synthetic one anywhere).
+
+Side by side in one process, greedy, EOS ignored, ``--max-tokens`` per request, at each
+``--batch``: specray ``none``, ``draft`` k=4, ``draft`` with the self-tuning speculation length,
+``ngram`` k=4, in each ``--modes`` step mode (``engine/graphs.py``), and HF ``generate`` eager and
+with its static cache (which compiles itself on CUDA). Reported per row: ms per token (the
+request's wall time / tokens; prefill included), tokens/s, the fraction of the bandwidth
+bound (weights bytes / measured device copy bandwidth, per token of one sequence), the ratio
+to HF static, accepted tokens per step, for draft rows the Leviathan bound
+(1 - a^(k+1)) / ((1 - a)(k c + 1)) with measured alpha (teacher-forced) and c (one-token
+forward times) and measured/bound, and where a step's time goes: on CUDA, from torch.profiler
+over ``--profile-steps`` steps, device-busy time per step against wall time (host share =
+1 - busy / wall), kernel and graph launches and device-to-host copies per step; on the CPU,
+host reads of tensors per step (``bench/probes.py``); and greedy agreement with plain decoding
+(bf16 random weights make logits flat, so differently shaped computations may diverge there:
+``--dtype float32`` checks identity).
+
+Writes ``gpu.txt``, ``gpu.csv``, ``gpu.json`` and ``gpu.png`` to ``--out`` (default
+``./specray-bench/gpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import logging
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from specray.bench.probes import host_reads, profile_steps
+from specray.bench.speed import _aligned, speedup_bound
+
+log = logging.getLogger(__name__)
+
+PROG = "python -m specray.bench.gpu"
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=32000, rope_theta=500000.0, rms_norm_eps=1e-5),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+}
+CONFIGS = {  # name -> speculation
+    "none": {"method": "none"},
+    "draft k=4": {"method": "draft", "num_speculative_tokens": 4},
+    "draft auto": {"method": "draft"},
+    "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4},
+}
+K_OF = {"draft k=4": 4}
+
+
+# -- the pair -------------------------------------------------------------------------------
+def synthetic_pair(shape: str, draft_layers: int, scale: float, dtype: torch.dtype, device: str, seed: int = 0):
+    """(target, draft): random weights at a real shape; the draft shares the target's first
+    layers, embedding, norm and head; later target layers write ``scale`` x their residual."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            target = LlamaForCausalLM(cfg).eval()
+            dcfg = LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": draft_layers})
+            with torch.device("meta"):
+                draft = LlamaForCausalLM(dcfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    with torch.no_grad():
+        for layer in target.model.layers[draft_layers:]:
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.model.layers = torch.nn.ModuleList(target.model.layers[:draft_layers])
+    draft.model.norm = target.model.norm
+    draft.lm_head = target.lm_head
+    with torch.device(device):
+        draft.model.rotary_emb = LlamaRotaryEmbedding(config=dcfg)
+    return target, draft
+
+
+def demo_pair(dtype: torch.dtype, device: str):
+    from transformers import AutoModelForCausalLM
+
+    from specray.demo import load_or_build_demo_pair
+
+    pair = load_or_build_demo_pair()
+    load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # noqa: E731
+    return load(pair.target), load(pair.draft)
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random prompts whose second half repeats the first (prompt lookup finds matches)."""
+    g = torch.Generator().manual_seed(seed)
+    half = max(1, length // 2)
+    out = []
+    for _ in range(n):
+        first = torch.randint(0, vocab, (half,), generator=g).tolist()
+        out.append((first + first)[:length])
+    return out
+
+
+@contextlib.contextmanager
+def hf_attention(*models):
+    """Run the models with HF's own SDPA attention (specray's runner installs its own)."""
+    saved = [m.config._attn_implementation for m in models]
+    for m in models:
+        m.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        for m, name in zip(models, saved):
+            m.set_attn_implementation(name)
+
+
+# -- measurements ----------------------------------------------------------------------------
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    n = (1 << 28) if device.startswith("cuda") else (1 << 25)  # 1 GiB / 128 MiB of float32
+    src = torch.empty(n, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * n * 4 / min(times[1:])
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def timed(fn, device: str):
+    sync(device)
+    t = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - t, out
+
+
+def run_specray(engine, prompts, max_tokens: int, spec):
+    from specray.engine import SamplingParams, SpeculationParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return engine.generate(prompts, params, SpeculationParams(**spec))
+
+
+def run_hf(model, prompts, max_tokens: int, static: bool):
+    ids = torch.tensor(prompts, device=model.device)  # equal lengths: no padding needed
+    kw = {"cache_implementation": "static"} if static else {}
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, **kw)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def teacher_forced_alpha(target, draft, prompts, continuations) -> float:
+    """Fraction of the target's greedy continuation where the draft's argmax agrees."""
+    matches = total = 0
+    with torch.inference_mode(), hf_attention(target, draft):
+        for prompt, cont in zip(prompts, continuations):
+            ids = torch.tensor([prompt + cont], device=target.device)
+            keep = len(cont) + 1
+            t_pred = target(input_ids=ids, logits_to_keep=keep).logits[0, :-1].argmax(-1)
+            d_pred = draft(input_ids=ids, logits_to_keep=keep).logits[0, :-1].argmax(-1)
+            matches += int((t_pred == d_pred).sum())
+            total += len(cont)
+    return matches / total if total else float("nan")
+
+
+def forward_ms(runner, device: str, repeats: int = 20) -> float:
+    """Median ms of a one-token forward at batch 1 after a short prefix (the runner's own path)."""
+    runner.set_length(0, 0)
+    runner.forward([0], [[1] * 16])
+    times = []
+    for _ in range(repeats):
+        runner.set_length(0, 16)
+        if runner.static is not None:
+            dt, _ = timed(lambda: runner.static.run([0], [[1]]), device)
+        else:
+            dt, _ = timed(lambda: runner.forward([0], [[1]]), device)
+        times.append(dt)
+    runner.set_length(0, 0)
+    return 1e3 * statistics.median(times[2:])
+
+
+def step_profile(engine, prompts, spec, steps: int, device: str) -> dict:
+    """Where a decode step's time goes (requests admitted first, then ``steps`` steps)."""
+    from specray.engine import SamplingParams, SpeculationParams
+
+    long = SamplingParams(max_tokens=3 * steps * 6 + 16, temperature=0, ignore_eos=True)  # never done early
+    ids = [engine.add_request(p, long, SpeculationParams(**spec)) for p in prompts]
+    engine.step()
+    engine.step()  # admitted, and one step for lazy captures
+    out = {}
+    dt, _ = timed(lambda: [engine.step() for _ in range(steps)], device)
+    out["wall_ms"] = 1e3 * dt / steps
+    if device.startswith("cuda"):
+        prof = profile_steps(engine.step, steps)
+        out.update(prof)
+        out["host_share"] = max(0.0, 1 - prof["device_ms"] / out["wall_ms"])
+    else:
+        reads = []
+        for _ in range(steps):
+            with host_reads() as n:
+                engine.step()
+            reads.append(n["reads"])
+        out["reads"] = max(reads)
+    for rid in ids:
+        engine.abort(rid)
+    return out
+
+
+# -- the benchmark ---------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda, cpu")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
+    p.add_argument("--shape", default="auto", choices=["auto", "demo", *SHAPES],
+                   help="the pair: auto (llama3-8b on CUDA, demo on CPU), demo (the trained demo pair), or a synthetic shape")
+    p.add_argument("--draft-layers", type=int, default=2, help="synthetic draft: the target's first N layers")
+    p.add_argument("--scale", type=float, default=0.03, help="synthetic: later layers' residual scale (sets alpha)")
+    p.add_argument("--batch", default="1,8,32", help="batch sizes")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
+    p.add_argument("--modes", default="auto", help="step modes: auto (graphs on CUDA; eager,static,compile on CPU)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"specray configs, of: {', '.join(CONFIGS)}")
+    p.add_argument("--hf", default="auto", help="HF baselines: eager, static, none (auto: eager,static on CUDA, eager on CPU)")
+    p.add_argument("--profile-steps", type=int, default=16, help="steps profiled per row (0: no profile)")
+    p.add_argument("--out", default="specray-bench/gpu", help="output folder")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = args.device.startswith("cuda")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if cuda else "float32"
+    if args.shape == "auto":
+        args.shape = "llama3-8b" if cuda else "demo"
+    if args.modes == "auto":
+        args.modes = "graphs" if cuda else "eager,static,compile"
+    if args.hf == "auto":
+        args.hf = "eager,static" if cuda else "eager"
+    args.batches = [int(b) for b in args.batch.split(",")]
+    args.mode_list = [m for m in args.modes.split(",") if m]
+    args.config_list = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in args.config_list if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {unknown}; choose from {list(CONFIGS)}")
+    args.hf_list = [h for h in args.hf.split(",") if h and h != "none"]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1) if args.device == "cpu" else None  # small models on shared cores
+    logging.basicConfig(level=logging.WARNING)
+    command = " ".join([PROG, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    device, dtype = args.device, getattr(torch, args.dtype)
+    synthetic = args.shape != "demo"
+    label = (f"SYNTHETIC pair ({args.shape} shape, random weights, draft = first {args.draft_layers} layers, "
+             f"scale {args.scale})" if synthetic else "demo pair (trained on the Python stdlib)")
+    t0 = time.perf_counter()
+    target, draft = (synthetic_pair(args.shape, args.draft_layers, args.scale, dtype, device) if synthetic
+                     else demo_pair(dtype, device))
+    print(f"{label}: built in {time.perf_counter() - t0:.1f} s; {args.dtype} on {device}", flush=True)
+    vocab = target.config.vocab_size
+    prompts = make_prompts(max(args.batches), args.prompt_len, vocab)
+    bw = copy_bandwidth(device)
+    bound_ms = 1e3 * weight_bytes(target) / bw  # one sequence reads every weight once per token
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes(target) / 1e9:.2f} GB; "
+          f"bound {bound_ms:.2f} ms/token", flush=True)
+
+    rows = []
+    for b in args.batches:  # HF baselines
+        for kind in args.hf_list:
+            with hf_attention(target):
+                run_hf(target, prompts[:b], 8 if kind == "eager" else args.max_tokens, kind == "static")  # warm-up
+                dt, toks = timed(lambda: run_hf(target, prompts[:b], args.max_tokens, kind == "static"), device)
+            rows.append(_row(f"hf {kind}", "-", b, dt, args, bound_ms, tokens=toks))
+            print(_progress(rows[-1]), flush=True)
+
+    alpha = c = None
+    for mode in args.mode_list:
+        from specray.engine import EngineConfig, LLMEngine
+
+        engine = LLMEngine(EngineConfig(target="synthetic" if synthetic else "demo", max_num_seqs=max(args.batches),
+                                        max_model_len=args.prompt_len + max(args.max_tokens, 18 * args.profile_steps + 16) + 8, step=mode, dtype=args.dtype,
+                                        device=device),
+                           target_model=target, draft_model=draft)
+        if c is None:
+            c = forward_ms(engine.resources["draft"], device) / forward_ms(engine.target, device)
+        for b in args.batches:
+            plain = None
+            for name in args.config_list:
+                spec = CONFIGS[name]
+                run_specray(engine, prompts[:b], min(16, args.max_tokens), spec)  # warm-up: captures, compiles
+                dt, outs = timed(lambda: run_specray(engine, prompts[:b], args.max_tokens, spec), device)
+                tokens = [o.token_ids for o in outs]
+                if name == "none":
+                    plain = tokens
+                    if alpha is None and b == min(args.batches):
+                        alpha = teacher_forced_alpha(target, draft, prompts[:b], tokens)
+                steps = sum(o.metrics["target_forward_passes"] for o in outs) / len(outs)
+                row = _row(f"specray {name}", mode, b, dt, args, bound_ms, tokens=tokens, plain=plain,
+                           accepted=args.max_tokens / max(steps, 1))
+                if args.profile_steps:
+                    row.update(step_profile(engine, prompts[:b], spec, args.profile_steps, device))
+                rows.append(row)
+                print(_progress(row), flush=True)
+        del engine
+    _finish(rows, alpha, c)
+    summary = {"pair": label, "device": _device_name(device), "dtype": args.dtype, "bandwidth_GBps": bw / 1e9,
+               "weights_GB": weight_bytes(target) / 1e9, "bound_ms_per_token": bound_ms, "alpha": alpha, "c": c,
+               "command": command, "host": platform.node()}
+    _write(Path(args.out), rows, summary)
+    return 0
+
+
+def _row(name, mode, batch, seconds, args, bound_ms, tokens=None, plain=None, accepted=None) -> dict:
+    ms = 1e3 * seconds / args.max_tokens
+    row = {"config": name, "mode": mode, "batch": batch, "ms_per_token": ms, "tok_s": batch * args.max_tokens / seconds,
+           "of_bound": bound_ms / ms, "accepted_per_step": accepted}
+    if tokens is not None and plain is not None:
+        same = sum(t == p for t, p in zip(tokens, plain))
+        row["agree_rows"] = f"{same}/{len(tokens)}"
+    return row
+
+
+def _finish(rows: list[dict], alpha, c) -> None:
+    """Ratios to HF static (or eager) at the same batch, and the Leviathan bound for draft rows."""
+    for r in rows:
+        hf = next((h for h in rows if h["batch"] == r["batch"] and h["config"] == "hf static"), None) or \
+            next((h for h in rows if h["batch"] == r["batch"] and h["config"] == "hf eager"), None)
+        r["x_hf"] = r["tok_s"] / hf["tok_s"] if hf else None
+        plain = next((p for p in rows if p["batch"] == r["batch"] and p["mode"] == r["mode"]
+                      and p["config"] == "specray none"), None)
+        r["x_plain"] = r["tok_s"] / plain["tok_s"] if plain else None
+        k = K_OF.get(r["config"].removeprefix("specray "))
+        if k and alpha is not None and c is not None:
+            r["leviathan"] = speedup_bound(alpha, k, c)
+            r["of_leviathan"] = r["x_plain"] / r["leviathan"] if r["x_plain"] else None
+
+
+COLUMNS = [  # (key, heading, align, digits)
+    ("config", "config", "<"), ("mode", "mode", "<"), ("batch", "batch", ">"), ("ms_per_token", "ms/token", ">", 2),
+    ("tok_s", "tok/s", ">", 1), ("of_bound", "of bound", ">", 2), ("x_plain", "x plain", ">", 2),
+    ("x_hf", "x HF", ">", 2), ("accepted_per_step", "tok/step", ">", 2), ("leviathan", "Leviathan", ">", 2),
+    ("of_leviathan", "of Lev.", ">", 2), ("wall_ms", "step ms", ">", 2), ("device_ms", "busy ms", ">", 2),
+    ("host_share", "host", ">", 2), ("launches", "launch/step", ">", 0), ("graph_launches", "graphs/step", ">", 0),
+    ("d2h_copies", "D2H/step", ">", 1), ("reads", "reads/step", ">", 0), ("agree_rows", "= plain", ">"),
+]
+
+
+def _progress(r: dict) -> str:
+    return f"  {r['config']:<18} {r['mode']:<8} batch {r['batch']:>3}: {r['tok_s']:8.1f} tok/s, {r['ms_per_token']:.2f} ms/token"
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
+
+
+def _write(out: Path, rows: list[dict], summary: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    columns = [c for c in COLUMNS if any(r.get(c[0]) is not None for r in rows)]
+    for r in rows:
+        for c in columns:
+            r.setdefault(c[0], None)
+    head = [f"{summary['pair']} on {summary['device']}, {summary['dtype']}",
+            f"bound: {summary['weights_GB']:.2f} GB of weights / {summary['bandwidth_GBps']:.0f} GB/s copy = "
+            f"{summary['bound_ms_per_token']:.2f} ms/token; alpha {_f(summary['alpha'])} (teacher-forced), "
+            f"c {_f(summary['c'])}", f"command: {summary['command']}"]
+    table = "\n".join(head) + "\n\n" + _aligned(rows, columns)
+    print("\n" + table)
+    (out / "gpu.txt").write_text(table + "\n")
+    with open(out / "gpu.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=[c[0] for c in columns], extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    (out / "gpu.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1, default=str))
+    _plot(out / "gpu.png", rows, summary)
+    print(f"\nwrote {out}/gpu.txt, gpu.csv, gpu.json, gpu.png")
+
+
+def _f(v) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def _plot(path: Path, rows: list[dict], summary: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    names = list(dict.fromkeys(f"{r['config']} [{r['mode']}]" for r in rows))
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4.5), squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        vals = [next((r["tok_s"] for r in rows if r["batch"] == b and f"{r['config']} [{r['mode']}]" == n), 0)
+                for n in names]
+        ax.barh(range(len(names)), vals, color=["#888" if n.startswith("hf") else "#3a7" for n in names])
+        bound = 1e3 * b / summary["bound_ms_per_token"]
+        ax.axvline(bound, color="#c33", linestyle="--", label=f"bound {bound:.0f}")
+        ax.set_yticks(range(len(names)), names if b == batches[0] else [""] * len(names), fontsize=8)
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("tokens/s (log)")
+        ax.set_xscale("log")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{summary['pair']}\n{summary['device']}, {summary['dtype']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

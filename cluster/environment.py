@@ -1,0 +1,41 @@
+"""``specray env``: what this machine gives specray — versions, devices, the dtype ``auto``
+picks, and which attention kernel runs and why (the start-up probe of ``kernels/backends.py``)."""
+
+from __future__ import annotations
+
+import platform
+from importlib import metadata
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def describe() -> str:
+    import torch
+
+    from specray.engine.config import resolve_device, resolve_dtype
+    from specray.kernels.backends import attention_backend
+
+    lines = [f"python        {platform.python_version()} ({platform.platform()})"]
+    for dist in ("specray", "torch", "transformers", "ray", "xformers", "pydantic"):
+        lines.append(f"{dist:13s} {_version(dist)}")
+    cuda = torch.version.cuda or "none (a CPU build)"
+    lines.append(f"torch CUDA    {cuda}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            free, total = torch.cuda.mem_get_info(i)
+            lines.append(f"cuda:{i}        {props.name}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free), "
+                         f"compute capability {props.major}.{props.minor}")
+    else:
+        lines.append("GPUs          none visible to torch")
+    device = resolve_device("auto")
+    lines.append(f"device        {device} (--device auto)")
+    lines.append(f"dtype         {resolve_dtype('auto', device)} (--dtype auto: bfloat16 on CUDA, float32 on CPU)")
+    kernel, why = attention_backend(device)
+    lines.append(f"attention     {kernel}: {why}")
+    return "\n".join(lines)

@@ -1,0 +1,265 @@
+"""The command line's flags, read off the configs they fill (nothing is listed twice).
+
+* Model and server flags are vLLM's ``vllm serve`` names (``serve/config.py: FLAT_KEYS``):
+  ``specray serve`` and ``specray generate`` share the model group, the YAML file takes the
+  same names, and a flag overrides the file.
+* Speculation option flags are generated from every registered method's options model:
+  one flag per field name, its help naming every method that has it, with each one's
+  default; booleans are ``--x/--no-x``. A flag of a method the request does not use is an
+  error (``check_method_flags``), never silently ignored.
+* Errors become one line naming the flag the user typed (``one_line``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import typing
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from specray.engine.config import DEVICES, DTYPES
+from specray.policies.registry import PLAIN, method_spec, registered_methods
+from specray.serve.config import FLAT_KEYS
+
+# How a config location reads as a flag in messages (the reverse of FLAT_KEYS, plus the
+# keys that are not plain paths).
+_PATH_FLAGS = {path: "--" + key.replace("_", "-") for key, path in FLAT_KEYS.items() if key not in ("model",)}
+_PATH_FLAGS[("engine", "default_speculation")] = "--speculative-config"
+_PATH_FLAGS[("engine", "checkpoints")] = "--<method> DIR"
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def one_line(exc: Exception, fields: dict[str, str] | None = None) -> str:
+    """A ValidationError (or any error) as one line; config locations named as flags
+    (``fields``: option field -> its flag, for a request's speculation options)."""
+    if not isinstance(exc, ValidationError):
+        return " ".join(str(exc).split())
+    parts = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        name = (_PATH_FLAGS.get(loc[:2]) or _PATH_FLAGS.get(loc[:1]) or (fields or {}).get(loc[0] if loc else "")
+                or (".".join(loc) if loc else ""))
+        if loc and loc[0] == "engine" and len(loc) > 1 and loc[:2] not in _PATH_FLAGS:
+            name = f"engine.{'.'.join(loc[1:])}"
+        given = err.get("input")
+        shown = f" {given}" if name.startswith("--") and isinstance(given, (str, int, float)) else ""
+        parts.append(f"{name}{shown}: {msg}" if name else msg)
+    return "; ".join(" ".join(p.split()) for p in parts)
+
+
+# -- model and server flags (serve, generate) ------------------------------------------------
+def checkpoint_keys() -> list[str]:
+    import specray.policies  # noqa: F401  (registers the methods)
+
+    keys = {method_spec(m).checkpoint for m in registered_methods()}
+    return sorted(k for k in keys if k)
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Which weights, on what, in what precision, with how much cache (vLLM's names)."""
+    g = p.add_argument_group("model", "which weights, where, and how much KV cache (default: the built-in demo pair)")
+    g.add_argument("--target", "--model", dest="target", metavar="DIR", default=None,
+                   help="target checkpoint (a Hugging Face directory); alone it serves with prompt lookup "
+                        "(default: the demo pair's target and its draft)")
+    g.add_argument("--tokenizer", metavar="DIR", default=None, help="tokenizer directory (default: the target's)")
+    for key in checkpoint_keys():
+        methods = [m for m in registered_methods() if method_spec(m).checkpoint == key]
+        g.add_argument(f"--{key}", metavar="DIR", default=None,
+                       help=f"{method_spec(methods[0]).requirement.split(' (')[0]}: enables method {', '.join(methods)}")
+    g.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="weights and activations (default: auto = bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--device", metavar="{" + ",".join(DEVICES) + ",cuda:N}", default=None,
+                   help="where models run (default: auto = CUDA when available)")
+    g.add_argument("--max-model-len", type=int, metavar="N", default=None,
+                   help="context per sequence, prompt + output (default: the model's, at most 4096)")
+    g.add_argument("--max-num-seqs", type=int, metavar="N", default=None,
+                   help="sequences decoded together, KV cache rows (default: sized from GPU memory on CUDA, 8 on CPU)")
+    g.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION", default=None,
+                   help="share of the GPU's memory for weights + activations + KV cache, which sizes "
+                        "--max-num-seqs when it is not given (default: 0.9)")
+    g.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help="the server's default speculation, vLLM's keys: method, num_speculative_tokens, model "
+                        "(the method's weights) and the method's options, e.g. "
+                        """'{"method": "draft", "model": "DIR", "num_speculative_tokens": 4}' """
+                        "(default: the best method loaded: draft, then heads, then ngram; length self-tuned)")
+
+
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--config", metavar="FILE", default=None,
+                   help="YAML or JSON: these flags' names as keys (or ServeConfig's nested layout); flags override it")
+    g.add_argument("--served-model-name", "--model-name", dest="served_model_name", metavar="NAME", default=None,
+                   help="the model id clients send (default: the target directory's name, or specray-demo)")
+    g.add_argument("--host", metavar="HOST", default=None,
+                   help="interface to listen on; with a loopback one, a local Ray listens on loopback only (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, metavar="PORT", default=None, help="default: 8000")
+    g.add_argument("--api-key", metavar="KEY", default=None,
+                   help="clients must send Authorization: Bearer KEY (default: $SPECRAY_API_KEY, else open)")
+    g.add_argument("--num-replicas", type=int, metavar="N", default=None,
+                   help="engine replicas, each with its own models (default: 1)")
+    g.add_argument("--address", metavar="ADDRESS", default=None,
+                   help="join this Ray cluster (default: start a local Ray, stopped on exit)")
+    g.add_argument("--once", metavar="PROMPT", default=None,
+                   help="answer one completion for PROMPT over HTTP, print it, and exit")
+
+
+def config_data(args: argparse.Namespace, file_data: dict) -> dict:
+    """The file's config with the flags given laid over it (both in vLLM's flat names or
+    the nested layout; ``ServeConfig`` maps them)."""
+    from specray.serve.config import flat_to_nested
+
+    keys = ("target", "tokenizer", "dtype", "device", "max_model_len", "max_num_seqs", "gpu_memory_utilization",
+            "speculative_config", "served_model_name", "host", "port", "api_key", "num_replicas", *checkpoint_keys())
+    flags = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    return _merge(flat_to_nested(file_data), flat_to_nested(flags))
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """``over`` laid on ``base``: sections merge key by key; a value (speculation too) replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        section = key in ("engine", "checkpoints") and isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merge(out[key], value) if section else value
+    return out
+
+
+def load_config_file(path: str | None, flag: str = "--config") -> dict:
+    if path is None:
+        return {}
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{flag} {path}: does not parse: {' '.join(str(exc).split())}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{flag} {path}: must hold a mapping of option names to values")
+    return data
+
+
+def tokenizer_dir_problem(path: str) -> str | None:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        return f"no tokenizer files in it ({', '.join(names)})"
+    return None
+
+
+def check_paths(engine) -> None:
+    """One line per wrong path, naming its flag (before anything loads): a missing directory,
+    a checkpoint without config.json, a tokenizer directory without tokenizer files."""
+    paths = {"--target": engine.target, "--draft": engine.draft, "--medusa": engine.medusa,
+             "--tokenizer": engine.tokenizer, **{f"--{k}": v for k, v in engine.checkpoints.items()}}
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        if not os.path.isdir(path):
+            what = "no such directory" if not os.path.exists(path) else "not a directory"
+            raise ValueError(f"{flag} {path}: {what}")
+        if flag in ("--target", "--draft") and not os.path.exists(os.path.join(path, "config.json")):
+            raise ValueError(f"{flag} {path}: not a Hugging Face checkpoint (no config.json in it)")
+    if engine.tokenizer is not None and (problem := tokenizer_dir_problem(engine.tokenizer)):
+        raise ValueError(f"--tokenizer {engine.tokenizer}: {problem}")
+
+
+# -- per-request speculation flags (generate) -------------------------------------------------
+@dataclass(frozen=True)
+class OptionFlag:
+    field: str
+    flag: str
+    methods: tuple[str, ...]
+
+
+def add_speculation_flags(p: argparse.ArgumentParser, taken: set[str]) -> list[OptionFlag]:
+    """One flag per option field of the registered methods (a name taken by another flag gets
+    its first method's prefix: ``--eagle-top-k``). List fields take JSON; Literals, choices."""
+    import specray.policies  # noqa: F401
+
+    fields: dict[str, list[str]] = {}
+    for method in registered_methods():
+        if method == PLAIN:  # plain decoding's k is accepted but unused: not an option of it
+            continue
+        for name in method_spec(method).options.model_fields:
+            if name != "method":
+                fields.setdefault(name, []).append(method)
+    g = p.add_argument_group("speculation options", "each belongs to the methods named; a flag of another "
+                             "method than the request's is an error")
+    out = []
+    for name, methods in fields.items():
+        flag = flag_name(name)
+        if flag in taken:
+            flag = f"--{methods[0]}-{name.replace('_', '-')}"
+        info = method_spec(methods[0]).options.model_fields[name]
+        kwargs = _argument(name, info)
+        kwargs["help"] = _option_help(name, methods)
+        g.add_argument(flag, dest=f"spec_{name}", default=None, **kwargs)
+        out.append(OptionFlag(name, flag, tuple(methods)))
+    return out
+
+
+def _argument(name: str, info) -> dict:
+    annotation = info.annotation
+    if typing.get_origin(annotation) is typing.Literal:
+        return {"choices": list(typing.get_args(annotation))}
+    kinds = [a for a in typing.get_args(annotation) or (annotation,) if a is not type(None)]
+    kind = kinds[0] if kinds else str
+    if kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(kind) is typing.Literal:
+        return {"choices": list(typing.get_args(kind))}
+    if typing.get_origin(kind) in (list, tuple) or kind in (list, dict):
+        return {"type": _json, "metavar": "JSON"}
+    if kind is int:
+        return {"type": int, "metavar": "N"}
+    if kind is float:
+        return {"type": float, "metavar": "X"}
+    return {"type": str, "metavar": "NAME" if name == "tree" else "VALUE"}
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc.msg}") from None
+
+
+def _option_help(name: str, methods: list[str]) -> str:
+    """'draft, ngram: <description> (default: ...)', per method where they differ."""
+    described = {}
+    for m in methods:
+        info = method_spec(m).options.model_fields[name]
+        default = "self-tuning" if name == "num_speculative_tokens" else _shown(info.default)
+        described.setdefault((info.description or name, default), []).append(m)
+    parts = [f"{', '.join(ms)}: {desc.rstrip('.')} (default: {default})" for (desc, default), ms in described.items()]
+    return "; ".join(parts).replace("%", "%%")
+
+
+def _shown(value) -> str:
+    if value is None:
+        return "the method's own"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def given_options(args: argparse.Namespace, flags: list[OptionFlag]) -> dict[str, tuple[OptionFlag, object]]:
+    return {f.field: (f, getattr(args, f"spec_{f.field}")) for f in flags if getattr(args, f"spec_{f.field}") is not None}
+
+
+def check_method_flags(method: str, given: dict[str, tuple[OptionFlag, object]], how: str) -> None:
+    """A flag of a method the request does not use is an error (``how``: where the method came from)."""
+    for field, (flag, _) in given.items():
+        if method not in flag.methods:
+            raise ValueError(f"{flag.flag} is an option of {', '.join(flag.methods)}, but the method is {method} "
+                             f"({how}); add --method {flag.methods[0]} or drop {flag.flag}")

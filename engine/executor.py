@@ -1,0 +1,251 @@
+"""Where a step's work runs in this process: the target's runner and each method's proposer.
+
+``LocalExecutor`` is the one ``Executor`` (``engine/driver.py``) every layout uses: the
+in-process engine and the Ray engine worker hold the target here; proposers are local
+objects or Ray proxies. ``ProposerTable`` builds each method's proposer on first use.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+import torch
+
+from specray.engine import step as S
+from specray.engine.device_step import verify_on_device
+from specray.engine.verify import TargetScores, accept_verified, sampled_rows
+from specray.policies.base import EMPTY, Draft, DraftRow, PrefillRow
+from specray.policies.registry import method_spec, registered_methods
+
+log = logging.getLogger(__name__)
+
+class LocalExecutor:
+    """The target's runner in this process, and each method's proposer (local objects, or
+    remote proxies whose ``propose`` returns an awaitable). Proposers that read features sit
+    here, beside the target: the hidden states of the last forward never leave the device.
+
+    With a fixed-shape target (``target.static``, ``engine/graphs.py``), verification and
+    acceptance run on the device with one read-back per step (``engine/device_step.py``),
+    and proposers that can draft on the device (``propose_on_device``) do so; else the
+    eager forward and host acceptance (the reference)."""
+
+    def __init__(self, target, proposers: "ProposerTable"):
+        self.target = target
+        self.proposers = proposers
+        self._last = None  # the last forward's features (final norm's, layer taps) rows' methods read
+        self._device_parts: dict = {}  # method -> (batch indices, DeviceDraft) of this step
+        self._compacted = False  # the last verification kept its paths in the cache already
+        self._failed: dict[int, BaseException] = {}  # batch row -> what its proposer raised (last propose)
+
+    async def prefill(self, reqs, sampled):
+        for r in reqs:
+            self.target.reset(r.slot)
+        out = self.target.forward([r.slot for r in reqs], [r.prefill_ids for r in reqs],
+                                  **self._wants_features(reqs))
+        self._last = out
+        return TargetScores.from_logits(out.logits, sampled)
+
+    async def propose(self, plan):
+        pending, parts = {}, {}
+        # Local proposers draft here; a remote proxy returns an awaitable, awaited after them
+        # (with overlap on, its worker has been drafting ahead since the last verification).
+        self._device_parts, self._failed = {}, {}
+        for method, (idx, rows) in plan.rows.items():
+            proposer = self.proposers.get(method)
+            if proposer is None:
+                parts[method] = None
+                continue
+            try:
+                if self._device_step and hasattr(proposer, "propose_on_device"):
+                    part = proposer.propose_on_device(rows)
+                    if part is not None:
+                        parts[method] = part
+                        self._device_parts[method] = (idx, part)
+                        continue
+                parts[method] = proposer.propose(rows)
+            except Exception:  # noqa: BLE001 - contained below, row by row
+                parts[method] = await self._alone(proposer, idx, rows)
+            if inspect.isawaitable(parts[method]):
+                pending[method] = parts.pop(method)
+        for method, awaitable in pending.items():
+            try:
+                parts[method] = await awaitable  # a remote proxy answers None when its worker is down
+            except Exception:  # noqa: BLE001 - a remote proposer raised: row by row
+                idx, rows = plan.rows[method]
+                parts[method] = await self._alone(self.proposers.get(method), idx, rows)
+        return parts
+
+    async def _alone(self, proposer, idx, rows) -> Draft:
+        """A proposer raised on a batch: draft each row alone; the rows that still raise get no
+        draft (they decode plainly this step) and are reported in ``failed_rows``."""
+        drafts = []
+        for i, row in zip(idx, rows):
+            try:
+                part = proposer.propose([row])
+                if inspect.isawaitable(part):
+                    part = await part
+                drafts.append(part.rows[0] if part is not None else EMPTY)
+            except Exception as exc:  # noqa: BLE001
+                self._failed[i] = exc
+                drafts.append(EMPTY)
+        return Draft(drafts)
+
+    def failed_rows(self):
+        return self._failed
+
+    async def verify(self, reqs, drafts):
+        lengths = {r.slot: self.target.lengths[r.slot] for r in reqs}
+        try:
+            return self._verify(reqs, drafts)
+        except Exception:
+            for slot, length in lengths.items():  # the target as it was: rows may be retried
+                self.target.set_length(slot, length)
+            self._compacted = False
+            raise
+
+    def _verify(self, reqs, drafts):
+        if self._device_step:
+            done = verify_on_device(self.target, reqs, drafts, self._device_parts)
+            self._device_parts, self._compacted = {}, True
+            self._last = _Features(done.features, done.layers) if any(self._wants_features(reqs).values()) else None
+            return done.verified
+        inputs = S.verify_inputs(reqs, drafts)
+        out = self.target.forward([r.slot for r in reqs], inputs.tokens, inputs.logits_at, inputs.layout,
+                                  **self._wants_features(reqs))
+        self._last = out
+        return accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs)))
+
+    def recover(self, reqs, drafts):
+        out = list(drafts)
+        for idx, part in self._device_parts.values():  # drafts made on the device: read them back
+            tokens = part.device_tokens.tolist()
+            for n, i in enumerate(idx):
+                d = drafts[i]
+                probs = None if reqs[i].sampling.greedy or part.device_probs is None else part.device_probs[n][: d.size]
+                out[i] = DraftRow(tokens[n][: d.size], d.tree, probs, d.extra)
+        self._device_parts = {}
+        return out
+
+    def apply(self, commit):
+        if self._compacted:  # the device kept the paths; the host learns the lengths
+            for slot, base, path in commit.target_keep:
+                self.target.set_length(slot, base + len(path))
+            self._compacted = False
+        else:
+            self.target.keep(commit.target_keep)
+        failed = {}
+        for method, rows in commit.proposer_rows.items():
+            proposer = self.proposers.get(method)
+            if proposer is None:
+                continue
+            if method_spec(method).needs_features:
+                rows = [(i, _with_features(row, self._row_features(method, i))) for i, row in rows]
+            rows = [row for _, row in rows]
+            try:
+                _hand_over(proposer, rows)
+            except Exception as exc:  # noqa: BLE001 - contained: row by row
+                if len(rows) == 1:
+                    failed[rows[0].slot] = exc
+                    continue
+                for row in rows:
+                    try:
+                        _hand_over(proposer, [row])
+                    except Exception as row_exc:  # noqa: BLE001
+                        failed[row.slot] = row_exc
+        self._last = None
+        return failed
+
+    def release(self, slots):
+        for s in slots:
+            self.target.reset(s)
+        self.proposers.release(slots)
+
+    @property
+    def _device_step(self) -> bool:
+        return self.target.static is not None
+
+    def _wants_features(self, reqs) -> dict:
+        """The forward's feature arguments: the final norm's and/or the layers the batch's methods read."""
+        final, layers = False, set()
+        for method in {r.method for r in reqs}:
+            if method_spec(method).needs_features:
+                taps = self.proposers.feature_layers(method)
+                final |= taps is None
+                layers.update(taps or ())
+        return {"features": final, "layers": tuple(sorted(layers))}
+
+    def _row_features(self, method: str, i: int):
+        """Row i's features of the last forward as ``method`` reads them: [q, H] or [q, n*H]."""
+        taps = self.proposers.feature_layers(method)
+        if taps is None:
+            return self._last.features[i]
+        return torch.cat([self._last.layers[k][i] for k in taps], dim=-1)
+
+
+@dataclass
+class _Features:
+    features: torch.Tensor | None  # [B, q, H] final norm's
+    layers: Mapping[int, torch.Tensor] | None  # {k: [B, q, H]}
+
+
+def _hand_over(proposer, rows) -> None:
+    """Tell a proposer what its rows kept: prompts that entered (``prefill``), steps (``commit``)."""
+    prefill = [row for row in rows if isinstance(row, PrefillRow)]
+    commits = [row for row in rows if not isinstance(row, PrefillRow)]
+    if prefill and hasattr(proposer, "prefill"):
+        proposer.prefill(prefill)
+    if commits:
+        proposer.commit(commits)
+
+
+def _with_features(row, feats):  # feats: [q, F] the row's new positions
+    if isinstance(row, PrefillRow):
+        return replace(row, features=feats[: len(row.token_ids)])
+    return replace(row, features=feats[row.path])
+
+
+class ProposerTable:
+    """Each method's proposer in this engine, built on first use from its spec.
+
+    ``overrides`` are proposers supplied from outside (Ray proxies to workers of their own).
+    """
+
+    def __init__(self, context, resources: Mapping[str, object], overrides: Mapping[str, object] | None = None):
+        self.context, self.resources = context, dict(resources)
+        self._built: dict[str, object] = dict(overrides or {})
+
+    def get(self, method: str):
+        if method not in self._built:
+            spec = method_spec(method)
+            if spec.build is None:
+                return None
+            if spec.checkpoint is not None and method not in self.resources:
+                return None
+            self._built[method] = spec.build(replace(self.context, resource=self.resources.get(method)))
+        return self._built[method]
+
+    def feature_layers(self, method: str) -> tuple[int, ...] | None:
+        """The target layers whose inputs ``method`` reads (None: the final norm's features)."""
+        spec = method_spec(method)
+        if spec.feature_layers is None or self.get(method) is None:  # built first: it may resolve them
+            return None
+        return tuple(spec.feature_layers(self.resources[method]))
+
+    def all_feature_layers(self) -> tuple[int, ...]:
+        """Every target layer a loaded method reads (``MethodSpec.feature_layers``)."""
+        taps = set()
+        for m in self.resources:
+            if m in registered_methods() and method_spec(m).feature_layers is not None:
+                taps.update(self.feature_layers(m) or ())
+        return tuple(sorted(taps))
+
+    def release(self, slots: Sequence[int]) -> None:
+        for name, proposer in self._built.items():
+            for s in slots:
+                try:
+                    proposer.release(s)
+                except Exception:  # noqa: BLE001 - a broken proposer must not keep a slot from others
+                    log.exception("%s: releasing slot %d raised", name, s)

@@ -1,0 +1,175 @@
+"""`specray serve` as a process: safe to leave running, and one's own checkpoint with one flag.
+
+Each test starts the real command (a local Ray of its own, the demo pair or a copy of its
+target with the tokenizer beside it) and stops it by signal, checking that it exits 0 within
+10 s, frees its port and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+SPECRAY = [sys.executable, "-m", "specray.cluster.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    found = []
+    for child in map(int, out):
+        found += [child, *descendants(child)]
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def listening(pids: list[int]) -> list[str]:
+    """Local addresses the processes listen on (TCP)."""
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout.splitlines()
+    return [ln.split()[3] for ln in lines if any(f"pid={p}," in ln for p in pids)]
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def post(url: str, body: dict) -> tuple[float, dict]:
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=120) as r:
+        reply = json.loads(r.read())
+    return time.perf_counter() - start, reply
+
+
+class Server:
+    """`specray serve ...` in its own session, read until it says ready."""
+
+    def __init__(self, *argv: str):
+        self.proc = subprocess.Popen([*SPECRAY, "serve", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if "specray: ready" in line:
+                break
+        assert self.proc.poll() is None, "".join(self.lines)
+        self.family = descendants(self.proc.pid)
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:  # a failed test: take down what it started (its own group)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate(timeout=30)
+
+    def stop(self, sig) -> tuple[int, float, str]:
+        start = time.monotonic()
+        self.proc.send_signal(sig)
+        out, _ = self.proc.communicate(timeout=60)
+        return self.proc.returncode, time.monotonic() - start, "".join(self.lines) + out
+
+
+def assert_clean_exit(server: Server, sig, port: int) -> None:
+    code, seconds, output = server.stop(sig)
+    assert code == 0 and seconds < 10, (code, seconds, output[-2000:])
+    assert port_free(port)
+    assert not [p for p in server.family if alive(p)], "processes left behind"
+    for word in ("Traceback", "Aborted", "core dumped", "graceful_shutdown failed", "*** SIG"):
+        assert word not in output, output[-3000:]
+
+
+@pytest.fixture(scope="module")
+def own_checkpoint(tmp_path_factory, demo_pair) -> str:
+    root = tmp_path_factory.mktemp("user") / "my-coder"
+    shutil.copytree(demo_pair.target, root)
+    for f in Path(demo_pair.tokenizer).iterdir():
+        if f.is_file():
+            shutil.copy(f, root / f.name)
+    return str(root)
+
+
+def test_busy_port_is_an_error_before_anything_starts(demo_pair):
+    port = free_port()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        start = time.monotonic()
+        done = subprocess.run([*SPECRAY, "serve", "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"--port {port}: 127.0.0.1:{port} is already in use" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "ready" not in done.stdout
+    assert "Started a local Ray" not in done.stderr and time.monotonic() - start < 60
+
+
+def test_demo_server_warm_loopback_and_sigterm(demo_pair):
+    """Ready means warm (the first request within 2x a later one), a local Ray on loopback only,
+    and SIGTERM ends it all cleanly."""
+    port = free_port()
+    with Server("--port", str(port)) as server:
+        output = "".join(server.lines)
+        for word in ("device cpu", "dtype float32", "attention sdpa", "KV cache: 8 sequences", "methods: draft"):
+            assert word in output, output
+        addresses = listening(server.family)
+        assert addresses and all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for a in addresses), addresses
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"model": "specray-demo", "prompt": "class Stack:\n    def push(self, item):", "max_tokens": 48,
+                "temperature": 0}
+        first, reply = post(url, body)
+        assert reply["speculation_metrics"][0]["method"] == "draft"  # the default, with a draft loaded
+        later = min(post(url, body)[0] for _ in range(3))
+        assert first <= 2 * later, (first, later)
+        assert_clean_exit(server, signal.SIGTERM, port)
+
+
+def test_own_checkpoint_with_one_flag_and_sigint(own_checkpoint):
+    """--target DIR alone: named after the directory, prompt lookup by default; SIGINT exits 0."""
+    port = free_port()
+    with Server("--target", own_checkpoint, "--port", str(port)) as server:
+        assert "serving 'my-coder'" in "".join(server.lines)
+        _, reply = post(f"http://127.0.0.1:{port}/v1/completions",
+                         {"model": "my-coder", "prompt": "import os\nimport sys\nimport os\n", "max_tokens": 16,
+                          "temperature": 0})
+        assert reply["model"] == "my-coder" and reply["speculation_metrics"][0]["method"] == "ngram"
+        assert_clean_exit(server, signal.SIGINT, port)
+
+
+def test_once_with_own_checkpoint(own_checkpoint):
+    port = free_port()
+    done = subprocess.run([*SPECRAY, "serve", "--target", own_checkpoint, "--port", str(port), "--once",
+                           "def fibonacci(n):"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    reply = json.loads(done.stdout[done.stdout.index("{"):done.stdout.rindex("}") + 1])
+    assert reply["model"] == "my-coder" and reply["usage"]["completion_tokens"] == 48
+    assert reply["speculation_metrics"][0]["method"] == "ngram"
+    assert port_free(port)
