@@ -3,15 +3,18 @@ log (``SuffixCacheLog``), each engine worker a local replica of the tree
 (``ReplicatedSuffixCache``) that drafts from its replica only and exchanges finished outputs
 and LRU touches with the actor in batches, asynchronously — a step never waits on it.
 
-The actor is named (``SuffixCacheConfig.name``) in the ``specray`` namespace and detached, so
-that every replica of a deployment — Serve replicas, coordinators of other drivers — finds the
-same one, and the cache outlives any of them (``drop_shared_suffix_cache`` removes it). It
+The actor is named (``SuffixCacheConfig.name``; by default after the target model and
+tokenizer) in the ``specray`` namespace and detached, so that every replica of a deployment —
+Serve replicas, coordinators of other drivers — finds the same one, and the cache outlives any
+of them (``drop_shared_suffix_cache`` removes it). It
 reserves no CPU: a sync is a dict merge per batch of outputs. If it dies, the replicas keep
 drafting from what they hold, start a new one on their next exchange and send it their own
 outputs again.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import ray
 
@@ -58,17 +61,23 @@ class RayTransport:
         self._handle, self._ref = None, None
 
 
-def suffix_cache_for(config: SuffixCacheConfig | dict) -> GlobalSuffixCache:
+def suffix_cache_for(config: SuffixCacheConfig | dict, model: str = "") -> GlobalSuffixCache:
     """The global tree an engine worker drafts from: a replica of the shared actor's, or (not
-    ``shared``) one of its own."""
+    ``shared``) one of its own. Without a name, engines share by ``model`` (target and
+    tokenizer): another model's text would only be drafts its target rejects."""
     cfg = SuffixCacheConfig.model_validate(config)
     if not cfg.shared or cfg.max_cached_requests == 0:
         return GlobalSuffixCache(cfg.max_tree_depth, cfg.max_cached_requests)
-    return ReplicatedSuffixCache(RayTransport(cfg.name, cfg.max_cached_requests), cfg.max_tree_depth,
+    name = cfg.name or default_name(model)
+    return ReplicatedSuffixCache(RayTransport(name, cfg.max_cached_requests), cfg.max_tree_depth,
                                  cfg.max_cached_requests, cfg.sync_every_requests, cfg.sync_interval_s)
 
 
-def shared_suffix_cache(name: str = SuffixCacheConfig().name):
+def default_name(model: str) -> str:
+    return "specray-suffix-cache-" + hashlib.sha256(model.encode()).hexdigest()[:12]
+
+
+def shared_suffix_cache(name: str):
     """The shared tree actor's handle, or None if there is none (tests, operations)."""
     try:
         return ray.get_actor(name, namespace=NAMESPACE)
@@ -76,7 +85,7 @@ def shared_suffix_cache(name: str = SuffixCacheConfig().name):
         return None
 
 
-def drop_shared_suffix_cache(name: str = SuffixCacheConfig().name) -> bool:
+def drop_shared_suffix_cache(name: str) -> bool:
     """Kill the shared tree actor (replicas start a new, empty one on their next exchange)."""
     handle = shared_suffix_cache(name)
     if handle is None:

@@ -154,7 +154,8 @@ class EngineWorker(_Placed):
             return make
 
         self.engine = LLMEngine(config, proposers={m: proxy(m, o) for m, o in (remote or {}).items()},
-                                resources={"suffix": suffix_cache_for(suffix_cache or {})})
+                                resources={"suffix": suffix_cache_for(suffix_cache or {},
+                                                                      f"{config.target}|{config.tokenizer}")})
         self._lock = asyncio.Lock()
         self._outbox: list = []
         self._errors: dict[str, str] = {}

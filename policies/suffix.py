@@ -30,19 +30,19 @@ tree mask by the tree acceptance rule: greedy output is the target's and sampled
 the target's distribution exactly.
 
 How much of each draft is verified is chosen per step (``best_width``): a step verifies every
-row as wide as its widest (rows are padded to it), so the rows of a step are cut to one width W,
-each keeping its W most probable nodes, with W maximising the step's expected tokens (B rows'
-own tokens plus the kept nodes' probabilities) per unit of step cost (1 + B * W /
+row as wide as its widest (rows are padded to it), so the rows of a step are cut to one width
+W, each keeping its W most probable nodes, with W maximising the step's expected tokens (B
+rows' own tokens plus the kept nodes' probabilities) per unit of step cost (1 + B * W /
 ``step_cost_tokens``: the step's cost doubles with that many more verified tokens). Where
 verifying is dear — CPUs, GPUs at large batches — and the guesses unsure, W shrinks, to 0 when
-no draft is worth its cost; a lone row of sure guesses drafts all it has. The self-tuning speculation length
-(``policies/controller.py``) switches requests that leave the options to the engine on and
-off by measured acceptance and step cost, as for the other tree methods.
+no draft is worth its cost; a lone row of sure guesses drafts all it has. On top of that the
+self-tuning speculation length (``policies/controller.py``) switches requests that leave the
+options to the engine on and off by measured acceptance and step cost, as for the other tree
+methods.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
@@ -145,10 +145,20 @@ class SuffixProposer:
         if state.matcher is not None:
             candidates += [(c, self.cache.tree, 0) for c in state.matcher.update(state.tokens)]
         best, best_key, best_tree = TreeDraft(), (0.0, 0), None
-        ranked = sorted(((min(most, _spec_limit(o, tree.depth(c))), tree.depth(c), i)
-                         for i, (c, tree, _) in enumerate(candidates)), reverse=True)
-        for limit, m, i in ranked:
-            if limit <= best_key[0]:  # its draft cannot score more than its token limit
+        ranked = []  # (the most its draft can score, match length, its token limit, index)
+        for i, (c, tree, exclude) in enumerate(candidates):
+            m = tree.depth(c)
+            limit = min(most, _spec_limit(o, m))
+            levels = min(tree.max_depth - m, r.num_tokens)  # the tree holds max_depth - m tokens after m
+            if not o.tree:
+                limit = min(limit, levels)
+            if limit > 0 and levels > 0:
+                # No node is likelier than the likeliest continuation, and the probabilities of
+                # one level's nodes sum to at most 1: a bound on the draft's score.
+                ranked.append((min(limit * tree.top_prob(c, exclude), levels), m, limit, i))
+        ranked.sort(reverse=True)
+        for bound, m, limit, i in ranked:
+            if bound <= best_key[0]:  # no draft from here can score more
                 break
             cursor, tree, exclude = candidates[i]
             d = tree.draft(cursor, limit, o.min_token_prob, r.num_tokens, o.tree, exclude)
@@ -175,7 +185,7 @@ class SuffixProposer:
         own = SuffixTree(self.max_tree_depth)
         own.extend(0, prompt)
         state = _Row(o, own, SuffixMatcher(self.cache.tree) if self.cache.enabled else None,
-                     list(prompt[len(prompt) - self.max_tree_depth :]))
+                     list(prompt[-self.max_tree_depth :]))
         self._rows[slot] = state
         return state
 

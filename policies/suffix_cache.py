@@ -58,8 +58,8 @@ class SuffixCacheConfig(BaseModel):
                                      "recently used out); 0: no global tree (each request's own tree only).")
     shared: bool = Field(True, description="One global tree for every engine replica (a Ray actor) instead of "
                          "one per engine.")
-    name: str = Field("specray-suffix-cache", min_length=1, description="The shared tree actor's name (replicas "
-                      "with the same name share it).")
+    name: str | None = Field(None, min_length=1, description="The shared tree actor's name (replicas with the "
+                             "same name share it); default: one per target model and tokenizer.")
     sync_every_requests: int = Field(8, ge=1, description="A replica sends its finished outputs after this many.")
     sync_interval_s: float = Field(2.0, gt=0, description="... or after this many seconds, and pulls the others'.")
 
@@ -85,6 +85,10 @@ class GlobalSuffixCache:
         self._lru: OrderedDict[Hashable, None] = OrderedDict()
         self._queue: deque[tuple[Hashable, list[int]]] = deque()
         self._ids = itertools.count()
+        # An output already cached is only touched: a retry's answer does not cost a second
+        # insertion (about D dict operations per token on repetitive text) nor a second copy.
+        self._content: dict[tuple[int, ...], Hashable] = {}
+        self._key: dict[Hashable, tuple[int, ...]] = {}
 
     @property
     def max_tree_depth(self) -> int:
@@ -99,10 +103,21 @@ class GlobalSuffixCache:
         return next(self._ids)
 
     def add(self, tokens: Sequence[int]) -> Hashable:
-        """A finished request's output (inserted at the next ``poll``); returns its id."""
+        """A finished request's output (inserted at the next ``poll``; one already cached is
+        touched instead); returns its id."""
+        sid = self._content.get(tuple(tokens))
+        if sid is not None:
+            self.touch(sid)
+            return sid
         sid = self.new_id()
-        self._queue.append((sid, list(tokens)))
+        self._enqueue(sid, list(tokens))
         return sid
+
+    def _enqueue(self, sid: Hashable, tokens: list[int]) -> None:
+        key = tuple(tokens)
+        self._content.setdefault(key, sid)
+        self._key[sid] = key
+        self._queue.append((sid, tokens))
 
     def touch(self, sid: Hashable) -> None:
         """A draft came from ``sid``: it is the most recently used."""
@@ -129,6 +144,9 @@ class GlobalSuffixCache:
             self.tree.remove(sid)
         else:
             self._queue = deque(item for item in self._queue if item[0] != sid)
+        key = self._key.pop(sid, None)
+        if key is not None and self._content.get(key) == sid:
+            del self._content[key]
 
     def cached(self) -> list[Hashable]:
         """Ids in the tree, least recently used first."""
@@ -232,10 +250,10 @@ class ReplicatedSuffixCache(GlobalSuffixCache):
     def new_id(self) -> Hashable:
         return f"{self.replica}:{next(self._ids)}"
 
-    def add(self, tokens: Sequence[int]) -> Hashable:
-        sid = super().add(tokens)
-        self._outbox.append((sid, self._queue[-1][1]))
-        return sid
+    def _enqueue(self, sid: Hashable, tokens: list[int]) -> None:
+        super()._enqueue(sid, tokens)
+        if str(sid).startswith(self.replica):  # this replica's own output: the log must have it
+            self._outbox.append((sid, tokens))
 
     def touch(self, sid: Hashable) -> None:
         super().touch(sid)
@@ -287,8 +305,8 @@ class ReplicatedSuffixCache(GlobalSuffixCache):
             self._apply_snapshot(answer["snapshot"])
         for kind, sid, tokens in answer.get("events", ()):
             if kind == "add":
-                if sid not in self.tree and all(q[0] != sid for q in self._queue):
-                    self._queue.append((sid, tokens))
+                if sid not in self._key:
+                    self._enqueue(sid, tokens)
             else:
                 self.evict(sid)
 
@@ -297,8 +315,8 @@ class ReplicatedSuffixCache(GlobalSuffixCache):
         for sid in [s for s in self._lru if s not in keep]:
             self.evict(sid)
         for sid, tokens in items:
-            if sid not in self.tree:
-                self._queue.append((sid, tokens))
+            if sid not in self._key:
+                self._enqueue(sid, tokens)
 
     def _lost(self) -> None:
         """The log is gone (or unreachable): start over with a new one — this replica's own

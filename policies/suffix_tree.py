@@ -58,10 +58,10 @@ from typing import Hashable, Iterable, Sequence
 class _Node:
     """A trie node: the string from the root to it occurred ``count`` times.
 
-    Explicit node: ``children`` maps each next token to its node. Tail (``children`` None):
-    count 1, the single occurrence continues implicitly at ``seq[end], seq[end + 1], ...``.
-    ``seq``/``end``/``sid`` of an explicit node name its most recent occurrence (the sequence
-    a draft from it came from, for the global tree's LRU).
+    Explicit node: ``children`` maps each next token to its node; ``sid`` names its most
+    recent occurrence's sequence (where a draft from it came from, for the global tree's LRU).
+    Tail (``children`` None): count 1, the single occurrence (of sequence ``sid``) continues
+    implicitly at ``seq[end], seq[end + 1], ...``.
     """
 
     __slots__ = ("count", "children", "seq", "end", "depth", "sid")
@@ -151,7 +151,7 @@ class SuffixTree:
                 if child.children is None:  # another occurrence's tail: make it explicit
                     self._materialize(child)
                 child.count += 1
-                child.seq, child.end, child.sid = seq, end, sid
+                child.sid = sid  # (an explicit node's seq/end are never read again)
                 if child.depth < limit:
                     moved.append(child)
             active[:] = moved
@@ -229,6 +229,14 @@ class SuffixTree:
     def count(cursor: Cursor) -> int:
         node, off = cursor
         return node.count if off == 0 else 1
+
+    def top_prob(self, cursor: Cursor, exclude: int = 0) -> float:
+        """The most frequent continuation's probability: no node of a draft from ``cursor`` is
+        more probable, so a draft of n nodes scores at most n times this."""
+        total = self.count(cursor) - exclude
+        if total <= 0:
+            return 0.0
+        return max((cnt for _, _, cnt in self._children(cursor)), default=0) / total
 
     def _children(self, cursor: Cursor):
         """(token, cursor, count) of each continuation."""

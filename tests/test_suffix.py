@@ -226,6 +226,9 @@ def test_global_tree_is_lru_bounded_and_inserts_within_a_budget():
     cache.add([30, 31])
     cache.poll()
     assert cache.cached() == [ids[1], 3] and not cache.tree.match([20, 21])  # the untouched one went
+    assert cache.add([10, 11, 12, 13, 14, 15]) == ids[1]  # a retry's answer, already cached: touched
+    cache.poll()
+    assert cache.cached() == [3, ids[1]] and len(cache.tree) == 2
     assert GlobalSuffixCache(max_cached_requests=0).enabled is False
     with pytest.raises(ValueError, match="max_cached_requests"):
         GlobalSuffixCache(max_cached_requests=-1)
@@ -271,7 +274,10 @@ def test_replicas_of_one_log_see_each_others_outputs_and_evictions():
 
 
 def test_suffix_cache_config_is_checked():
-    assert SuffixCacheConfig().max_tree_depth == 32
+    from specray.actors.suffix_cache import default_name
+
+    assert SuffixCacheConfig().max_tree_depth == 32 and SuffixCacheConfig().name is None
+    assert default_name("a|b") == default_name("a|b") != default_name("a|c")
     for field, bad in (("max_tree_depth", 2), ("max_cached_requests", -1), ("sync_every_requests", 0),
                        ("sync_interval_s", 0), ("name", "")):
         with pytest.raises(ValidationError, match=field):
@@ -533,10 +539,13 @@ def test_two_deployments_sharing_the_tree_actor_both_benefit(ray_session, tiny_c
     from tests.test_actors import shutdown
     from tests.test_serve import cpu_placement
 
+    from specray.actors.suffix_cache import default_name
+
     prompts, answers = workload
-    name, greedy = "suffix-test-shared", {"max_tokens": LONG.max_tokens, "temperature": 0, "ignore_eos": True}
+    greedy = {"max_tokens": LONG.max_tokens, "temperature": 0, "ignore_eos": True}
     base = {**tiny_checkpoints, "max_num_seqs": 4, "placement": cpu_placement("colocated")}
-    shared = {"name": name, "sync_every_requests": 1, "sync_interval_s": 0.05}
+    name = default_name(f"{tiny_checkpoints['target']}|None")  # no name given: one tree per model
+    shared = {"sync_every_requests": 1, "sync_interval_s": 0.05}
     a, b = (Coordinator.remote({**base, "suffix_cache": shared}) for _ in range(2))
     alone = Coordinator.remote({**base, "suffix_cache": {"shared": False}})
     spec = {"method": "suffix", "num_speculative_tokens": 8}
