@@ -11,6 +11,11 @@ numbers are per verification round. "draft ms" is the time per step the step dri
 for drafts (the engine worker's own timers; in-process and colocated: the time drafting);
 "recovered" is the share of the separate layout's draft wait that overlap removes. All
 outputs are checked to be identical to the in-process engine's.
+
+"cpu ms/step" is the CPU time (user + system) of this process and every process under it —
+the Ray cluster it starts: GCS, raylet, the coordinator and the workers — per step: what a
+layout costs, read from ``/proc`` (Linux), and steadier than wall time on shared cores, where
+other jobs' load falls into every wall-clock number.
 """
 
 from __future__ import annotations
@@ -34,15 +39,52 @@ def _workload(engine_tokenizer_dir: str, n: int) -> list[str]:
     return held_out_prompts(n, engine_tokenizer_dir, min_tokens=32, max_tokens=128)
 
 
-def _time_local(cfg, prompts, sampling, spec) -> tuple[float, list, int, dict]:
+def process_tree_cpu_seconds() -> float | None:
+    """CPU seconds (user + system) so far of this process and all its descendants (None
+    where ``/proc`` is missing). A process that exits in between takes its time with it:
+    measure while the actors live."""
+    try:
+        tick = os.sysconf("SC_CLK_TCK")
+        parent, cpu = {}, {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:  # gone meanwhile
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()  # after the command name: state, ppid, ...
+            parent[int(entry)], cpu[int(entry)] = int(fields[1]), (int(fields[11]) + int(fields[12])) / tick
+    except (OSError, ValueError, AttributeError):
+        return None
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0.0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += children.get(pid, [])
+    return total
+
+
+def _timed(run):
+    """(wall seconds, CPU seconds of the process tree, run's result)."""
+    cpu, start = process_tree_cpu_seconds(), time.perf_counter()
+    result = run()
+    wall, cpu_after = time.perf_counter() - start, process_tree_cpu_seconds()
+    return wall, (cpu_after - cpu if cpu is not None and cpu_after is not None else float("nan")), result
+
+
+def _time_local(cfg, prompts, sampling, spec) -> tuple[float, float, list, int, dict]:
     from specray.engine.engine import LLMEngine
 
     engine = LLMEngine(cfg.engine_config())
     engine.generate(prompts[:1], sampling, spec)  # warm-up
     engine.driver.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}
-    start = time.perf_counter()
-    outs = engine.generate(prompts, sampling, spec)
-    return time.perf_counter() - start, [o.token_ids for o in outs], _steps(outs), dict(engine.driver.phase_seconds)
+    secs, cpu, outs = _timed(lambda: engine.generate(prompts, sampling, spec))
+    return secs, cpu, [o.token_ids for o in outs], _steps(outs), dict(engine.driver.phase_seconds)
 
 
 def _steps(outs) -> int:
@@ -51,7 +93,7 @@ def _steps(outs) -> int:
     return max((o["metrics"] if isinstance(o, dict) else o.metrics)["target_forward_passes"] for o in outs)
 
 
-def _time_coordinator(cfg, prompts, sampling, spec) -> tuple[float, list, int, dict]:
+def _time_coordinator(cfg, prompts, sampling, spec) -> tuple[float, float, list, int, dict]:
     import ray
 
     from specray.actors.coordinator import Coordinator
@@ -63,10 +105,8 @@ def _time_coordinator(cfg, prompts, sampling, spec) -> tuple[float, list, int, d
         workers = ray.get(c.workers.remote())
         worker = workers.get("target") or workers["engine"]
         ray.get(worker.phase_seconds.remote())  # reset
-        start = time.perf_counter()
-        outs = ray.get(c.generate.remote(prompts, sampling.model_dump(), spec.model_dump()))
-        seconds = time.perf_counter() - start
-        return seconds, [o["token_ids"] for o in outs], _steps(outs), ray.get(worker.phase_seconds.remote())
+        seconds, cpu, outs = _timed(lambda: ray.get(c.generate.remote(prompts, sampling.model_dump(), spec.model_dump())))
+        return seconds, cpu, [o["token_ids"] for o in outs], _steps(outs), ray.get(worker.phase_seconds.remote())
     finally:
         ray.get(c.shutdown.remote())
         ray.kill(c)
@@ -77,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step")
-    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per layout (fastest kept)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="interleaved runs per layout (the fastest kept; CPU time: the least)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -111,17 +152,20 @@ def main(argv: list[str] | None = None) -> int:
             # Interleaved repeats, each layout keeping its fastest run: load from other
             # processes on shared cores falls on all layouts alike.
             results: dict = {}
+            least_cpu: dict = {}
             for _ in range(args.repeats):
                 for layout, run in layouts.items():
                     res = run()
                     if layout not in results or res[0] < results[layout][0]:
                         results[layout] = res
-            reference = results["in-process"][1]
-            for layout, (secs, tokens, steps, phases) in results.items():
+                    least_cpu[layout] = min(least_cpu.get(layout, float("inf")), res[1] / res[3])
+            reference = results["in-process"][2]
+            for layout, (secs, _, tokens, steps, phases) in results.items():
                 rows.append({
                     "batch": batch,
                     "layout": layout,
                     "ms_per_step": 1e3 * secs / steps,
+                    "cpu_ms_per_step": 1e3 * least_cpu[layout],
                     "tokens_per_s": sum(len(t) for t in tokens) / secs,
                     "steps": steps,
                     "draft_ms_per_step": 1e3 * phases["propose"] / max(phases["steps"], 1),
@@ -130,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
                 })
     finally:
         ray.shutdown()
-    colocated = {r["batch"]: r["ms_per_step"] for r in rows if r["layout"] == "colocated actor"}
+    colocated = {r["batch"]: r for r in rows if r["layout"] == "colocated actor"}
     waits = {(r["batch"], r["layout"]): r["draft_ms_per_step"] for r in rows}
     for r in rows:
-        r["vs_colocated"] = r["ms_per_step"] / colocated[r["batch"]]
+        r["vs_colocated"] = r["ms_per_step"] / colocated[r["batch"]]["ms_per_step"]
+        r["cpu_vs_colocated"] = r["cpu_ms_per_step"] / colocated[r["batch"]]["cpu_ms_per_step"]
         if r["layout"] == "separate, overlap":
             off = waits[(r["batch"], "separate, no overlap")]
             r["draft_wait_recovered"] = round(1 - r["draft_ms_per_step"] / off, 3) if off > 0 else None
@@ -144,12 +189,13 @@ def main(argv: list[str] | None = None) -> int:
 def _report(rows: list[dict], out: pathlib.Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     header = (f"{'batch':>5}  {'layout':<21} {'ms/step':>8} {'tok/s':>8} {'steps':>6} {'x colocated':>11} "
-              f"{'draft ms':>8} {'verify ms':>9} {'recovered':>9}  identical")
+              f"{'cpu ms/step':>11} {'cpu x coloc':>11} {'draft ms':>8} {'verify ms':>9} {'recovered':>9}  identical")
     print(header)
     for r in rows:
         rec = r.get("draft_wait_recovered")
         print(f"{r['batch']:>5}  {r['layout']:<21} {r['ms_per_step']:>8.2f} {r['tokens_per_s']:>8.1f} "
-              f"{r['steps']:>6} {r['vs_colocated']:>11.2f} {r['draft_ms_per_step']:>8.2f} {r['verify_ms_per_step']:>9.2f} "
+              f"{r['steps']:>6} {r['vs_colocated']:>11.2f} {r['cpu_ms_per_step']:>11.2f} {r['cpu_vs_colocated']:>11.2f} "
+              f"{r['draft_ms_per_step']:>8.2f} {r['verify_ms_per_step']:>9.2f} "
               f"{'' if rec is None else f'{rec:.2f}':>9}  {r['identical_to_in_process']}")
     with open(out / "actors.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
