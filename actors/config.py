@@ -134,10 +134,13 @@ class SpecrayConfig(BaseModel):
         return facts
 
     def resolved(self, free_total: tuple[int, int] | None = None) -> "SpecrayConfig":
-        """Fill in the demo pair's paths when no target is given (built once, cached), and
-        the KV cache's size (``kv_plan``): the entry points (Coordinator, Serve builder, jobs,
-        CLI) call this; the engine never does. Idempotent."""
-        cfg = self.with_models()
+        """The KV cache's size filled in (``kv_plan``): the Coordinator and the entry points
+        call this; the engine never does. Idempotent. Needs a target: the entry points fill
+        in the demo pair when none is given (``specray.entrypoints.defaults``)."""
+        if self.target is None:
+            raise ValueError("no target checkpoint: set target (the entry points default to the demo pair: "
+                             "specray.entrypoints.defaults.with_demo_pair(config))")
+        cfg = self
         if cfg.max_num_seqs is None:
             if free_total is not None or cfg.engine_config().resolved_device.startswith("cuda"):
                 plan = cfg.kv_plan(free_total)
@@ -145,16 +148,6 @@ class SpecrayConfig(BaseModel):
             else:  # nothing to size from: the CPU default (the context is the model's, read where it loads)
                 cfg = cfg.model_copy(update={"max_num_seqs": DEFAULT_MAX_NUM_SEQS})
         return cfg
-
-    def with_models(self) -> "SpecrayConfig":
-        """The demo pair's paths filled in when no target is given (built once, cached)."""
-        if self.target is not None:
-            return self
-        from specray.demo import load_or_build_demo_pair
-
-        pair = load_or_build_demo_pair()
-        return self.model_copy(update={"target": pair.target, "draft": self.draft or pair.draft,
-                                       "tokenizer": self.tokenizer or pair.tokenizer})
 
     def kv_plan(self, free_total: tuple[int, int] | None = None) -> KVPlan:
         """The KV cache's rows and context for these checkpoints on this process's device

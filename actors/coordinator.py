@@ -30,8 +30,8 @@ from ray.exceptions import RayActorError
 
 from specray.actors.config import SpecrayConfig
 from specray.actors.placement import reserve
-from specray.actors.remote import Supervised
-from specray.actors.workers import EngineWorker
+from specray.actors.proposer_proxy import Supervised
+from specray.actors.engine_worker import EngineWorker
 from specray.engine.config import load_tokenizer
 from specray.engine.metrics import SpecMetrics
 from specray.engine.params import SamplingParams

@@ -78,7 +78,7 @@ def _timed(run):
 
 
 def _time_local(cfg, prompts, sampling, spec) -> tuple[float, float, list, int, dict]:
-    from specray.engine.engine import LLMEngine
+    from specray.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(cfg.engine_config())
     engine.generate(prompts[:1], sampling, spec)  # warm-up
@@ -128,11 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from specray.actors.config import SpecrayConfig
+    from specray.demo import load_or_build_demo_pair
     from specray.engine.params import SamplingParams, SpeculationParams
 
     torch.set_num_threads(1)
     print("command: python -m specray.bench.actors " + " ".join(argv if argv is not None else sys.argv[1:]))
-    base = SpecrayConfig().resolved()
+    pair = load_or_build_demo_pair()
+    base = SpecrayConfig(target=pair.target, draft=pair.draft, tokenizer=pair.tokenizer).resolved()
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     spec = SpeculationParams(method="draft", num_speculative_tokens=args.k)
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)

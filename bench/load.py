@@ -241,8 +241,14 @@ def engine_config(args):
         policy["speculation_off_above_batch"] = args.off_above_batch
     if args.k_caps:
         policy["speculation_k_caps"] = [tuple(int(v) for v in pair.split(":")) for pair in args.k_caps.split(",")]
+    target, draft, tokenizer = args.target, args.draft, args.tokenizer
+    if target is None:  # the demo pair
+        from specray.demo import load_or_build_demo_pair
+
+        pair = load_or_build_demo_pair()
+        target, draft, tokenizer = pair.target, draft or pair.draft, tokenizer or pair.tokenizer
     return SpecrayConfig(
-        target=args.target, draft=args.draft, tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
+        target=target, draft=draft, tokenizer=tokenizer, max_num_seqs=args.max_num_seqs,
         placement={"mode": args.placement}, **policy,
     ).resolved()
 
@@ -252,7 +258,7 @@ def start_server(args, engine) -> str:
     import ray
     from ray import serve
 
-    from specray.serve.app import build_app
+    from specray.entrypoints.app import build_app
 
     threads = os.environ.setdefault("SPECRAY_WORKER_THREADS", "1")
     ray.init(

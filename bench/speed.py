@@ -386,7 +386,7 @@ def run_benchmark(args: argparse.Namespace, command: str) -> dict:
 
     from specray.demo import held_out_prompts, load_or_build_demo_pair
     from specray.engine.config import EngineConfig
-    from specray.engine.engine import LLMEngine
+    from specray.engine.llm_engine import LLMEngine
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", module="transformers")

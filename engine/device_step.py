@@ -1,7 +1,7 @@
 """Verification and acceptance on the device, with one read-back per step.
 
 The eager executor verifies with ``ModelRunner.forward`` and accepts on the host
-(``engine/verify.py``), reading the target's argmax ids back per row. Here the target runs
+(``engine/accept.py``), reading the target's argmax ids back per row. Here the target runs
 its fixed-shape forward (``engine/graphs.py``), acceptance runs for the whole batch on the
 device (``kernels/batch_acceptance.py``: greedy chains and trees, rejection sampling with
 or without draft probabilities), accepted tree paths are compacted in the cache on the
@@ -24,7 +24,7 @@ import torch
 
 from specray.engine import logprobs as L
 from specray.engine import step as S
-from specray.engine.verify import StepResult, TargetScores, Verified, accept, sampling_tensors
+from specray.engine.accept import StepResult, TargetScores, Verified, accept, sampling_tensors
 from specray.kernels.acceptance import rejection_accept
 from specray.kernels.batch_acceptance import (
     BatchAcceptance,

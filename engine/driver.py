@@ -16,7 +16,7 @@ from typing import Mapping, Protocol, Sequence
 from specray.engine import step as S
 from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
-from specray.engine.verify import TargetScores, Verified, sampled_rows
+from specray.engine.accept import TargetScores, Verified, sampled_rows
 from specray.kernels.sampling import sample
 from specray.policies.base import Draft, DraftRow
 from specray.policies.controller import AdaptiveSpeculation

@@ -17,7 +17,7 @@ import torch
 from specray.engine import logprobs as L
 from specray.engine import step as S
 from specray.engine.device_step import verify_on_device
-from specray.engine.verify import TargetScores, accept_verified, sampled_rows
+from specray.engine.accept import TargetScores, accept_verified, sampled_rows
 from specray.policies.base import EMPTY, Draft, DraftRow, PrefillRow
 from specray.policies.registry import method_spec, registered_methods
 

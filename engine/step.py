@@ -4,7 +4,7 @@
     plan    = plan_proposals(batch, capacity, policy)   # who drafts, at most how many nodes
     drafts  = merge_drafts(batch, plan, parts)          # one DraftRow per row
     inputs  = verify_inputs(batch, drafts)              # tokens, layout, scored positions
-    verified = executor.verify(batch, drafts)           # target + acceptance (engine/verify.py,
+    verified = executor.verify(batch, drafts)           # target + acceptance (engine/accept.py,
                                                         # or engine/device_step.py on the device)
     commit  = commit_step(batch, verified, ...)         # requests advance; what workers must do
 
@@ -22,7 +22,7 @@ import torch
 
 from specray.engine.request import Request, RequestOutput, speculation_event
 from specray.engine import logprobs as L
-from specray.engine.verify import TargetScores, Verified
+from specray.engine.accept import TargetScores, Verified
 from specray.policies.base import EMPTY, CommitRow, Draft, DraftRow, PrefillRow, ProposalRow, SamplingView
 from specray.policies.controller import RowView
 from specray.policies.registry import PLAIN, method_spec

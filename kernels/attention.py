@@ -5,16 +5,16 @@ under the name ``"specray"``. The model computes q/k/v (with RoPE at the positio
 pass) for the *new* tokens only; this function writes the new keys/values into the
 cache at each row's own offset, then attends over ``[cached prefix | new tokens]`` with
 one additive mask built once per forward (see :class:`AttentionBatch`). Prefill, decode,
-linear-draft verification and (later) tree verification differ only in that mask.
+chain verification and tree verification (Medusa, EAGLE, ReDrafter, lookahead) differ
+only in that mask: a dense ``[B, 1, q, kv_len]`` float mask in which each row sees its own
+cached prefix (rows differ in length) and its new tokens under the causal or tree mask;
+keys past them (up to the longest row's) are masked.
 
-CUDA: ``xformers.ops.memory_efficient_attention`` with the same mask as an explicit
-attention bias (the prefix is block-diagonal with padded keys per row, the suffix the
-causal or tree mask), where a start-up probe saw its CUDA kernels run
-(``kernels/backends.py``; xformers is optional). Otherwise (CPU, no working xformers, or
-``SPECRAY_ATTENTION=sdpa``):
-``torch.nn.functional.scaled_dot_product_attention`` with the materialized mask.
-Both get the same mask; tests/test_gpu.py compares them on a GPU (not yet run: no GPU
-has been available to this project's sessions).
+CUDA: ``xformers.ops.memory_efficient_attention`` with that mask as an explicit attention
+bias, where a start-up probe saw its CUDA kernels run (``kernels/backends.py``; xformers is
+optional). Otherwise (CPU, no working xformers, or ``SPECRAY_ATTENTION=sdpa``):
+``torch.nn.functional.scaled_dot_product_attention`` with the same mask.
+tests/test_gpu.py compares the two where CUDA is available (it skips on the CPU).
 
 Per-layer conventions arrive as keyword arguments from the model's attention module, as
 they do for transformers' own functions: ``sliding_window`` (the layer sees only keys

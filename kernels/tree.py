@@ -1,4 +1,4 @@
-"""Token trees for tree speculation (Medusa ``medusa_choices``), built with xformers when installed.
+"""Token trees for tree speculation (Medusa ``medusa_choices``, EAGLE's and ReDrafter's trees).
 
 A tree is a list of candidates, each a path of top-k indices: ``(0,)`` is head 0's
 most likely token, ``(0, 1)`` head 1's second choice after it, and so on. The root (the
@@ -8,9 +8,10 @@ which stand for all their prefixes. ``[[0,0,0,0],[0,1,0],[1,0],[1,1]]`` (paths) 
 nine candidates ``[0] [0,0] [0,0,0] [0,0,0,0] [0,1] [0,1,0] [1] [1,0] [1,1]``, so the target
 checks 10 tokens per step.
 
-Node order and all index tensors come from ``xformers.ops.tree_attention.TreeAttnMetadata``
-(attention bias, depth per node, root-to-leaf retrieval paths, parents), not from hand
-code: node 0 is the root, node i >= 1 is ``choices[i - 1]`` sorted by (length, path).
+Node order: node 0 is the root, node i >= 1 is ``choices[i - 1]`` sorted by (length, path).
+The tree's parents, ancestor mask and depths are derived from the parents of the sorted
+choices (``_from_parents``); where xformers is installed, its
+``xformers.ops.tree_attention.TreeAttnMetadata`` builds the same (xformers is optional).
 """
 
 from __future__ import annotations

@@ -541,6 +541,7 @@ register_method(MethodSpec(
     drafts_trees=True,
     placement="target",
     checkpoint="eagle",
+    recipe="specray.training.eagle",
     requirement="an EAGLE head (EngineConfig.checkpoints['eagle'] / --eagle DIR; `specray train eagle`)",
     load=lambda path, ctx: _load(path, ctx),
     facts=lambda head: {"hidden_size": head.config.hidden_size, "choices": head.choices},

@@ -350,6 +350,7 @@ register_method(MethodSpec(
     drafts_trees=True,
     placement="target",
     checkpoint="eagle3",
+    recipe="specray.training.eagle3",
     requirement="an EAGLE-3 head (EngineConfig.checkpoints['eagle3'] / --eagle3 DIR; `specray train eagle3`)",
     load=_load,
     facts=lambda head: {"hidden_size": head.config.hidden_size, "choices": head.choices},

@@ -225,6 +225,7 @@ register_method(MethodSpec(
     drafts_trees=True,
     placement="target",
     checkpoint="medusa",
+    recipe="specray.training.medusa",
     requirement="Medusa heads (EngineConfig.medusa; `specray train medusa`)",
     load=lambda path, ctx: ctx.place(MedusaHeads.load(path, hidden_size=ctx.target.hidden_size)),
     facts=lambda heads: {"num_heads": heads.num_heads},

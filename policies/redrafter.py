@@ -344,6 +344,7 @@ register_method(MethodSpec(
     drafts_trees=True,
     placement="target",
     checkpoint="redrafter",
+    recipe="specray.training.redrafter",
     requirement="a ReDrafter drafter (EngineConfig.checkpoints['redrafter'] / --redrafter DIR; "
                 "`specray train redrafter`)",
     load=_load,

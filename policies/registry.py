@@ -21,6 +21,8 @@ workers, HTTP, batch jobs, the CLI — reads the spec:
 * ``checkpoint``: the key of the weights it loads (``EngineConfig.checkpoints``), ``load``
   turning that directory into the resource its proposer is built from, and ``facts``
   describing that resource for validation (also readable offline, without loading it).
+* ``recipe``: the module whose ``main(argv)`` trains those weights (``specray train NAME``
+  finds it here; a name, not an import: training sits above the policies).
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class MethodSpec:
     # resource — None: the final norm's, [.., H]; else indices k of the residual stream
     # entering decoder layer k (HF's ``output_hidden_states[k]``), concatenated, [.., len * H].
     feature_layers: Callable[[Any], Sequence[int]] | None = None
+    recipe: str | None = None  # dotted module with ``main(argv)`` training this method's weights
 
     def validate(self, options: MethodOptions, limits: Limits) -> None:
         """Raise ValueError (naming the field) unless these options can run on these models."""

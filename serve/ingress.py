@@ -12,8 +12,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specray.engine.config import load_tokenizer
-from specray.serve import checks as C
-from specray.serve import protocol as P
+from specray.protocol import checks as C
+from specray.protocol import openai as P
 from specray.serve.config import ServeConfig
 from specray.serve.metrics import scrape
 from specray.serve.playground import SpeculationTrack, methods_listing, static_files
@@ -68,7 +68,7 @@ def _error_status(exc: Exception) -> HTTPError:
     """Map an engine-side exception (possibly wrapped by Ray) to an HTTP error."""
     from specray.actors.coordinator import WorkerLostError
 
-    if isinstance(exc, dict):  # the engine refused the request (serve/engine.py: client_error)
+    if isinstance(exc, dict):  # the engine refused the request (serve/deployment.py: client_error)
         e = exc["error"]
         return HTTPError(e["status"], e["message"], e["kind"], e["param"])
     cause = getattr(exc, "cause", None) or exc
@@ -91,7 +91,7 @@ class OpenAIIngress:
         self.model = cfg.model_name
         self.default_max_tokens = cfg.default_max_tokens
         self.api_key = cfg.resolved_api_key()
-        engine = cfg.engine.with_models()
+        engine = cfg.engine  # resolved by the application builder (entrypoints/app.py)
         self.tokenizer = load_tokenizer(engine.tokenizer or engine.target)
         # What checking a request needs (context, vocabulary, methods), read once, as the engines see it.
         self.facts = C.facts_for(engine, self.tokenizer)

@@ -45,7 +45,7 @@ def tiny_pair():
 def make_engine(tiny_pair):
     """Build an LLMEngine around copies of the tiny pair."""
     from specray.engine.config import EngineConfig
-    from specray.engine.engine import LLMEngine
+    from specray.engine.llm_engine import LLMEngine
 
     def make(max_num_seqs: int = 4, draft=True, **kw):
         target, d = tiny_pair
@@ -90,7 +90,7 @@ def demo_models(demo_pair):
 @pytest.fixture()
 def demo_engine(demo_models):
     from specray.engine.config import EngineConfig
-    from specray.engine.engine import LLMEngine
+    from specray.engine.llm_engine import LLMEngine
 
     def make(max_num_seqs: int = 4, **kw):
         target, draft, tok = demo_models

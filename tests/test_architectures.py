@@ -24,7 +24,7 @@ import transformers
 
 from specray.engine.architectures import SERVED_ARCHITECTURES, UnsupportedArchitectureError
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.engine.runner import ModelRunner
 from specray.kernels import attention

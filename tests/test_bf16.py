@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from tests.conftest import hf_greedy
 from tests.test_engine import GREEDY, ragged_prompts

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import yaml
 
-from specray.cluster.cli import build_parser, main
+from specray.entrypoints.cli import build_parser, main
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:
@@ -165,7 +165,7 @@ def test_env_reports_kernel_and_why(capsys):
 
 # -- serve's flags and config file (no server started) ---------------------------------------------
 def serve_config(*argv, file_data=None):
-    from specray.cluster.cli import engine_settings
+    from specray.entrypoints.cli import engine_settings
 
     args = build_parser()[0].parse_args(["serve", *argv])
     return engine_settings(args, file_data or {})
@@ -223,7 +223,7 @@ def test_serve_flag_errors_are_one_line(argv, words, capsys):
         return
     with pytest.raises(ValueError) as info:
         serve_config(*argv)
-    from specray.cluster.flags import one_line
+    from specray.entrypoints.flags import one_line
 
     line = one_line(info.value)
     assert words in line and "\n" not in line, line
@@ -241,7 +241,7 @@ def test_generate_medusa_and_eagle_equal_plain(demo_pair, tmp_path, capsys):
     """Random heads on the demo target: whatever they guess, greedy output is the target's."""
     import torch
 
-    from specray.cluster.train_eagle import head_config
+    from specray.training.eagle import head_config
     from specray.policies.eagle import EagleHead
     from tests.test_medusa import random_heads
 

@@ -7,7 +7,7 @@ import pytest
 from specray.engine.params import SamplingParams
 from specray.engine.scheduler import ContextLengthError, Scheduler, check_context_length
 from specray.policies.registry import Limits
-from specray.serve import protocol as P
+from specray.protocol import openai as P
 
 LIMITS = Limits(capacity=32, vocab_size=64, methods={"none": {}})
 

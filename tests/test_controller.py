@@ -7,7 +7,7 @@ from typing import Literal
 import pytest
 
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.policies.base import Draft, DraftRow
 from specray.policies.controller import AdaptiveSpeculation, RowView

@@ -12,11 +12,11 @@ import torch
 
 from specray.engine.config import EngineConfig
 from specray.engine.driver import StepDriver, run_sync
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.engine.scheduler import Scheduler
 from specray.engine.step import verify_inputs
-from specray.engine.verify import TargetScores, accept_verified
+from specray.engine.accept import TargetScores, accept_verified
 from specray.policies.base import Draft, DraftRow
 from specray.policies.registry import Limits, LinearOptions, MethodSpec, register_method, unregister_method
 from tests.conftest import hf_greedy
@@ -149,7 +149,7 @@ def test_every_layout_runs_the_same_driver(ray_session, tiny_checkpoints):
             described = ray.get(worker.describe.remote())
             assert described["driver"] == "specray.engine.driver.StepDriver"
             assert described["executor"] == "specray.engine.executor.LocalExecutor"
-            expected = "specray.actors.remote.RemoteProposer" if mode == "separate" else \
+            expected = "specray.actors.proposer_proxy.RemoteProposer" if mode == "separate" else \
                 "specray.policies.draft_model.DraftModelProposer"
             assert described["proposers"]["draft"] == expected
         finally:

@@ -10,7 +10,7 @@ import ray
 import torch
 
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.policies.eagle import EAGLE_TREES, EagleHead
 from tests.conftest import hf_greedy, tiny_llama
@@ -221,7 +221,7 @@ def test_trees_are_cut_to_the_room_a_step_has(target):
 def test_training_learns_and_saves_the_public_layout(tmp_path):
     """A short self-distillation on the tiny target: the loss falls, the held-out depth-1
     accuracy beats an untrained head, the fitted tree is saved and serves losslessly."""
-    from specray.cluster import train_eagle as T
+    from specray.training import eagle as T
     from tests.test_medusa import random_prompts
 
     target = tiny_llama(seed=0)

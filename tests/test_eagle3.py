@@ -13,7 +13,7 @@ import ray
 import torch
 
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.engine.runner import ModelRunner
 from specray.policies.eagle import EagleProposer
@@ -424,7 +424,7 @@ def test_training_learns_and_saves_the_public_layout(tmp_path):
     """A short training-time-test run on a tiny 6-layer target (taps 2, 3, 3): the loss falls,
     the held-out depth-1 accuracy rises, the draft vocabulary, fitted tree and
     temperature are saved in the public layout, and the head serves losslessly."""
-    from specray.cluster import train_eagle3 as T
+    from specray.training import eagle3 as T
     from tests.test_medusa import random_prompts
 
     target = tiny_llama(layers=6, seed=0)
@@ -478,7 +478,7 @@ def test_eagle3_through_the_coordinator(ray_session, tiny_checkpoints, tiny_pair
 
 
 def test_eagle3_batch_job(ray_session, tiny_checkpoints, tiny_pair, head_dir, tmp_path):
-    from specray.cluster import jobs
+    from specray.entrypoints import jobs
 
     config = tmp_path / "cfg.yaml"
     config.write_text(f"target: {tiny_checkpoints['target']}\ncheckpoints:\n  eagle3: {head_dir}\nmax_num_seqs: 3\n"
@@ -501,7 +501,7 @@ def test_eagle3_over_http(server, tiny_checkpoints, tiny_pair, head_dir, tmp_pat
     import httpx
     from ray import serve
 
-    from specray.serve.app import build_app
+    from specray.entrypoints.app import build_app
     from tests.test_serve import cpu_placement, decode, save_char_tokenizer, wait_until_serving
 
     tok = tmp_path_factory.mktemp("eagle3-tok")
@@ -526,7 +526,7 @@ def test_eagle3_over_http(server, tiny_checkpoints, tiny_pair, head_dir, tmp_pat
 
 
 def test_cli_flags_and_generate(tiny_pair, head_dir, tmp_path, capsys):
-    from specray.cluster.cli import main
+    from specray.entrypoints.cli import main
     from tests.test_serve import ALPHABET, save_char_tokenizer
 
     target_dir = tmp_path / "target"

@@ -38,7 +38,7 @@ def test_self_draft_accepts_everything(tiny_pair, references):
     import copy
 
     from specray.engine.config import EngineConfig
-    from specray.engine.engine import LLMEngine
+    from specray.engine.llm_engine import LLMEngine
 
     target, _ = tiny_pair
     engine = LLMEngine(EngineConfig(target="x"), target_model=copy.deepcopy(target), draft_model=copy.deepcopy(target))
@@ -180,7 +180,7 @@ def test_speculation_turns_off_above_a_batch_size(tiny_pair, references):
     import copy
 
     from specray.engine.config import EngineConfig
-    from specray.engine.engine import LLMEngine
+    from specray.engine.llm_engine import LLMEngine
     from specray.policies.spec_length import SpeculationLengthPolicy
 
     target, draft = tiny_pair

@@ -15,7 +15,7 @@ from typing import Literal
 import pytest
 
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SpeculationParams
 from specray.policies.base import Draft, DraftRow
 from specray.policies.registry import LinearOptions, MethodSpec, register_method, unregister_method

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SpeculationParams
 from specray.engine.runner import ModelRunner
 from specray.policies.base import Draft

@@ -79,7 +79,7 @@ def test_captured_step_equals_eager_for_every_method(tiny_pair, mode):
 
 def _cuda_engine(models, step, dtype=None):
     from specray.engine.config import EngineConfig
-    from specray.engine.engine import LLMEngine
+    from specray.engine.llm_engine import LLMEngine
     from specray.policies.spec_length import SpeculationLengthPolicy
     from tests.test_eagle import random_head
     from tests.test_medusa import random_heads

@@ -1,4 +1,4 @@
-"""The batch job entrypoint (specray.cluster.jobs): in-process on tiny models (the
+"""The batch job entrypoint (specray.entrypoints.jobs): in-process on tiny models (the
 session's ``ray_session`` from conftest), and end to end through a real
 ``ray start --head`` + ``JobSubmissionClient``.
 """
@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import hf_greedy
 
-from specray.cluster import jobs
+from specray.entrypoints import jobs
 
 MAX_NUM_SEQS = 4
 
@@ -349,7 +349,7 @@ def test_job_submission_end_to_end(ray_head, tiny_dirs, tmp_path):
     client = _job_client(ray_head)
     t_up = time.perf_counter() - t0
     entrypoint = " ".join(shlex.quote(a) for a in [
-        sys.executable, "-m", "specray.cluster.jobs", "--input", str(inp), "--output", str(out),
+        sys.executable, "-m", "specray.entrypoints.jobs", "--input", str(inp), "--output", str(out),
         "--config", str(config), "--batch-size", "4"])
     job_id = client.submit_job(entrypoint=entrypoint)
     deadline = time.monotonic() + 180

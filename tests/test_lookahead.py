@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from specray.engine import step as S
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.engine.runner import ModelRunner
 from specray.kernels.tree_acceptance import TreeAcceptance
@@ -343,7 +343,7 @@ def test_the_sampling_check_catches_a_lossy_rule_on_lookahead_drafts(sampling_se
     from tests.test_sampling_e2e import check
 
     target, joint = sampling_setup
-    monkeypatch.setattr("specray.engine.verify.tree_rejection_accept", _lossy_tree_accept)
+    monkeypatch.setattr("specray.engine.accept.tree_rejection_accept", _lossy_tree_accept)
     assert min(check(_sample(target, SAMPLED[1]), joint)) < 1e-3
 
 
@@ -382,7 +382,7 @@ def test_lookahead_through_the_coordinator(ray_session, tiny_checkpoints, tiny_p
 def test_lookahead_in_a_batch_job(ray_session, tiny_checkpoints, tiny_pair, tmp_path, capsys):
     import json
 
-    from specray.cluster import jobs
+    from specray.entrypoints import jobs
 
     config = tmp_path / "specray.yaml"
     config.write_text(f"target: {tiny_checkpoints['target']}\nmax_num_seqs: 3\n"
@@ -407,7 +407,7 @@ def test_lookahead_in_a_batch_job(ray_session, tiny_checkpoints, tiny_pair, tmp_
 
 
 def test_cli_flags_come_from_the_options(capsys):
-    from specray.cluster.cli import build_parser, main, request_speculation
+    from specray.entrypoints.cli import build_parser, main, request_speculation
 
     p, flags = build_parser()
     args = p.parse_args(["generate", "--prompt", "x", "--method", "lookahead", "--window-size", "6", "--ngram-size", "5",
@@ -423,7 +423,7 @@ def test_cli_flags_come_from_the_options(capsys):
 def test_cli_generate_with_lookahead_defaults_equals_plain(demo_pair, capsys):
     import json
 
-    from specray.cluster.cli import main
+    from specray.entrypoints.cli import main
 
     common = ["generate", "--prompt", "def add(a, b):\n    return a + b\n\n\ndef", "--max-tokens", "24", "--json"]
     assert main([*common, "--method", "none"]) == 0
@@ -438,7 +438,7 @@ def test_lookahead_over_http(server, tiny_checkpoints, tiny_pair, tmp_path_facto
     import openai
     from ray import serve
 
-    from specray.serve.app import build_app
+    from specray.entrypoints.app import build_app
     from tests.test_serve import assert_openai_error, cpu_placement, decode, save_char_tokenizer, wait_until_serving
 
     tok = tmp_path_factory.mktemp("lookahead-tokenizer")

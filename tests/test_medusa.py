@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.kernels.tree import NAMED_TREES
 from specray.policies.medusa import MedusaHeads, MedusaOptions
@@ -128,7 +128,7 @@ def random_prompts(split, n, seed):
 
 def test_training_lowers_the_loss_fits_a_tree_and_writes_the_public_layout(tmp_path):
     """Self-distillation on the tiny target's own greedy continuations."""
-    from specray.cluster import train_medusa as T
+    from specray.training import medusa as T
 
     target = tiny_llama(seed=0)
     target.save_pretrained(tmp_path / "target")
@@ -151,7 +151,7 @@ def test_training_lowers_the_loss_fits_a_tree_and_writes_the_public_layout(tmp_p
 
 
 def test_fit_tree_picks_the_most_often_right_paths():
-    from specray.cluster.train_medusa import fit_tree
+    from specray.training.medusa import fit_tree
 
     # Per example, where head 0 / head 1 ranked the true next tokens (-1: not in the top k).
     ranks = torch.tensor([[0, 0], [0, 0], [0, 1], [1, 0], [2, -1], [-1, 0]])
@@ -201,7 +201,7 @@ def test_trees_are_cut_to_the_room_a_step_has(tiny_pair):
 def test_training_reports_measured_lengths_and_keeps_the_fit_only_if_it_wins(tmp_path, monkeypatch, capsys):
     """The report's accepted lengths are the engine's, the distillation shows progress, and a
     built-in tree that measures better than the fitted one becomes the heads' default."""
-    from specray.cluster import train_medusa as T
+    from specray.training import medusa as T
     from specray.kernels.tree import NAMED_TREES
 
     target = tiny_llama(seed=0)

@@ -29,7 +29,7 @@ from tests.test_serve import ALPHABET, cpu_placement, decode, sse_events, wait_u
 
 serve = pytest.importorskip("ray.serve")
 
-from specray.serve.app import build_app  # noqa: E402
+from specray.entrypoints.app import build_app  # noqa: E402
 from specray.serve.playground import SpeculationTrack  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

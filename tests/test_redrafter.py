@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.engine.runner import ModelRunner
 from specray.kernels.tree import TokenTree
@@ -42,7 +42,7 @@ def redrafter_engine(target, drafter, max_num_seqs=4, **kw):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_checkpoints):
     """A drafter self-distilled on the tiny target (and a 1-step one to compare with)."""
-    from specray.cluster import train_redrafter as T
+    from specray.training import redrafter as T
     from tests.test_medusa import random_prompts
 
     root = tmp_path_factory.mktemp("redrafter")
@@ -421,7 +421,7 @@ def test_redrafter_through_the_coordinator(ray_session, tiny_checkpoints, tiny_p
 
 
 def test_redrafter_batch_job(ray_session, tiny_checkpoints, tiny_pair, trained, tmp_path, capsys):
-    from specray.cluster import jobs
+    from specray.entrypoints import jobs
 
     config = tmp_path / "cfg.yaml"
     config.write_text(f"target: {tiny_checkpoints['target']}\ndraft: {tiny_checkpoints['draft']}\n"
@@ -447,7 +447,7 @@ def test_redrafter_batch_job(ray_session, tiny_checkpoints, tiny_pair, trained, 
 def test_redrafter_over_http(server, tiny_checkpoints, tiny_pair, trained, tmp_path_factory):
     from ray import serve
 
-    from specray.serve.app import build_app
+    from specray.entrypoints.app import build_app
     from tests.test_serve import cpu_placement, decode, save_char_tokenizer, wait_until_serving
 
     tok = tmp_path_factory.mktemp("redrafter-tok")
@@ -473,7 +473,7 @@ def test_redrafter_over_http(server, tiny_checkpoints, tiny_pair, trained, tmp_p
 
 
 def test_cli_flags_and_generate(tiny_checkpoints, tiny_pair, trained, tmp_path, capsys):
-    from specray.cluster.cli import main
+    from specray.entrypoints.cli import main
     from tests.test_serve import ALPHABET, save_char_tokenizer
 
     target_dir = tmp_path / "target"

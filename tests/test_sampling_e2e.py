@@ -17,7 +17,7 @@ import torch
 from scipy.stats import chisquare
 
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.kernels.sampling import probs_from_logits
 from tests.conftest import tiny_llama

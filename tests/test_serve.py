@@ -28,7 +28,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from specray.serve.app import build_app  # noqa: E402
+from specray.entrypoints.app import build_app  # noqa: E402
 from specray.serve.config import ServeConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -225,7 +225,7 @@ def test_example_yaml_args_are_a_valid_config():
 
     doc = yaml.safe_load((pathlib.Path(__file__).parents[1] / "examples" / "serve.yaml").read_text())
     (app,) = doc["applications"]
-    assert app["import_path"] == "specray.serve.app:build_app"
+    assert app["import_path"] == "specray.entrypoints.app:build_app"
     cfg = ServeConfig.model_validate(app["args"])
     assert cfg.autoscaling is not None and cfg.autoscaling.max_replicas >= cfg.autoscaling.min_replicas
     assert cfg.engine.placement.mode in ("separate", "colocated")
@@ -683,7 +683,7 @@ def demo_reference(demo_models):
     import copy
 
     from specray.engine.config import EngineConfig
-    from specray.engine.engine import LLMEngine
+    from specray.engine.llm_engine import LLMEngine
     from specray.engine.params import SamplingParams, SpeculationParams
 
     target, draft, tok = demo_models

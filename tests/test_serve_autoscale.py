@@ -25,7 +25,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from tests.conftest import free_port  # noqa: E402
-from specray.serve.app import build_app  # noqa: E402
+from specray.entrypoints.app import build_app  # noqa: E402
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-SPECRAY = [sys.executable, "-m", "specray.cluster.cli"]
+SPECRAY = [sys.executable, "-m", "specray.entrypoints.cli"]
 
 
 def free_port() -> int:

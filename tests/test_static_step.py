@@ -19,7 +19,7 @@ import torch
 
 from specray.bench.probes import host_reads
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.policies.spec_length import SpeculationLengthPolicy
 from tests.test_eagle import random_head

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from specray.engine.config import EngineConfig
-from specray.engine.engine import LLMEngine
+from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.policies.base import CommitRow, PrefillRow, ProposalRow
 from specray.policies.suffix import SuffixOptions, SuffixProposer, best_width
@@ -458,7 +458,7 @@ def test_the_sampling_check_catches_a_lossy_rule_on_suffix_drafts(sampling_setup
     from tests.test_sampling_e2e import check
 
     target, joint = sampling_setup
-    monkeypatch.setattr("specray.engine.verify.tree_rejection_accept", _lossy_tree_accept)
+    monkeypatch.setattr("specray.engine.accept.tree_rejection_accept", _lossy_tree_accept)
     assert min(check(_sample(target, SAMPLED[0]), joint)) < 1e-3
 
 
@@ -582,7 +582,7 @@ def test_suffix_in_a_batch_job(ray_session, tiny_checkpoints, tiny_pair, tmp_pat
     import json
 
     from specray.actors.suffix_cache import drop_shared_suffix_cache
-    from specray.cluster import jobs
+    from specray.entrypoints import jobs
 
     config = tmp_path / "specray.yaml"
     config.write_text(f"target: {tiny_checkpoints['target']}\nmax_num_seqs: 3\n"
@@ -615,7 +615,7 @@ def test_suffix_in_a_batch_job(ray_session, tiny_checkpoints, tiny_pair, tmp_pat
 
 
 def test_cli_flags_come_from_the_options(capsys):
-    from specray.cluster.cli import build_parser, main, request_speculation
+    from specray.entrypoints.cli import build_parser, main, request_speculation
 
     p, flags = build_parser()
     args = p.parse_args(["generate", "--prompt", "x", "--method", "suffix", "--num-speculative-tokens", "12",
@@ -632,7 +632,7 @@ def test_cli_flags_come_from_the_options(capsys):
 def test_cli_generate_with_suffix_equals_plain(demo_pair, capsys):
     import json
 
-    from specray.cluster.cli import main
+    from specray.entrypoints.cli import main
 
     prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef"
     common = ["generate", "--prompt", prompt, "--max-tokens", "32", "--json"]
@@ -649,7 +649,7 @@ def test_suffix_over_http(server, tiny_checkpoints, tiny_pair, tmp_path_factory)
     from ray import serve
 
     from specray.actors.suffix_cache import drop_shared_suffix_cache
-    from specray.serve.app import build_app
+    from specray.entrypoints.app import build_app
     from tests.test_serve import assert_openai_error, cpu_placement, decode, save_char_tokenizer, wait_until_serving
 
     tok = tmp_path_factory.mktemp("suffix-tokenizer")

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="session")
 def trained(demo_pair, tmp_path_factory):
     """Heads trained briefly on the demo target (data built once for all of them)."""
-    from specray.cluster import train_eagle, train_medusa, train_redrafter
+    from specray.training import eagle as train_eagle, medusa as train_medusa, redrafter as train_redrafter
 
     root = tmp_path_factory.mktemp("heads")
     common = dict(tokenizer=demo_pair.tokenizer, sequences=256, gen_len=64, tree_size=8)

@@ -1,7 +1,7 @@
 """``specray train redrafter``: a ReDrafter drafter distilled on the target's own continuations.
 
 The data (greedy continuations, cached final-norm features, held-out split) comes from
-``cluster/training``. At a continuation position t the drafter reads the context f_t and
+``training/base.py``. At a continuation position t the drafter reads the context f_t and
 runs its RNN over the target's own next tokens x_{t+1} .. x_{t+L} (teacher forcing, as in
 Apple's ``train/model.py``), level k learning x_{t+k+1} — the token the target itself chose
 there — by cross-entropy, all levels at once. Apple's recipe: frozen target, ``exit_dim =
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specray.cluster.training import (
+from specray.training.base import (
     DistillData, PromptSource, SequenceSet, add_common_args, distill_data, optimise, run_recipe,
 )
 from specray.policies.redrafter import Drafter, pack_beams

@@ -1,7 +1,7 @@
 """``specray train eagle3``: an EAGLE-3 head distilled from the target with EAGLE-3's
 training-time test.
 
-Data from ``cluster/training``: greedy continuations of corpus prompts, the target's
+Data from ``training/base.py``: greedy continuations of corpus prompts, the target's
 final-norm features (its next-token distributions, through its LM head) and its taps — the
 residual stream entering layers 2, L//2 and L-3 (``target_layer_inputs``).
 
@@ -33,8 +33,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specray.cluster.train_eagle import fit_and_save, head_config, measure_step_cost, temperature_grid
-from specray.cluster.training import (
+from specray.training.eagle import fit_and_save, head_config, measure_step_cost, temperature_grid
+from specray.training.base import (
     PromptSource, SequenceSet, add_common_args, distill_data, optimise, ranks_of, run_recipe,
     target_layer_inputs,
 )

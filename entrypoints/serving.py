@@ -90,14 +90,14 @@ def startup_lines(cfg, plan) -> list[str]:
 
 
 def serve_main(args) -> int:
-    from specray.cluster.cli import engine_settings
-    from specray.cluster.flags import load_config_file
+    from specray.entrypoints.defaults import with_demo_pair
+    from specray.entrypoints.flags import engine_settings, load_config_file
 
     cfg = engine_settings(args, load_config_file(args.config))
     problem = port_problem(cfg.host, cfg.port)
     if problem:
         raise ValueError(problem)
-    engine = cfg.engine.with_models()  # the demo pair when no target is given (built once)
+    engine = with_demo_pair(cfg.engine)  # the demo pair when no target is given (built once)
     plan = engine.kv_plan()  # the KV cache's size: given, sized from GPU memory, or the CPU default
     engine = engine.model_copy(update={"max_num_seqs": plan.max_num_seqs, "max_model_len": plan.max_model_len})
     cfg = cfg.model_copy(update={"engine": engine})
@@ -160,10 +160,10 @@ def _start(cfg, address: str | None, local: bool) -> None:
     import ray
     from ray import serve
 
-    from specray.serve.app import build_app
+    from specray.entrypoints.app import build_app
 
     if local:
-        hook = {"worker_process_setup_hook": "specray.cluster.serving.loopback_worker"} if cfg.host in LOOPBACK else {}
+        hook = {"worker_process_setup_hook": "specray.entrypoints.serving.loopback_worker"} if cfg.host in LOOPBACK else {}
         ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, runtime_env=hook)
     else:
         ray.init(address=address, log_to_driver=False)
@@ -229,6 +229,6 @@ def _url_host(host: str) -> str:
 
 
 if __name__ == "__main__":
-    from specray.cluster.cli import main
+    from specray.entrypoints.cli import main
 
     sys.exit(main(["serve", *sys.argv[1:]]))

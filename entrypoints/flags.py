@@ -269,3 +269,20 @@ def check_method_flags(method: str, given: list[tuple[OptionFlag, object]], how:
         if method not in flag.methods:
             raise ValueError(f"{flag.flag} is an option of {', '.join(flag.methods)}, but the method is {method} "
                              f"({how}); add --method {flag.methods[0]} or drop {flag.flag}")
+
+
+def engine_settings(args, file_data: dict):
+    """The SpecrayConfig that --config and the model flags describe, paths and device checked
+    (one line naming the flag for anything wrong)."""
+    from pydantic import ValidationError
+
+    from specray.engine.config import check_device
+    from specray.serve.config import ServeConfig
+
+    try:
+        cfg = ServeConfig.model_validate(config_data(args, file_data))
+    except ValidationError as exc:
+        raise ValueError(one_line(exc)) from None
+    check_paths(cfg.engine)
+    check_device(cfg.engine.device)
+    return cfg

@@ -16,8 +16,9 @@ import json
 import logging
 import sys
 
-from specray.cluster import flags as F
-from specray.cluster.serving import serve_main
+from specray.entrypoints import flags as F
+from specray.entrypoints.flags import engine_settings
+from specray.entrypoints.serving import serve_main
 
 log = logging.getLogger("specray")
 
@@ -37,23 +38,6 @@ def _demo_models(args) -> int:
     pair = load_or_build_demo_pair(cache_dir=args.cache_dir, seed=args.seed, force=args.force)
     print(pair.to_json())
     return 0
-
-
-def engine_settings(args, file_data: dict):
-    """The SpecrayConfig that --config and the model flags describe, paths and device checked
-    (one line naming the flag for anything wrong)."""
-    from pydantic import ValidationError
-
-    from specray.engine.config import check_device
-    from specray.serve.config import ServeConfig
-
-    try:
-        cfg = ServeConfig.model_validate(F.config_data(args, file_data))
-    except ValidationError as exc:
-        raise ValueError(F.one_line(exc)) from None
-    F.check_paths(cfg.engine)
-    check_device(cfg.engine.device)
-    return cfg
 
 
 def request_speculation(args, option_flags: list[F.OptionFlag], default=None, how_default: str = "the default"):
@@ -83,8 +67,9 @@ def request_speculation(args, option_flags: list[F.OptionFlag], default=None, ho
 
 
 def _generate(args, option_flags: list[F.OptionFlag]) -> int:
-    from specray.engine.engine import LLMEngine
+    from specray.engine.llm_engine import LLMEngine
     from specray.engine.params import SamplingParams, best_speculation
+    from specray.entrypoints.defaults import resolved
     from specray.policies.registry import method_spec
 
     cfg = engine_settings(args, F.load_config_file(args.config))
@@ -109,7 +94,7 @@ def _generate(args, option_flags: list[F.OptionFlag]) -> int:
         raise ValueError(F.one_line(exc, {name: F.flag_name(name) for name in SamplingParams.model_fields})) from None
     if not demo and engine_cfg.tokenizer is None and F.tokenizer_dir_problem(engine_cfg.target):
         raise ValueError(f"--target {engine_cfg.target} has no tokenizer: give --tokenizer DIR")
-    engine_cfg = engine_cfg.model_copy(update={"max_num_seqs": 1}).resolved()
+    engine_cfg = resolved(engine_cfg.model_copy(update={"max_num_seqs": 1}))
     engine = LLMEngine(engine_cfg.engine_config())
     out = engine.generate([args.prompt], sampling, speculation)[0]
     if args.json:
@@ -125,7 +110,7 @@ def _generate(args, option_flags: list[F.OptionFlag]) -> int:
 
 
 def _train(args) -> int:
-    from specray.cluster.training import main as train_main
+    from specray.training.recipes import main as train_main
 
     return train_main([args.what, *args.rest])
 
@@ -137,20 +122,20 @@ def _bench(args) -> int:
 
 
 def _jobs(args) -> int:
-    from specray.cluster.jobs import main as jobs_main
+    from specray.entrypoints.jobs import main as jobs_main
 
     return jobs_main(args.rest, prog="specray jobs")
 
 
 def _env(args) -> int:
-    from specray.cluster.environment import describe
+    from specray.entrypoints.environment import describe
 
     print(describe())
     return 0
 
 
 def _recipes_help() -> str:
-    from specray.cluster.training import recipes
+    from specray.training.recipes import recipes
 
     lines = []
     for name, main in sorted(recipes().items()):
@@ -203,12 +188,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[F.OptionFlag]]:
 
     p = sub.add_parser("jobs", help="run a JSONL batch file (starts a local Ray unless --address is given)",
                        add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="python -m specray.cluster.jobs's arguments")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="python -m specray.entrypoints.jobs's arguments")
     p.set_defaults(func=_jobs)
 
     p = sub.add_parser("train", help="train draft heads on a frozen target", formatter_class=raw,
                        description="Train a draft head on a frozen target.", epilog=_recipes_help())
-    from specray.cluster.training import recipes
+    from specray.training.recipes import recipes
 
     p.add_argument("what", choices=sorted(recipes()), metavar="RECIPE", help=", ".join(sorted(recipes())))
     p.add_argument("rest", nargs=argparse.REMAINDER, metavar="...", help="the recipe's options")

@@ -1,13 +1,13 @@
 """Builders of the Serve application, from Python or a ``serve run`` YAML.
 
-    from specray.serve.app import build_app
+    from specray.entrypoints.app import build_app
     serve.run(build_app({"model_name": "demo", "autoscaling": {"max_replicas": 2}}))
 
 YAML (``serve run examples/serve.yaml``)::
 
     applications:
       - name: specray
-        import_path: specray.serve.app:build_app
+        import_path: specray.entrypoints.app:build_app
         args: {model_name: specray-demo, engine: {max_num_seqs: 8}}
 """
 
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from ray import serve
 
+from specray.entrypoints.defaults import resolved
 from specray.serve.config import ServeConfig
-from specray.serve.engine import EngineDeployment
+from specray.serve.deployment import EngineDeployment
 from specray.serve.ingress import OpenAIIngress
 
 # Replicas are light; their coordinator reserves the models' GPUs in its own
@@ -28,7 +29,7 @@ def build_app(config: ServeConfig | dict | None = None):
     """The ingress bound to the engine deployment (a Serve ``Application``)."""
     cfg = ServeConfig.model_validate(config if config is not None else {})
     # Resolve the demo pair once here, not once per replica.
-    cfg = cfg.model_copy(update={"engine": cfg.engine.resolved()})
+    cfg = cfg.model_copy(update={"engine": resolved(cfg.engine)})
     scaling = (
         {"autoscaling_config": cfg.autoscaling.model_dump(exclude_none=True)}
         if cfg.autoscaling is not None

@@ -1,13 +1,13 @@
 """OpenAI's batch file format for batch jobs (OpenAI's Batch API, vLLM's ``run-batch``).
 
-Input, one request per line (``cluster/jobs.py`` tells the formats apart per file)::
+Input, one request per line (``entrypoints/jobs.py`` tells the formats apart per file)::
 
     {"custom_id": "q1", "method": "POST", "url": "/v1/completions",
      "body": {"model": "m", "prompt": "def fib(n):", "max_tokens": 64, "temperature": 0}}
     {"custom_id": "q2", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}}
 
-The body is what the HTTP server takes at that URL (``serve/protocol.py``), checked the same
+The body is what the HTTP server takes at that URL (``protocol/openai.py``), checked the same
 way (``speculation`` included); ``stream`` is refused. Chat messages go through the
 tokenizer's chat template, as the server renders them. ``max_tokens`` as the server
 decides it: a number that overflows the context is refused, naming both numbers; without
@@ -34,8 +34,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specray.serve import checks as C
-from specray.serve import protocol as P
+from specray.protocol import checks as C
+from specray.protocol import openai as P
 
 log = logging.getLogger("specray.jobs")
 
@@ -98,7 +98,7 @@ def _format(exc: ValidationError) -> list[str]:
 
 
 def check_line(obj: dict, facts: Facts) -> tuple[BatchRequest | None, list[str]]:
-    """Validate one line as the server checks its request (``serve/checks.py``); (request, [])
+    """Validate one line as the server checks its request (``protocol/checks.py``); (request, [])
     or (None, every problem)."""
     try:
         line = BatchLine.model_validate(obj)

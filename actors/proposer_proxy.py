@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import ray
 from ray.exceptions import RayActorError
 
+from specray.actors.proposer_worker import ProposerWorker
 from specray.policies.base import Draft
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,6 @@ class RemoteProposer(Supervised):
     """
 
     def __init__(self, method: str, config, options: dict, vocab_size: int, capacity: int, overlap: bool = False):
-        from specray.actors.workers import ProposerWorker
-
         cls = ray.remote(ProposerWorker)
         self.overlap = overlap
         self.hits = self.rows = 0

@@ -1,6 +1,6 @@
 """Batch generation as a Ray job: JSONL prompts in, JSONL completions out, resumable.
 
-    ray job submit -- python -m specray.cluster.jobs --input prompts.jsonl --output out.jsonl \\
+    ray job submit -- python -m specray.entrypoints.jobs --input prompts.jsonl --output out.jsonl \\
         [--config specray.yaml] [--batch-size 64]
 
 Input: one JSON object per line (blank lines are ignored)::
@@ -17,7 +17,7 @@ is generated; bad lines are reported with their line numbers (exit code 2).
 OpenAI's batch file format is read too (``{"custom_id", "method": "POST", "url":
 "/v1/completions" or "/v1/chat/completions", "body": {...}}`` per line, as OpenAI's Batch
 API and vLLM's ``run-batch`` read it), told apart by the file's first line, and answered in
-OpenAI's output format, resumed by ``custom_id``: see ``cluster/openai_batch.py``.
+OpenAI's output format, resumed by ``custom_id``: see ``entrypoints/openai_batch.py``.
 
 Output: one JSON object per input record, in input order::
 
@@ -51,11 +51,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from specray.actors.config import SpecrayConfig
-from specray.cluster import openai_batch
+from specray.entrypoints import openai_batch
+from specray.entrypoints.defaults import with_demo_pair
 from specray.engine.metrics import SpecMetrics
 from specray.engine.params import SamplingParams, Speculation, best_speculation
 from specray.policies.registry import Limits, validate_speculation
-from specray.serve import protocol as P
+from specray.protocol import openai as P
 
 log = logging.getLogger("specray.jobs")
 
@@ -221,9 +222,9 @@ def _read_batch_lines(objects, config: SpecrayConfig):
 def _batch_facts(config: SpecrayConfig) -> openai_batch.Facts:
     """Tokenizer (chat templates, token counts), context and vocabulary of the job's model."""
     from specray.engine.config import load_tokenizer
-    from specray.serve.checks import facts_for
+    from specray.protocol.checks import facts_for
 
-    config = config.with_models()  # the demo pair when no target is given, as the coordinator does
+    config = with_demo_pair(config)  # the demo pair when no target is given, as the job runs
     try:
         return facts_for(config, load_tokenizer(config.tokenizer or config.target))
     except (OSError, ValueError) as exc:
@@ -385,7 +386,7 @@ def _stop_coordinator(coordinator, pgs_before: set[str]) -> None:
 
 
 # -- main -----------------------------------------------------------------------------------
-def build_parser(prog: str = "python -m specray.cluster.jobs") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m specray.entrypoints.jobs") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Resumable batch generation over a JSONL file with a specray Coordinator.",
@@ -403,7 +404,7 @@ def build_parser(prog: str = "python -m specray.cluster.jobs") -> argparse.Argum
     return p
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m specray.cluster.jobs") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m specray.entrypoints.jobs") -> int:
     t_start = time.perf_counter()
     try:
         args = build_parser(prog).parse_args(argv)
@@ -453,7 +454,7 @@ def _run(args, config: SpecrayConfig, records: list, pending: list[int], t_start
         coordinator = None
         try:
             pgs_before = set(ray.util.placement_group_table())
-            coordinator = Coordinator.remote(config.model_dump())
+            coordinator = Coordinator.remote(with_demo_pair(config).model_dump())
             ray.get(coordinator.ready.remote())
             startup_seconds = time.perf_counter() - t0
             log.info("coordinator ready in %.1f s", startup_seconds)

@@ -1,6 +1,6 @@
 """``specray train medusa``: self-distil Medusa heads on the target's own greedy continuations.
 
-The data (continuations, cached features, held-out split) comes from ``cluster/training``.
+The data (continuations, cached features, held-out split) comes from ``training/base.py``.
 Head k (0-based) reads the target's final hidden state at position t and learns the token
 at t+k+2; only the heads train (each head's projection starts from the target's LM head,
 its residual blocks from the identity): the default 1500 steps took about 2.6 CPU minutes
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from specray.cluster.training import (  # noqa: F401 (fit_tree re-exported)
+from specray.training.base import (  # noqa: F401 (fit_tree re-exported)
     PromptSource, SequenceSet, add_common_args, demo_corpus_prompts, distill_data, fit_tree, measure_accepted_length,
     optimise, ranks_of, run_recipe,
 )

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from specray.engine.params import SamplingParams, best_speculation
 from specray.engine.scheduler import ContextLengthError, check_context_length, encode_prompt
 from specray.policies.registry import Limits, parse_speculation, validate_speculation
-from specray.serve import protocol as P
+from specray.protocol import openai as P
 
 MAX_REPORTED = 10  # problems listed in one message; the rest are counted
 

@@ -1,6 +1,6 @@
 """``specray train eagle``: an EAGLE head distilled from the target's own features.
 
-Data from ``cluster/training`` (greedy continuations, cached final-norm features). The head
+Data from ``training/base.py`` (greedy continuations, cached final-norm features). The head
 reads pairs (f_t, x_{t+1}) over windows of each sequence and learns, at every position,
 the target's next feature f_{t+1} (smooth L1) and the target's next-token distribution
 softmax(lm_head(f_{t+1})) through the frozen LM head (cross-entropy), with uniform noise
@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specray.cluster.training import (
+from specray.training.base import (
     PromptSource, SequenceSet, add_common_args, distill_data, fit_tree, optimise, ranks_of, run_recipe,
 )
 from specray.policies.eagle import EagleHead

@@ -4,7 +4,7 @@ Written once here: the data — the target's own greedy continuations of corpus 
 (what greedy decoding will ask a head to guess), the target's final-norm features at every
 position cached once, a held-out split from other prompts — the optimisation loop with its
 progress bar, and fitting a default tree to a head's measured ranks. A method's recipe
-(``train_medusa.py``, ``train_eagle.py``, ``train_redrafter.py``) is its head, its loss,
+(``training/medusa.py``, ``training/eagle.py``, ...) is its head, its loss,
 its rank measurement and its checkpoint.
 
     data = distill_data(target_dir, tokenizer_dir, sequences=1024, gen_len=128)
@@ -237,24 +237,7 @@ def ranks_of(logits: torch.Tensor, labels: torch.Tensor, top: int) -> torch.Tens
     return torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(labels, -1))
 
 
-# -- the command ----------------------------------------------------------------------------
-def recipes() -> dict[str, Callable[[list[str]], int]]:
-    from specray.cluster import train_eagle, train_eagle3, train_medusa, train_redrafter
-
-    return {"medusa": train_medusa.main, "eagle": train_eagle.main, "eagle3": train_eagle3.main,
-            "redrafter": train_redrafter.main}
-
-
-def main(argv: list[str] | None = None) -> int:
-    known = recipes()
-    # No -h here: `specray train eagle --help` shows the recipe's own options.
-    p = argparse.ArgumentParser(prog="specray train", description="Train a draft head on a frozen target.",
-                                add_help=False)
-    p.add_argument("method", choices=sorted(known))
-    args, rest = p.parse_known_args(argv)
-    return known[args.method](rest)
-
-
+# -- a recipe's command line ----------------------------------------------------------------
 def resolve_target(target: str | None, tokenizer: str | None) -> tuple[str, str]:
     """The target and tokenizer dirs (default: the demo pair's target)."""
     if target is None:
