@@ -23,10 +23,13 @@ def _detached(coro) -> asyncio.Task:
     return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
 
 
+REFUSED = "refused"  # the key of a refusal (outputs have an "error" field of their own)
+
+
 def client_error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
     """What ``stream`` yields instead of outputs when a request is refused (the ingress answers
     it with that status in OpenAI's shape)."""
-    return {"error": {"status": status, "message": message, "kind": kind, "param": param}}
+    return {REFUSED: {"status": status, "message": message, "kind": kind, "param": param}}
 
 
 class EngineDeployment:

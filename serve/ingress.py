@@ -15,6 +15,7 @@ from specray.engine.config import load_tokenizer
 from specray.protocol import checks as C
 from specray.protocol import openai as P
 from specray.serve.config import ServeConfig
+from specray.serve.deployment import REFUSED
 from specray.serve.metrics import scrape
 from specray.serve.playground import SpeculationTrack, methods_listing, static_files
 
@@ -69,7 +70,7 @@ def _error_status(exc: Exception) -> HTTPError:
     from specray.actors.coordinator import WorkerLostError
 
     if isinstance(exc, dict):  # the engine refused the request (serve/deployment.py: client_error)
-        e = exc["error"]
+        e = exc[REFUSED]
         return HTTPError(e["status"], e["message"], e["kind"], e["param"])
     cause = getattr(exc, "cause", None) or exc
     name = type(cause).__name__
@@ -216,7 +217,7 @@ class OpenAIIngress:
         last = None
         try:
             async for out in stream:
-                if "error" in out:
+                if REFUSED in out:
                     raise _error_status(out)
                 last = out
         except HTTPError:
@@ -233,7 +234,7 @@ class OpenAIIngress:
             for s in streams:
                 s.cancel()
             raise _error_status(e) from None
-        refused = next((f for f in firsts if "error" in f), None)
+        refused = next((f for f in firsts if REFUSED in f), None)
         if refused is not None:
             for s in streams:
                 s.cancel()
@@ -267,7 +268,7 @@ class OpenAIIngress:
                 yield P.sse(P.chunk(rid, self.model, roles, chat))
             while any(f is None for f in finals):
                 index, out = await queue.get()
-                if isinstance(out, Exception) or "error" in out:
+                if isinstance(out, Exception) or REFUSED in out:
                     err = _error_status(out)
                     yield P.sse(P.error_body(err.message, err.kind, err.status))
                     return
