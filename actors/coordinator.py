@@ -267,7 +267,8 @@ class CoordinatorCore:
             tracked.logprobs = (tracked.logprobs or []) + delta["logprobs"]
         if delta.get("prompt_logprobs") is not None:
             tracked.prompt_logprobs = delta["prompt_logprobs"]
-        out = self._output(tracked, delta["new_token_ids"], delta["finished"], delta["finish_reason"], delta["step"])
+        out = self._output(tracked, delta["new_token_ids"], delta["finished"], delta["finish_reason"], delta["step"],
+                           delta.get("error"))
         if out.finished:
             del self._tracked[out.request_id]
             self.totals.merge(SpecMetrics.from_dict(out.metrics))
@@ -276,10 +277,11 @@ class CoordinatorCore:
             queue.put_nowait(out)
 
     @staticmethod
-    def _output(t: _Tracked, new: list[int], finished: bool, finish_reason=None, step=None) -> RequestOutput:
+    def _output(t: _Tracked, new: list[int], finished: bool, finish_reason=None, step=None, error=None) -> RequestOutput:
         return RequestOutput(t.request.request_id, t.request.prompt_ids, list(t.output_ids), list(new), t.text,
-                             finished, finish_reason, dict(t.metrics), step,
-                             list(t.logprobs) if t.logprobs is not None else None, t.prompt_logprobs)
+                             finished, finish_reason, dict(t.metrics), step, error=error,
+                             logprobs=list(t.logprobs) if t.logprobs is not None else None,
+                             prompt_logprobs=t.prompt_logprobs)
 
     async def _recover(self, message: str) -> None:
         """A new engine worker, and every request in flight replayed on it."""

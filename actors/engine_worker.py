@@ -117,7 +117,7 @@ class EngineWorker(Placed):
     def _delta(self, out) -> dict:
         sent = self._text_sent.pop(out.request_id, 0)
         delta = {"request_id": out.request_id, "new_token_ids": out.new_token_ids, "finished": out.finished,
-                 "finish_reason": out.finish_reason, "metrics": out.metrics, "step": out.step,
+                 "finish_reason": out.finish_reason, "metrics": out.metrics, "step": out.step, "error": out.error,
                  # log-probabilities (when asked): the new tokens' only, and the prompt's once
                  "logprobs": out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if out.logprobs else None,
                  "prompt_logprobs": out.prompt_logprobs if len(out.token_ids) == len(out.new_token_ids) else None}

@@ -69,9 +69,12 @@ def _error_status(exc: Exception) -> HTTPError:
     """Map an engine-side exception (possibly wrapped by Ray) to an HTTP error."""
     from specray.actors.coordinator import WorkerLostError
 
-    if isinstance(exc, dict):  # the engine refused the request (serve/deployment.py: client_error)
+    if isinstance(exc, dict) and REFUSED in exc:  # the engine refused the request (serve/deployment.py: client_error)
         e = exc[REFUSED]
         return HTTPError(e["status"], e["message"], e["kind"], e["param"])
+    if isinstance(exc, dict):  # the engine failed this request alone (finish_reason "error"): it goes on serving
+        log.error("request %s failed: %s", exc.get("request_id"), exc.get("error"))
+        return HTTPError(500, f"internal error: {exc.get('error') or 'the request failed'}", "internal_error")
     cause = getattr(exc, "cause", None) or exc
     name = type(cause).__name__
     if name == "BackPressureError":  # Serve's own queue bound
@@ -217,7 +220,7 @@ class OpenAIIngress:
         last = None
         try:
             async for out in stream:
-                if REFUSED in out:
+                if REFUSED in out or out.get("finish_reason") == "error":
                     raise _error_status(out)
                 last = out
         except HTTPError:
@@ -268,7 +271,7 @@ class OpenAIIngress:
                 yield P.sse(P.chunk(rid, self.model, roles, chat))
             while any(f is None for f in finals):
                 index, out = await queue.get()
-                if isinstance(out, Exception) or REFUSED in out:
+                if isinstance(out, Exception) or REFUSED in out or out.get("finish_reason") == "error":
                     err = _error_status(out)
                     yield P.sse(P.error_body(err.message, err.kind, err.status))
                     return

@@ -92,8 +92,9 @@ def window_index(data: SequenceSet, batch: int, width: int, gen: torch.Generator
 
 
 def eagle3_loss(head: Eagle3Head, lm_head: torch.Tensor, data: SequenceSet, taps: torch.Tensor, index,
-                steps: int, decay: float = DECAY) -> torch.Tensor:
-    """The training-time test's loss over windows ``index`` (``window_index``)."""
+                steps: int, decay: float = DECAY, label_temperature: float = 1.0) -> torch.Tensor:
+    """The training-time test's loss over windows ``index`` (``window_index``); the label is the
+    target's distribution at ``label_temperature`` (1: EAGLE-3's)."""
     seq, t, valid = index
     rows, n = seq[:, None].expand_as(t), data.lengths[seq][:, None]  # [B, W], [B, 1]
     col = torch.arange(t.shape[1])[None]
@@ -104,7 +105,7 @@ def eagle3_loss(head: Eagle3Head, lm_head: torch.Tensor, data: SequenceSet, taps
         ahead = t + j + 1  # the target's feature there gives the distribution of x_{t+j+2}
         with torch.no_grad():
             logits = data.features[rows, ahead.clamp(max=n - 1)] @ lm_head.T  # [B, W, V]
-            p = torch.softmax(logits[..., vocab], dim=-1)  # renormalised over the draft vocabulary
+            p = torch.softmax(logits[..., vocab] / label_temperature, dim=-1)  # renormalised over the draft vocabulary
             mask = valid & (ahead <= n - 1) & (col + j < t.shape[1]) & head.t2d[logits.argmax(-1)]
         logq = torch.log_softmax(head.draft_logits(h).float(), dim=-1)
         total = total + decay ** j * -(p * logq).sum(-1)[mask].mean()
@@ -142,7 +143,8 @@ def chain_ranks(head: Eagle3Head, data: SequenceSet, taps: torch.Tensor, depth: 
 
 def train_eagle3(target: str, out: str, tokenizer: str | None = None, steps: int = 1200, batch_size: int = 16,
                  width: int = 128, lr: float = 3e-3, unroll: int = 7, decay: float = DECAY, vocab: int = 1024,
-                 init: str = "target", layers: tuple[int, ...] | None = None, sequences: int = 1024,
+                 init: str = "target", layers: tuple[int, ...] | None = None, label_temperature: float = 1.0,
+                 sequences: int = 1024,
                  gen_len: int = 128, tree_size: int = 16, depth: int = 6, seed: int = 0,
                  prompts: PromptSource | None = None) -> dict:
     """Train, measure on held-out continuations, fit the default tree, save; returns a report."""
@@ -172,7 +174,8 @@ def train_eagle3(target: str, out: str, tokenizer: str | None = None, steps: int
     data_seconds = time.time() - start
 
     final = optimise(head.parameters(), lambda step: eagle3_loss(
-        head, data.lm_head, data.train, taps, window_index(data.train, batch_size, width, gen), unroll, decay),
+        head, data.lm_head, data.train, taps, window_index(data.train, batch_size, width, gen), unroll, decay,
+        label_temperature),
         steps, lr, "eagle3 head", clip=0.5)
     head.eval()
     nll = temperature_grid()
@@ -197,11 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-vocab", type=int, default=1024, help="tokens in the draft vocabulary")
     p.add_argument("--init", choices=("target", "random"), default="target", help="warm start from the target or not")
     p.add_argument("--depth", type=int, default=6, help="levels measured for the fitted tree")
+    p.add_argument("--label-temperature", type=float, default=1.0,
+                   help="temperature of the target's distribution used as the label (1 = EAGLE-3's)")
     p.add_argument("--layers", default=None, help="the 3 target layers whose inputs the head reads, e.g. 2,6,11 "
                                                    "(default 2, L//2, L-3)")
     return run_recipe(argv, p, "eagle3", lambda a, target, tokenizer: train_eagle3(
         target, a.out, tokenizer, steps=a.steps, batch_size=a.batch_size, width=a.width, lr=a.lr, unroll=a.unroll,
-        decay=a.decay, vocab=a.draft_vocab, init=a.init, layers=_layer_list(a.layers), sequences=a.sequences,
+        decay=a.decay, vocab=a.draft_vocab, init=a.init, layers=_layer_list(a.layers),
+        label_temperature=a.label_temperature, sequences=a.sequences,
         gen_len=a.gen_len, tree_size=a.tree_size, depth=a.depth, seed=a.seed), EVAL_SPECS)
 
 
