@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specray.engine.config import EngineConfig, resolve_dtype
+from specray.engine.config import STEP_CHOICES, EngineConfig, resolve_dtype
 from specray.engine.memory import DEFAULT_MAX_NUM_SEQS, KVPlan, plan_for_checkpoints
 from specray.engine.params import Speculation
 from specray.policies.registry import method_spec, registered_methods
@@ -70,6 +70,9 @@ class SpecrayConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and activations: auto = bfloat16 on CUDA, float32 on CPU.")
     device: str = Field("auto", description="auto (CUDA where the worker has a GPU, else CPU), cpu, cuda or cuda:N.")
+    step: Literal[STEP_CHOICES] = Field(
+        "auto", description="How a step runs (engine/graphs.py): auto = CUDA graphs over static shapes on CUDA, "
+        "eager on CPU; eager (the reference), static, compile (torch.compile), cudagraph, graphs.")
     max_num_seqs: int | None = Field(
         None, ge=1, description="Sequences batched at once (KV-cache rows); default: sized from GPU memory "
         "(gpu_memory_utilization) on CUDA, 8 on CPU.")
@@ -106,6 +109,7 @@ class SpecrayConfig(BaseModel):
             checkpoints=dict(self.checkpoints),
             dtype=self.dtype,
             device=device or self.device,
+            step=self.step,
             max_num_seqs=self.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
             max_model_len=self.max_model_len,
             default_speculation=self.default_speculation,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from specray.engine.config import DEVICES, DTYPES
+from specray.engine.config import DEVICES, DTYPES, STEP_CHOICES
 from specray.policies.registry import PLAIN, method_spec, registered_methods
 from specray.serve.config import FLAT_KEYS
 
@@ -77,6 +77,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (default: auto = bfloat16 on CUDA, float32 on CPU)")
     g.add_argument("--device", metavar="{" + ",".join(DEVICES) + ",cuda:N}", default=None,
                    help="where models run (default: auto = CUDA when available)")
+    g.add_argument("--step", choices=STEP_CHOICES, default=None,
+                   help="how a step runs: auto = CUDA graphs over static shapes on CUDA, eager on CPU; eager is "
+                        "the reference; compile = torch.compile of the static step (faster on CPU too)")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="vLLM's name for --step eager: no graphs, no compile")
     g.add_argument("--max-model-len", type=int, metavar="N", default=None,
                    help="context per sequence, prompt + output (default: the model's, at most 4096)")
     g.add_argument("--max-num-seqs", type=int, metavar="N", default=None,
@@ -115,9 +120,13 @@ def config_data(args: argparse.Namespace, file_data: dict) -> dict:
     the nested layout; ``ServeConfig`` maps them)."""
     from specray.serve.config import flat_to_nested
 
-    keys = ("target", "tokenizer", "dtype", "device", "max_model_len", "max_num_seqs", "gpu_memory_utilization",
+    keys = ("target", "tokenizer", "dtype", "device", "step", "max_model_len", "max_num_seqs", "gpu_memory_utilization",
             "speculative_config", "served_model_name", "host", "port", "api_key", "num_replicas", *checkpoint_keys())
     flags = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    if getattr(args, "enforce_eager", None):
+        if flags.get("step", "eager") != "eager":
+            raise ValueError(f"--enforce-eager runs the eager step, but --step is {flags['step']}; give one of them")
+        flags["step"] = "eager"
     return _merge(flat_to_nested(file_data), flat_to_nested(flags))
 
 

@@ -31,6 +31,7 @@ FLAT_KEYS: dict[str, tuple[str, ...]] = {
     "medusa": ("engine", "medusa"),
     "dtype": ("engine", "dtype"),
     "device": ("engine", "device"),
+    "step": ("engine", "step"),
     "max_model_len": ("engine", "max_model_len"),
     "max_num_seqs": ("engine", "max_num_seqs"),
     "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),

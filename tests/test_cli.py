@@ -66,6 +66,19 @@ def test_generate_config_file_and_flags_override(demo_pair, tmp_path, capsys):
     assert out["metrics"]["num_drafts"] == 0 or max(len(out["metrics"]["accepted_per_pos"]), 0) <= 3
 
 
+@pytest.mark.slow
+def test_step_flag_runs_the_static_step_with_the_same_output(demo_pair, capsys):
+    """--step static (the fixed-shape step that CUDA graphs and torch.compile capture) gives the
+    eager step's tokens; --enforce-eager is vLLM's name for eager."""
+    common = ["generate", "--prompt", "def fibonacci(n):", "--max-tokens", "16", "--json", "--method", "draft"]
+    outs = []
+    for extra in (["--enforce-eager"], ["--step", "static"]):
+        code, out, err = run(capsys, *common, *extra)
+        assert code == 0, err
+        outs.append(json.loads(out)["token_ids"])
+    assert outs[0] == outs[1] and len(outs[0]) > 0
+
+
 def test_bad_sampling_and_option_values_name_the_flag(capsys):
     for args, words in ((["--max-tokens", "-3"], "--max-tokens -3"), (["--top-p", "1.5"], "--top-p 1.5"),
                         (["--num-speculative-tokens", "0"], "--num-speculative-tokens 0")):
@@ -86,6 +99,7 @@ def test_unknown_method_exits_2(capsys):
     (["--method", "medusa", "--medusa", ".", "--tree", "bogus"], "--tree bogus: unknown tree 'bogus'"),
     (["--method", "medusa"], "--method medusa needs --medusa DIR"),
     (["--method", "eagle", "--eagle", ".", "--dynamic-tree", "--tree", "chain"], "dynamic_tree"),
+    (["--enforce-eager", "--step", "compile"], "--enforce-eager runs the eager step, but --step is compile"),
 ])
 def test_errors_are_one_line_naming_the_flag(argv, words, capsys):
     import torch
