@@ -179,7 +179,7 @@ class ModelRunner:
         kv_len = max(L + n for L, n in zip(lengths, q_lens))
         tree_mask = offsets = None
         if layout is not None:  # small index tensors: built on the CPU, moved once below
-            tree_mask, offsets = layout[0].cpu(), layout[1].cpu()
+            tree_mask, offsets = (t if t.device.type == "cpu" else t.cpu() for t in layout)
             pos_ids = lens_t[:, None] + offsets
         if q == 1 and min(lengths) == max(lengths):
             mask = None  # every row sees all kv_len keys

@@ -45,7 +45,7 @@ import math
 import pathlib
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 import numpy as np
 import torch
@@ -335,9 +335,13 @@ class EagleProposer:
                 parents, logits = [[-1] for _ in plans], [root_logits[i : i + 1] for i in range(len(plans))]
             else:
                 parents, logits = self._expand(plans)
-            for plan, par, lg in zip(plans, parents, logits):
-                if level <= plan.depth and par:
-                    self._children(plan, level, par, lg)
+            growing = [(plan, par, lg) for plan, par, lg in zip(plans, parents, logits) if level <= plan.depth and par]
+            scored = [self._scores(plan, par, lg) for plan, par, lg in growing]
+            tops = _read_topk([(logp, width) for (plan, _, _), (logp, width) in zip(growing, scored)
+                               if width and not plan.sampled])
+            for (plan, par, lg), (logp, width) in zip(growing, scored):
+                top = None if plan.sampled or not width else next(tops)
+                self._children(plan, level, par, lg, logp, width, top)
         return Draft([self._finish(p) for p in plans])
 
     def _catch_up(self, rows):
@@ -355,22 +359,31 @@ class EagleProposer:
         out = self.runner.forward(slots, tokens, embeds=embeds)
         return out.hidden[:, 0], out.logits[:, 0]
 
-    def _children(self, plan: _RowPlan, level: int, parents: list[int], logits: torch.Tensor) -> None:
-        """Add level ``level``'s nodes below ``parents`` (their logits [len(parents), V])."""
+    def _scores(self, plan: _RowPlan, parents: list[int], logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The head's log-probabilities below ``parents`` [len(parents), V] and how many
+        children each parent may get (0: none)."""
         # EAGLE-2 scores greedy rows with the head's calibrated confidence (see greedy_temperature)
         calibrate = plan.tree is None and plan.row.sampling.greedy
         scale = self.head.greedy_temperature if calibrate else 1.0
         logp = torch.log_softmax(logits.float() / scale, dim=-1)  # [P, V]
+        if plan.tree is None:
+            return logp, plan.row.options.top_k
+        kids = _kids_by_rank(plan.tree.choices)
+        return logp, max((len(kids.get(self._rank(plan, p), ())) for p in parents), default=0)
+
+    def _children(self, plan: _RowPlan, level: int, parents: list[int], logits: torch.Tensor, logp: torch.Tensor,
+                  width: int, top: tuple[list, list] | None) -> None:
+        """Add level ``level``'s nodes below ``parents`` (their logits and log-probabilities
+        [len(parents), V]; ``top``: each parent's ``width`` best (indices, values) as lists,
+        read for every row at once by ``_read_topk``; None for sampled rows)."""
         new: list[int] = []
         if plan.tree is not None:  # static: each parent's children are given by the tree's ranks
             kids = _kids_by_rank(plan.tree.choices)
-            width = max((len(kids.get(self._rank(plan, p), ())) for p in parents), default=0)
             if width == 0:
                 plan.frontier = []
                 return
             if not plan.sampled:
-                top = logp.topk(min(width, logp.shape[-1]))
-                top_idx, top_val = top.indices.tolist(), top.values.tolist()
+                top_idx, top_val = top
             for n, p in enumerate(parents):
                 ranks = kids.get(self._rank(plan, p), ())
                 if not ranks:
@@ -391,8 +404,7 @@ class EagleProposer:
             plan.frontier = [n for n in new if plan.nodes[n].rank in kids] if level < plan.depth else []
         else:  # dynamic: top_k children per expanded node, the best top_k are expanded next
             k = plan.row.options.top_k
-            top = logp.topk(min(k, logp.shape[-1]))
-            for p, idx, vals in zip(parents, top.indices.tolist(), top.values.tolist()):
+            for p, idx, vals in zip(parents, *top):
                 base = plan.nodes[p].score if p >= 0 else 0.0
                 for tok, val in zip(idx, vals):
                     if val == -math.inf:  # outside a reduced draft vocabulary (EAGLE-3)
@@ -490,6 +502,24 @@ class EagleProposer:
         tokens = [nodes[n].token for n in chosen]
         probs = torch.stack([nodes[n].q for n in chosen]) if plan.sampled and chosen else None
         return DraftRow(tokens, TokenTree.from_parents(parents), probs)
+
+
+def _read_topk(jobs) -> "Iterator[tuple[list, list]]":
+    """Each job's (logp [P, V], width) top-``width`` (indices, values) per row, as lists: one
+    read-back for all of them (a level of every row's tree), not two per row."""
+    tops = [logp.topk(min(width, logp.shape[-1])) for logp, width in jobs]
+    if not tops:
+        return iter(())
+    # indices travel as float64 beside the values: exact for any vocabulary size
+    flat = torch.cat([torch.cat([t.values.double().flatten(), t.indices.double().flatten()]) for t in tops]).tolist()
+    out, at = [], 0
+    for t in tops:
+        rows, w = t.values.shape
+        vals, idx = flat[at : at + rows * w], flat[at + rows * w : at + 2 * rows * w]
+        at += 2 * rows * w
+        out.append(([[int(i) for i in idx[r * w : (r + 1) * w]] for r in range(rows)],
+                    [vals[r * w : (r + 1) * w] for r in range(rows)]))
+    return iter(out)
 
 
 @lru_cache(maxsize=64)

@@ -82,19 +82,41 @@ def test_static_step_mixed_methods_and_abort(tiny_pair, references):
             assert done[rid] == references[i], names[i % len(names)]
 
 
+def reads_per_step(engine: LLMEngine) -> list[int]:
+    """Host reads in each step after the first (which admits everyone: prefill reads the
+    first tokens), until every request finishes."""
+    engine.step()
+    reads = []
+    while engine.has_unfinished():
+        with host_reads() as counts:
+            engine.step()
+        reads.append(counts["reads"])
+    return reads
+
+
 @pytest.mark.parametrize("name", ["none", "draft", "ngram", "medusa"])
 def test_one_host_read_per_step(tiny_pair, name):
     engine = engine_for(tiny_pair, "static")
     prompts = ragged_prompts(4)
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), speculation(name))
-    engine.step()  # admits everyone (prefill reads the first tokens)
-    reads = []
-    while engine.has_unfinished():
-        with host_reads() as counts:
-            engine.step()
-        reads.append(counts["reads"])
+    reads = reads_per_step(engine)
     assert len(reads) >= 3 and max(reads) == 1, reads
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle-2"])
+def test_eagle_reads_once_per_tree_level(tiny_pair, name):
+    """EAGLE's trees grow level by level on the host: one read per level for every row
+    together (not one per row and level), plus the step's one."""
+    from specray.policies.eagle import EagleOptions, resolve_tree
+
+    options = EagleOptions(**SPECS[name])
+    depth = options.depth if options.dynamic_tree else resolve_tree(options).max_depth
+    engine = engine_for(tiny_pair, "static")
+    for p in ragged_prompts(4):
+        engine.add_request(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), speculation(name))
+    reads = reads_per_step(engine)
+    assert len(reads) >= 3 and max(reads) <= depth + 1, (depth, reads)
 
 
 def test_sampled_rows_read_once_too(tiny_pair):
@@ -102,12 +124,7 @@ def test_sampled_rows_read_once_too(tiny_pair):
     for i, p in enumerate(ragged_prompts(4)):
         params = SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=i, ignore_eos=True)
         engine.add_request(p, params, speculation(["draft", "ngram", "medusa", "none"][i]))
-    engine.step()
-    reads = []
-    while engine.has_unfinished():
-        with host_reads() as counts:
-            engine.step()
-        reads.append(counts["reads"])
+    reads = reads_per_step(engine)
     assert max(reads) == 1, reads
 
 
