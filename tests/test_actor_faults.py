@@ -28,11 +28,13 @@ def test_infeasible_placement_fails_fast(ray_session, tiny_checkpoints):
     start = time.monotonic()
     with pytest.raises(PlacementError, match="needs 4 GPU"):
         ray.get(too_big.ready.remote())
-    assert time.monotonic() - start < 10
+    # Seconds on a quiet machine; the bounds leave room for shared CI cores (24 s was seen with
+    # the suite on two workers beside other jobs) and still catch a placement left pending.
+    assert time.monotonic() - start < 60
     start = time.monotonic()
     with pytest.raises(PlacementError, match="not ready after 2s"):
         ray.get(spread.ready.remote())
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 60
     shutdown(too_big)
     shutdown(spread)
 

@@ -102,7 +102,9 @@ class Server:
 
 def assert_clean_exit(server: Server, sig, port: int) -> None:
     code, seconds, output = server.stop(sig)
-    assert code == 0 and seconds < 10, (code, seconds, output[-2000:])
+    # A few seconds on a quiet machine; the bound leaves room for CI's shared cores (10.7 s was
+    # seen with the suite on two workers beside other jobs) and still catches a hang.
+    assert code == 0 and seconds < 30, (code, seconds, output[-2000:])
     assert port_free(port)
     assert not [p for p in server.family if alive(p)], "processes left behind"
     for word in ("Traceback", "Aborted", "core dumped", "graceful_shutdown failed", "*** SIG"):
