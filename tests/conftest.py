@@ -14,6 +14,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(1)
 
 
+def pytest_sessionstart(session):
+    """The whole suite builds the demo pair first (a few CPU minutes, once; later runs find it
+    cached), before any test and so outside every test's timeout; xdist workers then find it
+    built. Runs of chosen files, of ``-m "not slow"`` and xdist workers skip this."""
+    cfg = session.config
+    if hasattr(cfg, "workerinput") or cfg.option.collectonly or "not slow" in (cfg.option.markexpr or ""):
+        return
+    suite = {os.path.normpath(os.path.join(str(cfg.rootpath), p)) for p in cfg.getini("testpaths")}
+    if not cfg.args or any(os.path.normpath(os.path.join(str(cfg.invocation_params.dir), a)) not in suite
+                           for a in cfg.args):
+        return
+    from specray.demo import load_or_build_demo_pair
+
+    load_or_build_demo_pair()
+
+
 def tiny_llama(vocab: int = 64, layers: int = 2, seed: int = 0, init: float = 0.3, kv_heads: int = 2):
     """A random LlamaForCausalLM; a large init keeps argmax margins far above float noise."""
     from transformers import LlamaConfig, LlamaForCausalLM
