@@ -94,7 +94,7 @@ def reads_per_step(engine: LLMEngine) -> list[int]:
     return reads
 
 
-@pytest.mark.parametrize("name", ["none", "draft", "ngram", "medusa"])
+@pytest.mark.parametrize("name", ["none", "draft", "ngram", "medusa", "eagle", "lookahead"])
 def test_one_host_read_per_step(tiny_pair, name):
     engine = engine_for(tiny_pair, "static")
     prompts = ragged_prompts(4)
@@ -104,10 +104,10 @@ def test_one_host_read_per_step(tiny_pair, name):
     assert len(reads) >= 3 and max(reads) == 1, reads
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle-2"])
+@pytest.mark.parametrize("name", ["eagle-2"])
 def test_eagle_reads_once_per_tree_level(tiny_pair, name):
-    """EAGLE's trees grow level by level on the host: one read per level for every row
-    together (not one per row and level), plus the step's one."""
+    """EAGLE-2's dynamic trees grow level by level on the host: one read per level for every
+    row together (not one per row and level), plus the step's one."""
     from specray.policies.eagle import EagleOptions, resolve_tree
 
     options = EagleOptions(**SPECS[name])
@@ -117,6 +117,31 @@ def test_eagle_reads_once_per_tree_level(tiny_pair, name):
         engine.add_request(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), speculation(name))
     reads = reads_per_step(engine)
     assert len(reads) >= 3 and max(reads) <= depth + 1, (depth, reads)
+
+
+@pytest.mark.parametrize("method, spec", [
+    ("eagle", {}), ("eagle", {"tree": "chain"}), ("eagle", {"eagle_choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}),
+    ("eagle3", {}), ("eagle3", {"tree": "chain"}),
+], ids=["eagle default tree", "eagle chain", "eagle explicit", "eagle3 default tree", "eagle3 chain"])
+def test_eagle_trees_drafted_on_the_device_equal_the_hosts(tiny_pair, references, method, spec):
+    """Static trees grown on the device draft the tokens the host path drafts: every request
+    accepts the same number of tokens at every position, under eager (host drafting) and the
+    static step (device drafting, one read per step). Losslessness alone would not show it."""
+    from tests.test_eagle import self_head
+    from tests.test_eagle3 import random_head3
+
+    target, _ = tiny_pair
+    head = {"eagle": self_head(target), "eagle3": random_head3(target)}[method]
+    runs = []
+    for step in ("eager", "static"):
+        engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4, step=step,
+                                        speculation_length=SpeculationLengthPolicy()),
+                           target_model=copy.deepcopy(target), resources={method: copy.deepcopy(head)})
+        outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method=method, **spec))
+        assert [o.token_ids for o in outs] == references
+        runs.append([(o.metrics["num_drafts"], o.metrics["accepted_per_pos"]) for o in outs])
+    assert runs[0] == runs[1]
+    assert sum(n for n, _ in runs[0]) > 0
 
 
 def test_sampled_rows_read_once_too(tiny_pair):
