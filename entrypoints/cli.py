@@ -26,8 +26,9 @@ BENCHMARKS = {
     "speed": "specray vs Hugging Face generate on the demo pair, batch 1 (tokens/s, acceptance, the bound)",
     "load": "the HTTP server under concurrent streams: plain vs speculative decoding",
     "actors": "per-step cost of the Ray actor layouts against the in-process engine",
-    "trees": "tree methods (EAGLE-1/2, Medusa, ReDrafter) against plain and draft-model speculation",
+    "trees": "tree methods (EAGLE-1/2/3, Medusa, ReDrafter) against plain and draft-model speculation",
     "lookahead": "lookahead decoding against plain decoding and prompt lookup",
+    "suffix": "suffix decoding against plain decoding and prompt lookup, on repetitive and non-repetitive work",
     "gpu": "the step against the memory-bandwidth bound on a GPU (a synthetic 8B-shaped pair; --device cpu: demo)",
 }
 
