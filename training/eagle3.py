@@ -14,6 +14,8 @@ residual stream entering layers 2, L//2 and L-3 (``target_layer_inputs``).
   against the target's distribution of the token j + 2 ahead, restricted to the draft
   vocabulary (positions whose target argmax lies outside it are masked), weighted
   ``decay ** j`` (EAGLE-3: 7 passes, 0.8). No feature regression.
+* Optimiser: AdamW, one-cycle, peak lr 1e-2 (on the demo target, 100 steps at 1e-2 reach a
+  held-out top-1 of 0.47-0.55 where 3e-3 reaches 0.40-0.45).
 * Warm start (``--init target``, the default; ``random`` is EAGLE-3's): the LM head takes
   the target's rows of the draft vocabulary and its final norm, the midlayer the target's
   last layer (attention reading the fused-feature half), ``fc`` the high tap — a short CPU
@@ -142,7 +144,7 @@ def chain_ranks(head: Eagle3Head, data: SequenceSet, taps: torch.Tensor, depth: 
 
 
 def train_eagle3(target: str, out: str, tokenizer: str | None = None, steps: int = 1200, batch_size: int = 16,
-                 width: int = 128, lr: float = 3e-3, unroll: int = 7, decay: float = DECAY, vocab: int = 1024,
+                 width: int = 128, lr: float = 1e-2, unroll: int = 7, decay: float = DECAY, vocab: int = 1024,
                  init: str = "target", layers: tuple[int, ...] | None = None, label_temperature: float = 1.0,
                  sequences: int = 1024,
                  gen_len: int = 128, tree_size: int = 16, depth: int = 6, seed: int = 0,
@@ -192,7 +194,7 @@ EVAL_SPECS = {"fitted tree": {}, "chain": {"tree": "chain"}, "EAGLE-2 dynamic tr
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specray train eagle3", description=__doc__.split("\n\n")[0])
-    add_common_args(p, steps=1200, lr=3e-3)
+    add_common_args(p, steps=1200, lr=1e-2)
     p.add_argument("--batch-size", type=int, default=16, help="windows per step")
     p.add_argument("--width", type=int, default=128, help="positions per window")
     p.add_argument("--unroll", type=int, default=7, help="self-fed passes of the training-time test")
@@ -201,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init", choices=("target", "random"), default="target", help="warm start from the target or not")
     p.add_argument("--depth", type=int, default=6, help="levels measured for the fitted tree")
     p.add_argument("--label-temperature", type=float, default=1.0,
-                   help="temperature of the target's distribution used as the label (1 = EAGLE-3's)")
+                   help="temperature of the target's distribution used as the label (1 = EAGLE-3's; "
+                        "0.25 trains a better greedy drafter on the demo pair)")
     p.add_argument("--layers", default=None, help="the 3 target layers whose inputs the head reads, e.g. 2,6,11 "
                                                    "(default 2, L//2, L-3)")
     return run_recipe(argv, p, "eagle3", lambda a, target, tokenizer: train_eagle3(
