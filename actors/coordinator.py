@@ -84,7 +84,8 @@ class CoordinatorCore:
         self._loop_task: asyncio.Task | None = None
         self._started = False
 
-    async def _start(self) -> None:
+    async def start(self) -> None:
+        """Reserve the placement and start the workers (once; later calls return at once)."""
         async with self._start_lock:
             if not self._started:
                 await self._start_workers()
@@ -126,7 +127,7 @@ class CoordinatorCore:
 
     # -- API -----------------------------------------------------------------------------
     async def submit(self, prompt, sampling=None, speculation=None, request_id=None) -> str:
-        await self._start()
+        await self.start()
         req = self.scheduler.make_request(
             prompt,
             _validated(SamplingParams.model_validate, sampling or {}),
@@ -232,7 +233,7 @@ class CoordinatorCore:
 
     async def workers(self) -> dict:
         """Handles of the workers by role (for tests and operations)."""
-        await self._start()
+        await self.start()
         return {self.role: self.worker.handle, **await self.worker.handle.proposer_handles.remote()}
 
     # -- the loop ------------------------------------------------------------------------
@@ -330,5 +331,5 @@ class Coordinator(CoordinatorCore):
     """``CoordinatorCore`` as an async Ray actor (the documented Python API)."""
 
     async def ready(self) -> dict:
-        await self._start()
+        await self.start()
         return await self.stats()

@@ -76,7 +76,7 @@ class EngineWorker(Placed):
         return self.engine.limits.to_dict()
 
     async def add(self, request) -> None:
-        self.engine.scheduler.add(request)
+        self.engine.add(request)
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
@@ -87,9 +87,9 @@ class EngineWorker(Placed):
                     outputs = await self.engine.step_async()
             except Exception as exc:  # noqa: BLE001 - fail what was in flight, keep serving
                 log.exception("step failed")
-                for req in list(self.engine.scheduler.running.values()) + list(self.engine.scheduler.waiting):
-                    self.engine.abort(req.request_id)
-                    self._errors[req.request_id] = f"internal error: {type(exc).__name__}: {exc}"
+                for rid in self.engine.request_ids():
+                    self._errors[rid] = f"internal error: {type(exc).__name__}: {exc}"
+                    self.engine.fail(rid, self._errors[rid])
                 outputs = []
                 self._wake.set()
             if outputs:
@@ -107,11 +107,7 @@ class EngineWorker(Placed):
         outputs, self._outbox = self._outbox, []
         errors, self._errors = self._errors, {}
         deltas = [self._delta(o) for o in outputs]
-        states = {}
-        for rid in {o.request_id for o in outputs if not o.finished}:
-            req = self.engine.scheduler.find(rid)
-            if req is not None and req.generator is not None and not req.sampling.greedy:
-                states[rid] = req.generator.get_state()
+        states = self.engine.generator_states({o.request_id for o in outputs if not o.finished})
         return {"outputs": deltas, "states": states, "errors": errors}
 
     def _delta(self, out) -> dict:
@@ -135,20 +131,14 @@ class EngineWorker(Placed):
 
     def describe(self) -> dict:
         """Which driver, executor and proposer classes this worker runs (tests, operations)."""
-        name = lambda obj: f"{type(obj).__module__}.{type(obj).__qualname__}"  # noqa: E731
-        proposers = {m: name(self.engine.proposers.get(m)) for m in self.engine.limits.methods
-                     if self.engine.proposers.get(m) is not None}
-        return {"driver": name(self.engine.driver), "executor": name(self.engine.executor), "proposers": proposers}
+        return self.engine.describe()
 
     def proposer_handles(self) -> dict:
         return {m: p.handle for m, p in self.remote.items()}
 
     def phase_seconds(self, reset: bool = True) -> dict:
         """Seconds the driver waited for drafts and verified, and its steps (since the last reset)."""
-        out = dict(self.engine.driver.phase_seconds)
-        if reset:
-            self.engine.driver.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}
-        return out
+        return self.engine.stats(reset)["phases"]
 
     def overlap_stats(self) -> dict:
         """Per remote method: rows served by a draft made during the previous verification."""

@@ -109,19 +109,58 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); returns its request id."""
-        return self.scheduler.add(self.scheduler.make_request(prompt, sampling, speculation, request_id))
+        return self.add(self.scheduler.make_request(prompt, sampling, speculation, request_id))
+
+    def add(self, request: Request) -> str:
+        """Queue a request already made (validated and tokenised where it entered); returns its id."""
+        return self.scheduler.add(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its last output (finish_reason 'abort') if it existed."""
         return self.scheduler.abort(request_id, self.driver.release)
 
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """Finish a request now with 'error' and ``message``, freeing its slot; returns its last
+        output if it existed."""
+        return self.scheduler.abort(request_id, self.driver.release, error=message)
+
+    def request_ids(self) -> list[str]:
+        """The requests queued or running, running first."""
+        return self.scheduler.request_ids()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def generator_states(self, request_ids: Iterable[str]) -> dict[str, object]:
+        """The generator states of those of ``request_ids`` that sample with a seed and are still
+        here (to continue them exactly elsewhere)."""
+        states = {}
+        for rid in request_ids:
+            req = self.scheduler.find(rid)
+            if req is not None and req.generator is not None and not req.sampling.greedy:
+                states[rid] = req.generator.get_state()
+        return states
 
     @property
     def totals(self):
         """Metrics summed over finished requests."""
         return self.scheduler.totals
+
+    def stats(self, reset: bool = False) -> dict:
+        """``phases``: seconds the steps waited for drafts (``propose``) and verified
+        (``verify``), and their count (``steps``), since the last reset; ``reset`` starts them
+        over. ``totals``: metrics summed over finished requests; ``waiting``, ``running``."""
+        phases = dict(self.driver.phase_seconds)
+        if reset:
+            self.driver.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}
+        return {"phases": phases, "totals": self.totals.to_dict(), "waiting": len(self.scheduler.waiting),
+                "running": len(self.scheduler.running)}
+
+    def describe(self) -> dict:
+        """Which driver, executor and proposer classes this engine runs (tests, operations)."""
+        name = lambda obj: f"{type(obj).__module__}.{type(obj).__qualname__}"  # noqa: E731
+        proposers = {m: name(self.proposers.get(m)) for m in self.limits.methods if self.proposers.get(m) is not None}
+        return {"driver": name(self.driver), "executor": name(self.executor), "proposers": proposers}
 
     # -- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

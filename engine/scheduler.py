@@ -128,13 +128,20 @@ class Scheduler:
                 return req
         return None
 
-    def abort(self, request_id: str, release) -> RequestOutput | None:
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in itertools.chain(self.running.values(), self.waiting)]
+
+    def abort(self, request_id: str, release, error: str | None = None) -> RequestOutput | None:
         """Stop a request; ``release(req)`` frees a running one's workers. Returns its last
-        output (finish_reason 'abort'), or None if no such request is queued or running."""
+        output (finish_reason 'abort', or 'error' with ``error``), or None if no such request
+        is queued or running."""
         req = self.find(request_id)
         if req is None:
             return None
-        req.finish_reason = "abort"
+        if error is None:
+            req.finish_reason = "abort"
+        else:
+            req.fail(error)
         if req.slot < 0:
             self.waiting.remove(req)
         else:

@@ -46,7 +46,7 @@ class EngineDeployment:
     async def stream(self, prompt, sampling: dict, speculation: dict | None):
         # Started outside the request's context too (see below): the workers must not be
         # children of whichever request happened to come first.
-        await asyncio.shield(_detached(self.core._start()))
+        await asyncio.shield(_detached(self.core.start()))
         waiting, _ = self._load()
         if waiting >= self.max_waiting:
             # Refusals travel as values: an exception here would be logged by Serve with a traceback.
