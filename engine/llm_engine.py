@@ -19,6 +19,7 @@ import logging
 from typing import Iterable, Mapping, Sequence
 
 from specray.engine.config import EngineConfig, load_tokenizer
+from specray.engine.delta import StepDelta
 from specray.engine.driver import StepDriver, run_sync
 from specray.engine.executor import LocalExecutor, ProposerTable
 from specray.engine.params import SamplingParams
@@ -90,6 +91,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, self.limits, tokenizer, config.default_speculation)
         self.executor = LocalExecutor(self.target, self.proposers)
         self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, config.speculation_length)
+        self._text_sent: dict[str, int] = {}  # request id -> characters of its text in deltas so far
 
     def _runner_for(self, model, extra_capacity: int = 0) -> ModelRunner:
         if isinstance(model, str):
@@ -112,16 +114,21 @@ class LLMEngine:
         return self.add(self.scheduler.make_request(prompt, sampling, speculation, request_id))
 
     def add(self, request: Request) -> str:
-        """Queue a request already made (validated and tokenised where it entered); returns its id."""
+        """Queue a request already made (validated and tokenised where it entered); returns its id.
+        A request resumed from another worker has had its text so far sent already."""
+        if request.text:
+            self._text_sent[request.request_id] = len(request.text)
         return self.scheduler.add(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its last output (finish_reason 'abort') if it existed."""
+        self._text_sent.pop(request_id, None)
         return self.scheduler.abort(request_id, self.driver.release)
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         """Finish a request now with 'error' and ``message``, freeing its slot; returns its last
         output if it existed."""
+        self._text_sent.pop(request_id, None)
         return self.scheduler.abort(request_id, self.driver.release, error=message)
 
     def request_ids(self) -> list[str]:
@@ -131,15 +138,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def generator_states(self, request_ids: Iterable[str]) -> dict[str, object]:
-        """The generator states of those of ``request_ids`` that sample with a seed and are still
-        here (to continue them exactly elsewhere)."""
-        states = {}
+    def progress(self, request_ids: Iterable[str]) -> dict[str, dict]:
+        """What continuing each of ``request_ids`` still here on another worker needs besides its
+        tokens: its ``metrics`` so far and, when it samples with a seed, its ``generator`` state."""
+        out = {}
         for rid in request_ids:
             req = self.scheduler.find(rid)
-            if req is not None and req.generator is not None and not req.sampling.greedy:
-                states[rid] = req.generator.get_state()
-        return states
+            if req is None:
+                continue
+            seeded = req.generator is not None and not req.sampling.greedy
+            out[rid] = {"metrics": req.metrics.to_dict(), "generator": req.generator.get_state() if seeded else None}
+        return out
 
     @property
     def totals(self):
@@ -167,9 +176,15 @@ class LLMEngine:
         """Admit waiting requests, then one speculative step; outputs of rows that moved."""
         return run_sync(self.driver.step())
 
-    async def step_async(self) -> list[RequestOutput]:
-        """The same step inside an event loop (where proposers may be remote)."""
-        return await self.driver.step()
+    async def step_deltas(self) -> list[StepDelta]:
+        """The same step inside an event loop (where proposers may be remote), as deltas:
+        per request that moved, only what this step added (``engine/delta.py``)."""
+        deltas = []
+        for out in await self.driver.step():
+            deltas.append(StepDelta.of(out, self._text_sent.pop(out.request_id, 0)))
+            if not out.finished:
+                self._text_sent[out.request_id] = len(out.text)
+        return deltas
 
     # -- convenience -------------------------------------------------------------------
     def generate(
