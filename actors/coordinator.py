@@ -36,10 +36,10 @@ from specray.actors.proposer_proxy import Supervised
 from specray.actors.engine_worker import EngineWorker
 from specray.engine.config import load_tokenizer
 from specray.engine.delta import OutputAssembly, StepDelta
+from specray.engine.intake import RequestMaker
 from specray.engine.metrics import SpecMetrics
 from specray.engine.params import SamplingParams
 from specray.engine.request import Request
-from specray.engine.scheduler import Scheduler
 from specray.policies.registry import Limits, method_spec, parse_speculation, registered_methods
 
 log = logging.getLogger(__name__)
@@ -103,8 +103,7 @@ class CoordinatorCore:
         self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote, overlap, suffix))
         limits = Limits.from_dict(await self._worker_started())
         # As OpenAI and vLLM: prompt + max_tokens beyond the context is refused (ContextLengthError).
-        self.scheduler = Scheduler(cfg.max_num_seqs, limits, self.tokenizer, cfg.default_speculation,
-                                   strict_context=True)
+        self.intake = RequestMaker(limits, self.tokenizer, cfg.default_speculation, strict_context=True)
         self._started = True
 
     async def _worker_started(self) -> dict:
@@ -131,7 +130,7 @@ class CoordinatorCore:
 
     async def _submit(self, prompt, sampling=None, speculation=None, request_id=None) -> Request:
         await self.start()
-        req = self.scheduler.make_request(
+        req = self.intake.make(
             prompt,
             _validated(SamplingParams.model_validate, sampling or {}),
             _validated(parse_speculation, speculation) if speculation is not None else None,

@@ -22,6 +22,7 @@ from specray.engine.config import EngineConfig, load_tokenizer
 from specray.engine.delta import StepDelta
 from specray.engine.driver import StepDriver, run_sync
 from specray.engine.executor import LocalExecutor, ProposerTable
+from specray.engine.intake import RequestMaker
 from specray.engine.params import SamplingParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
@@ -88,7 +89,8 @@ class LLMEngine:
             if isinstance(draft, ModelRunner):  # the draft model drafts with fixed shapes too
                 draft.enable_static(self.step_mode)
         log.info("step mode: %s", self.step_mode)
-        self.scheduler = Scheduler(config.max_num_seqs, self.limits, tokenizer, config.default_speculation)
+        self.intake = RequestMaker(self.limits, tokenizer, config.default_speculation)
+        self.scheduler = Scheduler(config.max_num_seqs)
         self.executor = LocalExecutor(self.target, self.proposers)
         self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, config.speculation_length)
         self._text_sent: dict[str, int] = {}  # request id -> characters of its text in deltas so far
@@ -111,7 +113,7 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); returns its request id."""
-        return self.add(self.scheduler.make_request(prompt, sampling, speculation, request_id))
+        return self.add(self.intake.make(prompt, sampling, speculation, request_id))
 
     def add(self, request: Request) -> str:
         """Queue a request already made (validated and tokenised where it entered); returns its id.
