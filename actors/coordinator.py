@@ -6,9 +6,12 @@
     async for out in coordinator.stream.remote("import os", {"max_tokens": 16}):
         print(out["new_token_ids"])
 
-Outputs are ``RequestOutput`` dicts; bad parameters raise ``ValueError`` before anything is
-queued. The engine worker steps on its own and the coordinator long-polls what it produced
-(new tokens and text per request). The coordinator keeps every request's committed tokens:
+``stream`` yields the engine's step deltas (``StepDelta`` dicts, ``engine/delta.py``: the new
+tokens and text, the step's speculation event, metrics once finished) as they come, so a chunk
+costs what its step added; ``generate`` returns whole ``RequestOutput`` dicts, assembled once.
+Bad parameters raise ``ValueError`` before anything is queued. The engine worker steps on its
+own and the coordinator long-polls what it produced. The coordinator keeps every request's
+committed tokens:
 when the engine worker dies, a new one starts and each request in flight is re-prefilled
 there (prompt + tokens already emitted) and continues — greedy output unchanged, streams
 unbroken, seeded sampled requests from the generator state of their last delivered token.
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -33,10 +35,11 @@ from specray.actors.placement import reserve
 from specray.actors.proposer_proxy import Supervised
 from specray.actors.engine_worker import EngineWorker
 from specray.engine.config import load_tokenizer
+from specray.engine.delta import OutputAssembly, StepDelta
+from specray.engine.intake import RequestMaker
 from specray.engine.metrics import SpecMetrics
 from specray.engine.params import SamplingParams
-from specray.engine.request import Request, RequestOutput
-from specray.engine.scheduler import Scheduler
+from specray.engine.request import Request
 from specray.policies.registry import Limits, method_spec, parse_speculation, registered_methods
 
 log = logging.getLogger(__name__)
@@ -56,12 +59,9 @@ class _Tracked:
 
     request: Request
     output_ids: list[int] = field(default_factory=list)
-    text: str = ""
     metrics: dict = field(default_factory=dict)
     generator_state: torch.Tensor | None = None
     replays: int = 0
-    logprobs: list | None = None  # when asked: every delivered token's (engine/logprobs.py)
-    prompt_logprobs: list | None = None
 
 
 class CoordinatorCore:
@@ -84,7 +84,8 @@ class CoordinatorCore:
         self._loop_task: asyncio.Task | None = None
         self._started = False
 
-    async def _start(self) -> None:
+    async def start(self) -> None:
+        """Reserve the placement and start the workers (once; later calls return at once)."""
         async with self._start_lock:
             if not self._started:
                 await self._start_workers()
@@ -102,8 +103,7 @@ class CoordinatorCore:
         self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote, overlap, suffix))
         limits = Limits.from_dict(await self._worker_started())
         # As OpenAI and vLLM: prompt + max_tokens beyond the context is refused (ContextLengthError).
-        self.scheduler = Scheduler(cfg.max_num_seqs, limits, self.tokenizer, cfg.default_speculation,
-                                   strict_context=True)
+        self.intake = RequestMaker(limits, self.tokenizer, cfg.default_speculation, strict_context=True)
         self._started = True
 
     async def _worker_started(self) -> dict:
@@ -126,8 +126,11 @@ class CoordinatorCore:
 
     # -- API -----------------------------------------------------------------------------
     async def submit(self, prompt, sampling=None, speculation=None, request_id=None) -> str:
-        await self._start()
-        req = self.scheduler.make_request(
+        return (await self._submit(prompt, sampling, speculation, request_id)).request_id
+
+    async def _submit(self, prompt, sampling=None, speculation=None, request_id=None) -> Request:
+        await self.start()
+        req = self.intake.make(
             prompt,
             _validated(SamplingParams.model_validate, sampling or {}),
             _validated(parse_speculation, speculation) if speculation is not None else None,
@@ -143,10 +146,10 @@ class CoordinatorCore:
             # the loop as the parent of every worker call, and cancelling that request
             # (its client went away) would cancel the shared loop's calls.
             self._loop_task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
-        return req.request_id
+        return req
 
     async def outputs(self, request_id: str):
-        """Async iterator over a submitted request's step outputs, until it finishes."""
+        """Async iterator over a submitted request's step deltas (dicts), until it finishes."""
         queue = self._queues[request_id]
         try:
             while True:
@@ -154,7 +157,7 @@ class CoordinatorCore:
                 if item is _FAILED:
                     raise WorkerLostError(self._errors.pop(request_id, "worker lost"))
                 yield item
-                if item.finished:
+                if item["finished"]:
                     return
         finally:
             self._queues.pop(request_id, None)
@@ -162,23 +165,23 @@ class CoordinatorCore:
     async def generate(self, prompts, sampling=None, speculation=None) -> list[dict]:
         samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         specs = speculation if isinstance(speculation, (list, tuple)) else [speculation] * len(prompts)
-        ids = [await self.submit(p, s, sp) for p, s, sp in zip(prompts, samplings, specs)]
+        reqs = [await self._submit(p, s, sp) for p, s, sp in zip(prompts, samplings, specs)]
 
-        async def final(rid):
-            last = None
-            async for out in self.outputs(rid):
-                last = out
-            return dataclasses.asdict(last)
+        async def final(req: Request) -> dict:
+            whole = OutputAssembly(req.request_id, req.prompt_ids)
+            async for delta in self.outputs(req.request_id):
+                whole.add(delta)
+            return whole.whole
 
-        return list(await asyncio.gather(*(final(rid) for rid in ids)))
+        return list(await asyncio.gather(*(final(req) for req in reqs)))
 
     async def stream(self, prompt, sampling=None, speculation=None, request_id=None):
         rid = await self.submit(prompt, sampling, speculation, request_id)
         finished = False
         try:
-            async for out in self.outputs(rid):
-                finished = out.finished
-                yield dataclasses.asdict(out)
+            async for delta in self.outputs(rid):
+                finished = delta["finished"]
+                yield delta
         finally:
             if not finished:  # the consumer went away: free the sequence
                 await self.abort(rid)
@@ -191,10 +194,10 @@ class CoordinatorCore:
             await self.worker.handle.abort.remote(request_id)
         except RayActorError:  # the worker is gone: nothing to free there
             pass
-        out = self._output(tracked, [], finished=True, finish_reason="abort")
         queue = self._queues.get(request_id)
         if queue is not None:
-            queue.put_nowait(out)
+            queue.put_nowait(StepDelta(request_id, [], finished=True, finish_reason="abort",
+                                       metrics=tracked.metrics or SpecMetrics().to_dict()).to_dict())
         return True
 
     async def shutdown(self) -> None:
@@ -232,7 +235,7 @@ class CoordinatorCore:
 
     async def workers(self) -> dict:
         """Handles of the workers by role (for tests and operations)."""
-        await self._start()
+        await self.start()
         return {self.role: self.worker.handle, **await self.worker.handle.proposer_handles.remote()}
 
     # -- the loop ------------------------------------------------------------------------
@@ -252,36 +255,24 @@ class CoordinatorCore:
                 self._fail(rid, message)
             for delta in batch["outputs"]:
                 self._deliver(delta)
-            for rid, state in batch["states"].items():
+            for rid, progress in batch["progress"].items():
                 if rid in self._tracked:
-                    self._tracked[rid].generator_state = state
+                    self._tracked[rid].metrics = progress["metrics"]
+                    self._tracked[rid].generator_state = progress["generator"]
 
     def _deliver(self, delta: dict) -> None:
-        tracked = self._tracked.get(delta["request_id"])
+        """Pass a step delta on, as it is, to its request's stream; keep its tokens (to replay)."""
+        rid = delta["request_id"]
+        tracked = self._tracked.get(rid)
         if tracked is None:  # aborted (or failed) meanwhile
             return
         tracked.output_ids += delta["new_token_ids"]
-        tracked.text = delta["text"] if delta["finished"] else tracked.text + delta["text_delta"]
-        tracked.metrics = delta["metrics"]
-        if delta.get("logprobs") is not None:
-            tracked.logprobs = (tracked.logprobs or []) + delta["logprobs"]
-        if delta.get("prompt_logprobs") is not None:
-            tracked.prompt_logprobs = delta["prompt_logprobs"]
-        out = self._output(tracked, delta["new_token_ids"], delta["finished"], delta["finish_reason"], delta["step"],
-                           delta.get("error"))
-        if out.finished:
-            del self._tracked[out.request_id]
-            self.totals.merge(SpecMetrics.from_dict(out.metrics))
-        queue = self._queues.get(out.request_id)
+        if delta["finished"]:
+            del self._tracked[rid]
+            self.totals.merge(SpecMetrics.from_dict(delta["metrics"]))
+        queue = self._queues.get(rid)
         if queue is not None:
-            queue.put_nowait(out)
-
-    @staticmethod
-    def _output(t: _Tracked, new: list[int], finished: bool, finish_reason=None, step=None, error=None) -> RequestOutput:
-        return RequestOutput(t.request.request_id, t.request.prompt_ids, list(t.output_ids), list(new), t.text,
-                             finished, finish_reason, dict(t.metrics), step, error=error,
-                             logprobs=list(t.logprobs) if t.logprobs is not None else None,
-                             prompt_logprobs=t.prompt_logprobs)
+            queue.put_nowait(delta)
 
     async def _recover(self, message: str) -> None:
         """A new engine worker, and every request in flight replayed on it."""
@@ -330,5 +321,5 @@ class Coordinator(CoordinatorCore):
     """``CoordinatorCore`` as an async Ray actor (the documented Python API)."""
 
     async def ready(self) -> dict:
-        await self._start()
+        await self.start()
         return await self.stats()

@@ -27,10 +27,10 @@ class EngineWorker(Placed):
     """The target and the step driver in one actor, stepping on its own.
 
     Requests come in with ``add``; the worker runs steps for as long as it has work (no call
-    per step), and the coordinator long-polls ``poll`` for what they produced: per request
-    only the new tokens and the new text (the full text once, at the end), so what crosses
-    actors stays proportional to what a step adds. With each poll come the generator states
-    of seeded sampled requests, so the coordinator can continue them elsewhere exactly.
+    per step), and the coordinator long-polls ``poll`` for what they produced: the engine's
+    step deltas (``engine/delta.py``), so what crosses actors stays proportional to what a
+    step adds. With each poll come the metrics and generator states of the requests still
+    running, so the coordinator can continue them elsewhere exactly.
 
     remote: method -> actor options for the methods that run in ProposerWorkers of their
     own (separate layout); empty = every proposer in this actor (colocated layout).
@@ -59,7 +59,6 @@ class EngineWorker(Placed):
         self._outbox: list = []
         self._errors: dict[str, str] = {}
         self._wake = asyncio.Event()
-        self._text_sent: dict[str, int] = {}
         self._loop_task: asyncio.Task | None = None
 
     async def start(self, timeout_s: float) -> dict:
@@ -76,7 +75,7 @@ class EngineWorker(Placed):
         return self.engine.limits.to_dict()
 
     async def add(self, request) -> None:
-        self.engine.scheduler.add(request)
+        self.engine.add(request)
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
@@ -84,71 +83,46 @@ class EngineWorker(Placed):
         while self.engine.has_unfinished():
             try:
                 async with self._lock:
-                    outputs = await self.engine.step_async()
+                    deltas = await self.engine.step_deltas()
             except Exception as exc:  # noqa: BLE001 - fail what was in flight, keep serving
                 log.exception("step failed")
-                for req in list(self.engine.scheduler.running.values()) + list(self.engine.scheduler.waiting):
-                    self.engine.abort(req.request_id)
-                    self._errors[req.request_id] = f"internal error: {type(exc).__name__}: {exc}"
-                outputs = []
+                for rid in self.engine.request_ids():
+                    self._errors[rid] = f"internal error: {type(exc).__name__}: {exc}"
+                    self.engine.fail(rid, self._errors[rid])
+                deltas = []
                 self._wake.set()
-            if outputs:
-                self._outbox.extend(outputs)
+            if deltas:
+                self._outbox.extend(deltas)
                 self._wake.set()
             await asyncio.sleep(0)  # let adds, aborts and polls in between steps
 
     async def poll(self) -> dict:
         """What the steps produced since the last poll (waits until there is something):
-        ``outputs`` (deltas, see ``_delta``), ``states`` (generator states of seeded
-        sampled requests still running), ``errors`` (request id -> message)."""
+        ``outputs`` (``StepDelta`` dicts, in step order), ``progress`` (per request still
+        running: its metrics and the generator state of a seeded sampled one, see
+        ``LLMEngine.progress``), ``errors`` (request id -> message)."""
         while not (self._outbox or self._errors):
             self._wake.clear()
             await self._wake.wait()
-        outputs, self._outbox = self._outbox, []
+        deltas, self._outbox = self._outbox, []
         errors, self._errors = self._errors, {}
-        deltas = [self._delta(o) for o in outputs]
-        states = {}
-        for rid in {o.request_id for o in outputs if not o.finished}:
-            req = self.engine.scheduler.find(rid)
-            if req is not None and req.generator is not None and not req.sampling.greedy:
-                states[rid] = req.generator.get_state()
-        return {"outputs": deltas, "states": states, "errors": errors}
-
-    def _delta(self, out) -> dict:
-        sent = self._text_sent.pop(out.request_id, 0)
-        delta = {"request_id": out.request_id, "new_token_ids": out.new_token_ids, "finished": out.finished,
-                 "finish_reason": out.finish_reason, "metrics": out.metrics, "step": out.step, "error": out.error,
-                 # log-probabilities (when asked): the new tokens' only, and the prompt's once
-                 "logprobs": out.logprobs[len(out.logprobs) - len(out.new_token_ids):] if out.logprobs else None,
-                 "prompt_logprobs": out.prompt_logprobs if len(out.token_ids) == len(out.new_token_ids) else None}
-        if out.finished:
-            delta["text"] = out.text  # a stop string may have cut text sent before
-        else:
-            delta["text_delta"] = out.text[sent:]
-            self._text_sent[out.request_id] = len(out.text)
-        return delta
+        progress = self.engine.progress({d.request_id for d in deltas if not d.finished})
+        return {"outputs": [d.to_dict() for d in deltas], "progress": progress, "errors": errors}
 
     async def abort(self, request_id: str) -> bool:
         async with self._lock:  # never between a step's verify and its commit
-            self._text_sent.pop(request_id, None)
             return self.engine.abort(request_id) is not None
 
     def describe(self) -> dict:
         """Which driver, executor and proposer classes this worker runs (tests, operations)."""
-        name = lambda obj: f"{type(obj).__module__}.{type(obj).__qualname__}"  # noqa: E731
-        proposers = {m: name(self.engine.proposers.get(m)) for m in self.engine.limits.methods
-                     if self.engine.proposers.get(m) is not None}
-        return {"driver": name(self.engine.driver), "executor": name(self.engine.executor), "proposers": proposers}
+        return self.engine.describe()
 
     def proposer_handles(self) -> dict:
         return {m: p.handle for m, p in self.remote.items()}
 
     def phase_seconds(self, reset: bool = True) -> dict:
         """Seconds the driver waited for drafts and verified, and its steps (since the last reset)."""
-        out = dict(self.engine.driver.phase_seconds)
-        if reset:
-            self.engine.driver.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}
-        return out
+        return self.engine.stats(reset)["phases"]
 
     def overlap_stats(self) -> dict:
         """Per remote method: rows served by a draft made during the previous verification."""

@@ -82,9 +82,9 @@ def _time_local(cfg, prompts, sampling, spec) -> tuple[float, float, list, int, 
 
     engine = LLMEngine(cfg.engine_config())
     engine.generate(prompts[:1], sampling, spec)  # warm-up
-    engine.driver.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}
+    engine.stats(reset=True)
     secs, cpu, outs = _timed(lambda: engine.generate(prompts, sampling, spec))
-    return secs, cpu, [o.token_ids for o in outs], _steps(outs), dict(engine.driver.phase_seconds)
+    return secs, cpu, [o.token_ids for o in outs], _steps(outs), engine.stats()["phases"]
 
 
 def _steps(outs) -> int:

@@ -104,14 +104,14 @@ def _run(args, argv) -> int:
                 for config in order:
                     _cold(engine)
                     clock.update(forward=0.0, propose=0.0)
-                    steps = engine.driver.phase_seconds["steps"]
+                    steps = engine.stats()["phases"]["steps"]
                     start, start_wall = time.process_time(), time.perf_counter()
                     outs = engine.generate(ids, sampling, configs[config])
                     cpu, wall = time.process_time() - start, time.perf_counter() - start_wall
                     walls[config] = min(wall, walls.get(config, wall))
                     if config not in best or cpu < best[config]["cpu"]:
                         best[config] = {"cpu": cpu, "propose": clock["propose"], "outs": outs,
-                                        "steps": engine.driver.phase_seconds["steps"] - steps}
+                                        "steps": engine.stats()["phases"]["steps"] - steps}
             rows += _rows(name, batch, {c: {**run, "wall": walls[c]} for c, run in best.items()})
     return _report(rows, pathlib.Path(args.out))
 

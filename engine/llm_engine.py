@@ -19,8 +19,10 @@ import logging
 from typing import Iterable, Mapping, Sequence
 
 from specray.engine.config import EngineConfig, load_tokenizer
+from specray.engine.delta import StepDelta
 from specray.engine.driver import StepDriver, run_sync
 from specray.engine.executor import LocalExecutor, ProposerTable
+from specray.engine.intake import RequestMaker
 from specray.engine.params import SamplingParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
@@ -87,9 +89,11 @@ class LLMEngine:
             if isinstance(draft, ModelRunner):  # the draft model drafts with fixed shapes too
                 draft.enable_static(self.step_mode)
         log.info("step mode: %s", self.step_mode)
-        self.scheduler = Scheduler(config.max_num_seqs, self.limits, tokenizer, config.default_speculation)
+        self.intake = RequestMaker(self.limits, tokenizer, config.default_speculation)
+        self.scheduler = Scheduler(config.max_num_seqs)
         self.executor = LocalExecutor(self.target, self.proposers)
         self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, config.speculation_length)
+        self._text_sent: dict[str, int] = {}  # request id -> characters of its text in deltas so far
 
     def _runner_for(self, model, extra_capacity: int = 0) -> ModelRunner:
         if isinstance(model, str):
@@ -109,28 +113,80 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Queue a prompt (text or token ids); returns its request id."""
-        return self.scheduler.add(self.scheduler.make_request(prompt, sampling, speculation, request_id))
+        return self.add(self.intake.make(prompt, sampling, speculation, request_id))
+
+    def add(self, request: Request) -> str:
+        """Queue a request already made (validated and tokenised where it entered); returns its id.
+        A request resumed from another worker has had its text so far sent already."""
+        if request.text:
+            self._text_sent[request.request_id] = len(request.text)
+        return self.scheduler.add(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; returns its last output (finish_reason 'abort') if it existed."""
+        self._text_sent.pop(request_id, None)
         return self.scheduler.abort(request_id, self.driver.release)
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """Finish a request now with 'error' and ``message``, freeing its slot; returns its last
+        output if it existed."""
+        self._text_sent.pop(request_id, None)
+        return self.scheduler.abort(request_id, self.driver.release, error=message)
+
+    def request_ids(self) -> list[str]:
+        """The requests queued or running, running first."""
+        return self.scheduler.request_ids()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def progress(self, request_ids: Iterable[str]) -> dict[str, dict]:
+        """What continuing each of ``request_ids`` still here on another worker needs besides its
+        tokens: its ``metrics`` so far and, when it samples with a seed, its ``generator`` state."""
+        out = {}
+        for rid in request_ids:
+            req = self.scheduler.find(rid)
+            if req is None:
+                continue
+            seeded = req.generator is not None and not req.sampling.greedy
+            out[rid] = {"metrics": req.metrics.to_dict(), "generator": req.generator.get_state() if seeded else None}
+        return out
 
     @property
     def totals(self):
         """Metrics summed over finished requests."""
         return self.scheduler.totals
 
+    def stats(self, reset: bool = False) -> dict:
+        """``phases``: seconds the steps waited for drafts (``propose``) and verified
+        (``verify``), and their count (``steps``), since the last reset; ``reset`` starts them
+        over. ``totals``: metrics summed over finished requests; ``waiting``, ``running``."""
+        phases = dict(self.driver.phase_seconds)
+        if reset:
+            self.driver.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}
+        return {"phases": phases, "totals": self.totals.to_dict(), "waiting": len(self.scheduler.waiting),
+                "running": len(self.scheduler.running)}
+
+    def describe(self) -> dict:
+        """Which driver, executor and proposer classes this engine runs (tests, operations)."""
+        name = lambda obj: f"{type(obj).__module__}.{type(obj).__qualname__}"  # noqa: E731
+        proposers = {m: name(self.proposers.get(m)) for m in self.limits.methods if self.proposers.get(m) is not None}
+        return {"driver": name(self.driver), "executor": name(self.executor), "proposers": proposers}
+
     # -- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, then one speculative step; outputs of rows that moved."""
         return run_sync(self.driver.step())
 
-    async def step_async(self) -> list[RequestOutput]:
-        """The same step inside an event loop (where proposers may be remote)."""
-        return await self.driver.step()
+    async def step_deltas(self) -> list[StepDelta]:
+        """The same step inside an event loop (where proposers may be remote), as deltas:
+        per request that moved, only what this step added (``engine/delta.py``)."""
+        deltas = []
+        for out in await self.driver.step():
+            deltas.append(StepDelta.of(out, self._text_sent.pop(out.request_id, 0)))
+            if not out.finished:
+                self._text_sent[out.request_id] = len(out.text)
+        return deltas
 
     # -- convenience -------------------------------------------------------------------
     def generate(

@@ -1,102 +1,27 @@
-"""Request bookkeeping shared by the local engine and the Ray coordinator.
+"""The engine's request bookkeeping: it only schedules.
 
-Pure CPU code, no models: validation of new requests, the waiting queue, slot
-assignment (a request keeps its KV-cache row from admission to finish), abort.
+Pure CPU code, no models: the waiting queue, slot assignment (a request keeps its KV-cache
+row from admission to finish), abort. Requests arrive made (validated, tokenised) by
+``engine/intake.py``.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import Sequence
-
-import torch
 
 from specray.engine.metrics import SpecMetrics
-from specray.engine.params import SamplingParams, best_speculation
 from specray.engine.request import Request, RequestOutput
-from specray.policies.registry import Limits, MethodOptions, validate_speculation
-
-
-class ContextLengthError(ValueError):
-    """A request that cannot fit the model's context: its prompt alone, or its prompt plus
-    the max_tokens it asks for (HTTP 400, as vLLM and OpenAI answer)."""
-
-    def __init__(self, prompt_tokens: int, max_tokens: int | None, context: int):
-        self.prompt_tokens, self.max_tokens, self.context = prompt_tokens, max_tokens, context
-        if max_tokens is None:
-            message = (f"prompt has {prompt_tokens} tokens; the model's context is {context} tokens "
-                       "and generation needs at least one more")
-        else:
-            message = (f"This model's maximum context length is {context} tokens. However, you requested "
-                       f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in "
-                       "the completion). Please reduce the length of the prompt or max_tokens.")
-        super().__init__(message)
-
-    def __reduce__(self):  # picklable across Ray with its own arguments, not the message
-        return type(self), (self.prompt_tokens, self.max_tokens, self.context)
-
-
-def check_context_length(prompt_tokens: int, max_tokens: int | None, context: int) -> None:
-    """Raise ContextLengthError unless the prompt leaves room for a token and, when
-    max_tokens is given, prompt_tokens + max_tokens <= context."""
-    if prompt_tokens >= context:
-        raise ContextLengthError(prompt_tokens, None, context)
-    if max_tokens is not None and prompt_tokens + max_tokens > context:
-        raise ContextLengthError(prompt_tokens, max_tokens, context)
-
-
-def encode_prompt(prompt: str | Sequence[int], tokenizer) -> list[int]:
-    """A prompt's token ids as the scheduler counts them (text needs the tokenizer)."""
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-        return tokenizer.encode(prompt, add_special_tokens=False)
-    return [int(t) for t in prompt]
 
 
 class Scheduler:
-    """strict_context: refuse (ContextLengthError) a request whose prompt + max_tokens
-    exceeds the context; otherwise such a request runs until the context is full and
-    finishes with 'length'. A prompt that leaves no room is refused either way."""
+    """FIFO admission of waiting requests to ``num_slots`` KV-cache rows."""
 
-    def __init__(self, num_slots: int, limits: Limits, tokenizer=None,
-                 default_speculation: MethodOptions | None = None, strict_context: bool = False):
-        self.limits = limits
-        self.tokenizer = tokenizer
-        # Requests that name no method get the best one these models allow (params.best_speculation).
-        self.default_speculation = default_speculation or best_speculation(limits.methods)
-        self.strict_context = strict_context
+    def __init__(self, num_slots: int):
         self.free_slots = list(range(num_slots))
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.totals = SpecMetrics()
-        self._ids = itertools.count()
-
-    def make_request(
-        self,
-        prompt: str | Sequence[int],
-        sampling: SamplingParams | None = None,
-        speculation: MethodOptions | None = None,
-        request_id: str | None = None,
-    ) -> Request:
-        """Validate and build a request (ValueError with a clear message if bad;
-        ContextLengthError if it cannot fit the context)."""
-        sampling = sampling or SamplingParams()
-        speculation = speculation or self.default_speculation
-        validate_speculation(speculation, self.limits)
-        prompt_ids = encode_prompt(prompt, self.tokenizer)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        check_context_length(len(prompt_ids), sampling.max_tokens if self.strict_context else None,
-                             self.limits.capacity)
-        vocab = self.limits.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.limits.eos_ids)
-        return Request(request_id, prompt_ids, sampling, speculation, stop_ids, generator=generator)
 
     def add(self, request: Request) -> str:
         self.waiting.append(request)
@@ -128,13 +53,20 @@ class Scheduler:
                 return req
         return None
 
-    def abort(self, request_id: str, release) -> RequestOutput | None:
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in itertools.chain(self.running.values(), self.waiting)]
+
+    def abort(self, request_id: str, release, error: str | None = None) -> RequestOutput | None:
         """Stop a request; ``release(req)`` frees a running one's workers. Returns its last
-        output (finish_reason 'abort'), or None if no such request is queued or running."""
+        output (finish_reason 'abort', or 'error' with ``error``), or None if no such request
+        is queued or running."""
         req = self.find(request_id)
         if req is None:
             return None
-        req.finish_reason = "abort"
+        if error is None:
+            req.finish_reason = "abort"
+        else:
+            req.fail(error)
         if req.slot < 0:
             self.waiting.remove(req)
         else:

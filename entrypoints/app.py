@@ -35,11 +35,13 @@ def build_app(config: ServeConfig | dict | None = None):
         if cfg.autoscaling is not None
         else {"num_replicas": cfg.num_replicas}
     )
+    # Each replica (and, inheriting it, every worker an engine replica starts) in the runtime environment asked for.
+    replica = {"num_cpus": REPLICA_CPUS, **({"runtime_env": cfg.runtime_env} if cfg.runtime_env else {})}
     engine = serve.deployment(EngineDeployment).options(
         name="SpecrayEngine",
         max_ongoing_requests=cfg.max_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
-        ray_actor_options={"num_cpus": REPLICA_CPUS},
+        ray_actor_options=replica,
         health_check_period_s=10,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_s,
         **scaling,
@@ -51,7 +53,7 @@ def build_app(config: ServeConfig | dict | None = None):
     ingress = serve.deployment(OpenAIIngress).options(
         name="OpenAIIngress",
         max_ongoing_requests=most * (cfg.max_ongoing_requests + cfg.max_queued_requests) + 8,
-        ray_actor_options={"num_cpus": REPLICA_CPUS},
+        ray_actor_options=replica,
         graceful_shutdown_timeout_s=cfg.graceful_shutdown_s,
     )
     return ingress.bind(engine.bind(cfg.model_dump()), cfg.model_dump())

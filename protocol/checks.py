@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from specray.engine.params import SamplingParams, best_speculation
-from specray.engine.scheduler import ContextLengthError, check_context_length, encode_prompt
+from specray.engine.intake import ContextLengthError, check_context_length, encode_prompt
 from specray.policies.registry import Limits, parse_speculation, validate_speculation
 from specray.protocol import openai as P
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specray.engine.params import SamplingParams, Speculation
-from specray.engine.scheduler import check_context_length
+from specray.engine.intake import check_context_length
 
 
 class StreamOptions(BaseModel):

@@ -168,6 +168,9 @@ class ServeConfig(BaseModel):
     host: str = Field("127.0.0.1")
     port: int = Field(8000, ge=1, le=65535)
     route_prefix: str = Field("/")
+    runtime_env: dict | None = Field(
+        None, description="Ray runtime environment of the replicas and of the workers they start (as ray.serve.llm's "
+        "LLMConfig.runtime_env): env_vars, pip, or a worker_process_setup_hook that registers methods of your own.")
 
     @model_validator(mode="before")
     @classmethod

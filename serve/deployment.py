@@ -33,7 +33,8 @@ def client_error(status: int, message: str, kind: str = "invalid_request_error",
 
 
 class EngineDeployment:
-    """Async generator API for the ingress: ``stream(prompt, sampling, speculation)``."""
+    """Async generator API for the ingress: ``stream(prompt, sampling, speculation)`` yields the
+    engine's step deltas (``engine/delta.py``) as the coordinator passes them on, or a refusal."""
 
     def __init__(self, config: dict):
         cfg = ServeConfig.model_validate(config)
@@ -46,7 +47,7 @@ class EngineDeployment:
     async def stream(self, prompt, sampling: dict, speculation: dict | None):
         # Started outside the request's context too (see below): the workers must not be
         # children of whichever request happened to come first.
-        await asyncio.shield(_detached(self.core._start()))
+        await asyncio.shield(_detached(self.core.start()))
         waiting, _ = self._load()
         if waiting >= self.max_waiting:
             # Refusals travel as values: an exception here would be logged by Serve with a traceback.
@@ -62,7 +63,8 @@ class EngineDeployment:
         outputs: asyncio.Queue = asyncio.Queue()
         pump = _detached(self._pump(prompt, sampling, speculation, outputs))
         start = last = time.monotonic()
-        first = True
+        first, generated = True, 0
+        prompt_tokens = 0 if isinstance(prompt, str) else len(prompt)
         try:
             while True:
                 out = await outputs.get()
@@ -74,6 +76,7 @@ class EngineDeployment:
                 if isinstance(out, BaseException):
                     raise out
                 now = time.monotonic()
+                generated += len(out["new_token_ids"])
                 if out["new_token_ids"]:
                     if first:
                         self.metrics.ttft.observe(now - start, self.metrics.tags)
@@ -85,7 +88,7 @@ class EngineDeployment:
                             self.metrics.itl.observe(per_token, self.metrics.tags)
                     last = now
                 if out["finished"]:
-                    self.metrics.finished(out)
+                    self.metrics.finished(out, prompt_tokens, generated)
                 self.metrics.load(*self._load())
                 yield out
         finally:

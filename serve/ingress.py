@@ -12,6 +12,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specray.engine.config import load_tokenizer
+from specray.engine.delta import OutputAssembly
 from specray.protocol import checks as C
 from specray.protocol import openai as P
 from specray.serve.config import ServeConfig
@@ -216,18 +217,19 @@ class OpenAIIngress:
         usage = P.usage(finals, [len(ids) for ids in checked.prompt_ids])
         return P.completion_response(rid, self.model, choices, usage, P.speculation_metrics(finals), chat)
 
-    async def _last(self, stream):
-        last = None
+    async def _last(self, stream) -> dict:
+        """A stream's whole output, assembled from its step deltas."""
+        whole = OutputAssembly()
         try:
-            async for out in stream:
-                if REFUSED in out or out.get("finish_reason") == "error":
-                    raise _error_status(out)
-                last = out
+            async for delta in stream:
+                if REFUSED in delta or delta.get("finish_reason") == "error":
+                    raise _error_status(delta)
+                whole.add(delta)
         except HTTPError:
             raise
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP status
             raise _error_status(e) from None
-        return last
+        return whole.whole
 
     async def _first_items(self, streams) -> list:
         """Wait for each stream's first output, so errors become a status code, not a broken stream."""
@@ -249,6 +251,7 @@ class OpenAIIngress:
         queue: asyncio.Queue = asyncio.Queue()
         # With include_speculation each choice's steps travel with the text they make up.
         tracks = [SpeculationTrack(self.tokenizer) for _ in streams] if include_speculation else None
+        wholes = [OutputAssembly() for _ in streams]  # each choice's output so far, from its deltas
 
         async def pump(index, stream, head):
             try:
@@ -270,11 +273,12 @@ class OpenAIIngress:
                          for i in range(len(streams))]
                 yield P.sse(P.chunk(rid, self.model, roles, chat))
             while any(f is None for f in finals):
-                index, out = await queue.get()
-                if isinstance(out, Exception) or REFUSED in out or out.get("finish_reason") == "error":
-                    err = _error_status(out)
+                index, delta = await queue.get()
+                if isinstance(delta, Exception) or REFUSED in delta or delta.get("finish_reason") == "error":
+                    err = _error_status(delta)
                     yield P.sse(P.error_body(err.message, err.kind, err.status))
                     return
+                out = wholes[index].add(delta)
                 text, steps = out["text"], None
                 if tracks is not None:
                     upto, steps = tracks[index].advance(out, sent[index], max_stop)

@@ -35,7 +35,8 @@ class EngineMetrics:
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS, tags)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between streamed tokens.", LATENCY_BUCKETS, tags)
 
-    def finished(self, output: dict) -> None:
+    def finished(self, output: dict, prompt_tokens: int, generated_tokens: int) -> None:
+        """A request's last step delta (its metrics, its finish reason) and its token counts."""
         m, t = output["metrics"], self.tags
         if m["num_drafts"]:
             self.num_drafts.inc(m["num_drafts"], t)
@@ -46,9 +47,10 @@ class EngineMetrics:
             if n:
                 self.accepted_per_pos.inc(n, {**t, "position": str(pos)})
         self.requests.inc(1, {**t, "finished_reason": output["finish_reason"] or "unknown"})
-        if output["token_ids"]:
-            self.generation_tokens.inc(len(output["token_ids"]), t)
-        self.prompt_tokens.inc(len(output["prompt_token_ids"]), t)
+        if generated_tokens:
+            self.generation_tokens.inc(generated_tokens, t)
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens, t)
 
     def load(self, waiting: int, running: int) -> None:
         self.queue.set(waiting, self.tags)

@@ -126,7 +126,12 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+        # The hook registers the toy method of tests/failing_method.py in the actors asked to
+        # (it runs before Ray puts the driver's directory on a worker's path: PYTHONPATH does).
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"worker_process_setup_hook": "tests.failing_method.register",
+                              "env_vars": {"PYTHONPATH": root}})
     yield ray
     ray.shutdown()
 

@@ -89,7 +89,8 @@ def test_engine_worker_loss_loses_no_request(ray_session, tiny_checkpoints, tiny
         outs = [first] + [ray.get(r) for r in s]
         assert outs[-1]["finished"] and outs[-1]["finish_reason"] == "length"
         tokens = sum((o["new_token_ids"] for o in outs), [])
-        assert tokens == outs[-1]["token_ids"]  # nothing repeated or skipped across the replay
+        # Nothing repeated or skipped across the replay: the stream's tokens are those the engine counted.
+        assert len(tokens) == outs[-1]["metrics"]["num_generated_tokens"]
         results.append(tokens)
     assert results[:-1] == [hf_greedy(tiny_pair[0], p, greedy["max_tokens"]) for p in prompts]
     assert results[-1] == undisturbed
@@ -110,5 +111,35 @@ def test_medusa_through_the_coordinator(ray_session, tiny_checkpoints, tmp_path,
         outs = ray.get(c.generate.remote(PROMPTS, GREEDY, {"method": "medusa", "tree": "trtllm_example"}))
         assert [o["token_ids"] for o in outs] == references
         assert sum(o["metrics"]["num_drafts"] for o in outs) > 0
+    finally:
+        shutdown(c)
+
+
+@pytest.mark.parametrize("mode, phase", [("colocated", "propose"), ("separate", "propose"), ("separate", "verify")])
+def test_a_failing_row_fails_alone_behind_ray(ray_session, tiny_checkpoints, references, mode, phase):
+    """The toy method of tests/failing_method.py, registered in the coordinator and every
+    worker it starts by Ray's setup hook (in the separate layout it drafts in a worker of its
+    own): the poisoned request finishes with 'error' and the message, the others in the same
+    batches finish as plain greedy decoding would, and the coordinator goes on serving."""
+    import re
+
+    from tests.failing_method import NAME, POISON, runtime_env
+
+    c = Coordinator.options(runtime_env=runtime_env(phase)).remote(
+        {**tiny_checkpoints, "max_num_seqs": 4, "placement": {"mode": mode}})
+    try:
+        toy = {"method": NAME, "num_speculative_tokens": 3}
+        draft = {"method": "draft", "num_speculative_tokens": 3}
+        prompts = PROMPTS[:2] + [POISON + [1, 2, 3]] + PROMPTS[2:4]
+        specs = [toy, draft, toy, toy, draft]
+        outs = ray.get(c.generate.remote(prompts, [GREEDY] * 5, specs))
+        bad = outs.pop(2)
+        assert bad["finished"] and bad["finish_reason"] == "error"
+        expected = "IndexError" if phase == "verify" else "poisoned row in propose"
+        assert bad["error"] and re.search(expected, bad["error"]), bad["error"]
+        assert [o["token_ids"] for o in outs] == references[:4]
+        assert all(o["finish_reason"] == "length" for o in outs)
+        again = ray.get(c.generate.remote(PROMPTS[:2], GREEDY, toy))
+        assert [o["token_ids"] for o in again] == references[:2]
     finally:
         shutdown(c)

@@ -103,3 +103,32 @@ def test_two_node_placement_matches_single_process(tiny_checkpoints, references)
     result = json.loads(line[len("RESULT "):])
     assert result["nodes"][0] != result["nodes"][1]
     assert result["tokens"] == references
+
+
+@pytest.mark.parametrize("mode", ["separate", "colocated"])
+def test_a_long_stream_costs_the_same_per_chunk(ray_session, tmp_path, mode):
+    """What the coordinator streams per step is that step's delta: a chunk 2,000 tokens into
+    a stream is no bigger than one at its start (the whole output is never shipped per step)."""
+    import pickle
+
+    from tests.conftest import tiny_llama
+
+    model = tiny_llama()
+    model.config.max_position_embeddings = 4096  # rotary positions: nothing in the weights bounds them
+    model.save_pretrained(tmp_path / "target")
+    n = 2048
+    beside = {"num_gpus": 0, "num_cpus": 0.25}  # the module's coordinator holds both GPUs
+    c = Coordinator.remote({"target": str(tmp_path / "target"), "max_num_seqs": 1, "max_model_len": n + 64,
+                            "placement": {"mode": mode, "target": beside, "ngram_cpus": 0.25}})
+    try:
+        chunks = [ray.get(ref) for ref in c.stream.remote(PROMPTS[0], {**GREEDY, "max_tokens": n},
+                                                           {"method": "ngram", "num_speculative_tokens": 3})]
+        tokens = sum((ch["new_token_ids"] for ch in chunks), [])
+        assert len(tokens) == n and chunks[-1]["finish_reason"] == "length"
+        assert "token_ids" not in chunks[0] and "prompt_token_ids" not in chunks[0]
+        size = [len(pickle.dumps(ch)) for ch in chunks[:-1]]  # the last one carries the metrics
+        early, late = max(size[:20]), max(size[-20:])
+        assert late <= early + 200, (early, late)  # the whole output would be kilobytes more
+    finally:
+        ray.get(c.shutdown.remote())  # (no GPU of its own to wait for)
+        ray.kill(c)

@@ -5,7 +5,7 @@ import pickle
 import pytest
 
 from specray.engine.params import SamplingParams
-from specray.engine.scheduler import ContextLengthError, Scheduler, check_context_length
+from specray.engine.intake import ContextLengthError, RequestMaker, check_context_length
 from specray.policies.registry import Limits
 from specray.protocol import openai as P
 
@@ -13,24 +13,24 @@ LIMITS = Limits(capacity=32, vocab_size=64, methods={"none": {}})
 
 
 def test_strict_scheduler_refuses_max_tokens_beyond_the_context():
-    scheduler = Scheduler(2, LIMITS, strict_context=True)
+    intake = RequestMaker(LIMITS, strict_context=True)
     with pytest.raises(ContextLengthError) as caught:
-        scheduler.make_request(list(range(20)), SamplingParams(max_tokens=13))
+        intake.make(list(range(20)), SamplingParams(max_tokens=13))
     err = caught.value
     assert isinstance(err, ValueError)  # the ingress and callers that catch ValueError keep working
     assert (err.prompt_tokens, err.max_tokens, err.context) == (20, 13, 32)
     assert "maximum context length is 32 tokens" in str(err) and "33 tokens (20 in the prompt, 13 in" in str(err)
-    assert scheduler.make_request(list(range(20)), SamplingParams(max_tokens=12)).prompt_ids == list(range(20))
+    assert intake.make(list(range(20)), SamplingParams(max_tokens=12)).prompt_ids == list(range(20))
 
 
 def test_lenient_scheduler_leaves_the_context_to_end_the_request():
     """The in-process engine's contract (tests/test_engine.py): such a request finishes with
     'length' when the context is full. A prompt that leaves no room is refused either way."""
-    scheduler = Scheduler(2, LIMITS)
-    assert scheduler.make_request(list(range(20)), SamplingParams(max_tokens=1000)).sampling.max_tokens == 1000
+    intake = RequestMaker(LIMITS)
+    assert intake.make(list(range(20)), SamplingParams(max_tokens=1000)).sampling.max_tokens == 1000
     for strict in (False, True):
         with pytest.raises(ContextLengthError, match="prompt has 32 tokens; the model's context is 32"):
-            Scheduler(2, LIMITS, strict_context=strict).make_request(list(range(32)), SamplingParams(max_tokens=1))
+            RequestMaker(LIMITS, strict_context=strict).make(list(range(32)), SamplingParams(max_tokens=1))
 
 
 def test_context_length_error_crosses_processes_intact():

@@ -14,6 +14,7 @@ from specray.engine.config import EngineConfig
 from specray.engine.driver import StepDriver, run_sync
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
+from specray.engine.intake import RequestMaker
 from specray.engine.scheduler import Scheduler
 from specray.engine.step import verify_inputs
 from specray.engine.accept import TargetScores, accept_verified
@@ -67,11 +68,11 @@ class FakeExecutor:
 
 def test_driver_protocol_with_a_fake_executor():
     limits = Limits(capacity=64, vocab_size=VOCAB, methods={"none": {}, "ngram": {}})
-    scheduler = Scheduler(2, limits)
+    scheduler = Scheduler(2)
     executor = FakeExecutor()
     driver = StepDriver(scheduler, executor, capacity=64)
     spec = SpeculationParams(method="ngram", num_speculative_tokens=3)
-    scheduler.add(scheduler.make_request([1, 2, 3], SamplingParams(max_tokens=7, temperature=0), spec))
+    scheduler.add(RequestMaker(limits).make([1, 2, 3], SamplingParams(max_tokens=7, temperature=0), spec))
     outputs = []
     while scheduler.has_unfinished():
         outputs += run_sync(driver.step())

@@ -1,0 +1,78 @@
+"""A toy speculation method that raises for one poisoned request (failure-containment tests).
+
+Its proposer guesses that the last token repeats, and raises in one phase of a step (its
+prefill hook, its proposal, the target's verification of its draft — it drafts a token the
+vocabulary lacks — or its commit hook) for the requests whose prompt starts with ``POISON``.
+
+In-process tests register it with ``register_method``. Behind Ray, the test session's
+``worker_process_setup_hook`` (``register``) registers it in the processes whose runtime
+environment names the phase (``runtime_env``): a coordinator and every worker it starts, or
+Serve replicas (``ServeConfig.runtime_env``) and theirs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from specray.policies.base import Draft, DraftRow
+from specray.policies.registry import LinearOptions, MethodSpec, register_method
+
+POISON = [63, 63, 63, 63]  # the prompt that starts so is the one that fails
+VOCAB = 64
+NAME = "toy_fail"
+PHASE_VAR = "SPECRAY_TOY_FAIL_PHASE"  # the phase it fails in, in the processes that register it
+
+
+class FailOptions(LinearOptions):
+    """Guess that the last token repeats; raise for poisoned requests in one phase."""
+
+    method: Literal["toy_fail"] = "toy_fail"
+
+
+class FailingProposer:
+    def __init__(self, phase: str):
+        self.phase, self.poisoned = phase, set()
+
+    def prefill(self, rows):
+        for row in rows:
+            if list(row.token_ids[: len(POISON)]) == POISON:
+                self.poisoned.add(row.slot)
+                if self.phase == "prefill":
+                    raise ValueError("poisoned prompt in prefill")
+
+    def propose(self, rows):
+        drafts = []
+        for row in rows:
+            bad = row.slot in self.poisoned
+            if bad and self.phase == "propose":
+                raise ValueError("poisoned row in propose")
+            token = VOCAB + 5 if bad and self.phase == "verify" else row.token_ids[-1]  # no such token
+            drafts.append(DraftRow([token] * row.num_tokens))
+        return Draft(drafts)
+
+    def commit(self, rows):
+        if self.phase == "commit" and any(row.slot in self.poisoned for row in rows):
+            raise ValueError("poisoned row in commit")
+
+    def release(self, slot):
+        self.poisoned.discard(slot)
+
+
+def spec(phase, placement: Literal["worker", "target"] = "target") -> MethodSpec:
+    """The method's spec; ``phase()`` names the phase its proposers fail in when built."""
+    return MethodSpec(NAME, FailOptions, build=lambda ctx: FailingProposer(phase()), placement=placement)
+
+
+def register() -> None:
+    """Ray's ``worker_process_setup_hook`` for the test session (``tests/conftest.py``): in the
+    processes started with ``runtime_env(phase)`` (a coordinator or Serve replicas and the
+    workers they start), the method, placed in a worker of its own in the separate layout
+    (so that its failures cross the proxy); elsewhere nothing."""
+    if os.environ.get(PHASE_VAR):
+        register_method(spec(lambda: os.environ[PHASE_VAR], placement="worker"))
+
+
+def runtime_env(phase: str) -> dict:
+    """The runtime environment of an actor (and its workers) that serves the method."""
+    return {"env_vars": {PHASE_VAR: phase}}
