@@ -251,8 +251,6 @@ class CoordinatorCore:
                 for rid in list(self._tracked):
                     self._fail(rid, f"internal error: {exc}")
                 continue
-            for rid, message in batch["errors"].items():
-                self._fail(rid, message)
             for delta in batch["outputs"]:
                 self._deliver(delta)
             for rid, progress in batch["progress"].items():

@@ -57,7 +57,6 @@ class EngineWorker(Placed):
                                                                       f"{config.target}|{config.tokenizer}")})
         self._lock = asyncio.Lock()
         self._outbox: list = []
-        self._errors: dict[str, str] = {}
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
 
@@ -85,12 +84,12 @@ class EngineWorker(Placed):
                 async with self._lock:
                     deltas = await self.engine.step_deltas()
             except Exception as exc:  # noqa: BLE001 - fail what was in flight, keep serving
+                # A step that fails outside the driver's per-row containment: every request in
+                # it ends with 'error' and the message (HTTP 500), the worker serves on.
                 log.exception("step failed")
-                for rid in self.engine.request_ids():
-                    self._errors[rid] = f"internal error: {type(exc).__name__}: {exc}"
-                    self.engine.fail(rid, self._errors[rid])
-                deltas = []
-                self._wake.set()
+                message = f"internal error: {type(exc).__name__}: {exc}"
+                failed = (self.engine.fail(rid, message) for rid in self.engine.request_ids())
+                deltas = [d for d in failed if d is not None]
             if deltas:
                 self._outbox.extend(deltas)
                 self._wake.set()
@@ -98,16 +97,15 @@ class EngineWorker(Placed):
 
     async def poll(self) -> dict:
         """What the steps produced since the last poll (waits until there is something):
-        ``outputs`` (``StepDelta`` dicts, in step order), ``progress`` (per request still
-        running: its metrics and the generator state of a seeded sampled one, see
-        ``LLMEngine.progress``), ``errors`` (request id -> message)."""
-        while not (self._outbox or self._errors):
+        ``outputs`` (``StepDelta`` dicts, in step order; a failed request's last one has
+        finish reason 'error'), ``progress`` (per request still running: its metrics and the
+        generator state of a seeded sampled one, see ``LLMEngine.progress``)."""
+        while not self._outbox:
             self._wake.clear()
             await self._wake.wait()
         deltas, self._outbox = self._outbox, []
-        errors, self._errors = self._errors, {}
         progress = self.engine.progress({d.request_id for d in deltas if not d.finished})
-        return {"outputs": [d.to_dict() for d in deltas], "progress": progress, "errors": errors}
+        return {"outputs": [d.to_dict() for d in deltas], "progress": progress}
 
     async def abort(self, request_id: str) -> bool:
         async with self._lock:  # never between a step's verify and its commit

@@ -127,11 +127,12 @@ class LLMEngine:
         self._text_sent.pop(request_id, None)
         return self.scheduler.abort(request_id, self.driver.release)
 
-    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+    def fail(self, request_id: str, message: str) -> StepDelta | None:
         """Finish a request now with 'error' and ``message``, freeing its slot; returns its last
-        output if it existed."""
-        self._text_sent.pop(request_id, None)
-        return self.scheduler.abort(request_id, self.driver.release, error=message)
+        step delta (finish reason 'error') if it existed."""
+        sent = self._text_sent.pop(request_id, 0)
+        out = self.scheduler.abort(request_id, self.driver.release, error=message)
+        return None if out is None else StepDelta.of(out, sent)
 
     def request_ids(self) -> list[str]:
         """The requests queued or running, running first."""

@@ -55,3 +55,19 @@ def test_a_failing_row_fails_alone(fail_method, tiny_pair, references, phase, st
     assert sorted(engine.scheduler.free_slots) == [0, 1, 2, 3]
     again = engine.generate(prompts[:2], GREEDY, toy)
     assert [o.token_ids for o in again] == references[:2]
+
+
+def test_failing_a_request_from_outside_ends_its_stream_with_an_error_delta(make_engine):
+    """What an engine worker does when a whole step raises: every request in flight ends with
+    a last delta carrying 'error' and the message (HTTP 500), not a lost-worker error, and the
+    engine serves on."""
+    engine = make_engine()
+    rids = [engine.add_request(p, GREEDY) for p in ragged_prompts(2)]
+    engine.step()
+    deltas = [engine.fail(rid, "internal error: RuntimeError: boom") for rid in engine.request_ids()]
+    assert sorted(d.request_id for d in deltas) == sorted(rids)
+    for d in deltas:
+        assert d.finished and d.finish_reason == "error" and d.error == "internal error: RuntimeError: boom"
+        assert d.new_token_ids == [] and d.metrics is not None
+    assert not engine.has_unfinished() and engine.fail(rids[0], "again") is None
+    assert len(engine.generate(ragged_prompts(1), GREEDY)[0].token_ids) == GREEDY.max_tokens
