@@ -39,10 +39,9 @@ def _workload(engine_tokenizer_dir: str, n: int) -> list[str]:
     return held_out_prompts(n, engine_tokenizer_dir, min_tokens=32, max_tokens=128)
 
 
-def process_tree_cpu_seconds() -> float | None:
-    """CPU seconds (user + system) so far of this process and all its descendants (None
-    where ``/proc`` is missing). A process that exits in between takes its time with it:
-    measure while the actors live."""
+def process_tree_cpu_seconds() -> dict[int, float] | None:
+    """CPU seconds (user + system) so far of this process and each of its descendants, by
+    pid (None where ``/proc`` is missing)."""
     try:
         tick = os.sysconf("SC_CLK_TCK")
         parent, cpu = {}, {}
@@ -61,20 +60,29 @@ def process_tree_cpu_seconds() -> float | None:
     children: dict[int, list[int]] = {}
     for pid, ppid in parent.items():
         children.setdefault(ppid, []).append(pid)
-    total, todo = 0.0, [os.getpid()]
+    tree, todo = {}, [os.getpid()]
     while todo:
         pid = todo.pop()
-        total += cpu.get(pid, 0.0)
+        tree[pid] = cpu.get(pid, 0.0)
         todo += children.get(pid, [])
-    return total
+    return tree
+
+
+def cpu_seconds_between(before: dict[int, float] | None, after: dict[int, float] | None) -> float:
+    """CPU seconds the process tree spent between two readings: per process alive at the
+    second (new ones from zero). A process that exited in between takes its time with it, so
+    measure while the actors live; it never makes the total negative."""
+    if before is None or after is None:
+        return float("nan")
+    return sum(max(0.0, t - before.get(pid, 0.0)) for pid, t in after.items())
 
 
 def _timed(run):
     """(wall seconds, CPU seconds of the process tree, run's result)."""
     cpu, start = process_tree_cpu_seconds(), time.perf_counter()
     result = run()
-    wall, cpu_after = time.perf_counter() - start, process_tree_cpu_seconds()
-    return wall, (cpu_after - cpu if cpu is not None and cpu_after is not None else float("nan")), result
+    wall = time.perf_counter() - start
+    return wall, cpu_seconds_between(cpu, process_tree_cpu_seconds()), result
 
 
 def _time_local(cfg, prompts, sampling, spec) -> tuple[float, float, list, int, dict]:
