@@ -15,7 +15,11 @@ residual stream entering layers 2, L//2 and L-3 (``target_layer_inputs``).
   vocabulary (positions whose target argmax lies outside it are masked), weighted
   ``decay ** j`` (EAGLE-3: 7 passes, 0.8). No feature regression.
 * Optimiser: AdamW, one-cycle, peak lr 1e-2 (on the demo target, 100 steps at 1e-2 reach a
-  held-out top-1 of 0.47-0.55 where 3e-3 reaches 0.40-0.45).
+  held-out top-1 of 0.47-0.55 where 3e-3 reaches 0.40-0.45). Measured there (held-out top-1
+  at depth 1 / chain accuracy at depth 6): 1000 steps, ``--label-temperature 0.25``, width 64:
+  0.76 / 0.38 (600 steps: 0.74 / 0.37); the same with ``--layers 2,6,11``: 0.76 / 0.39; 2000 steps: 0.51 / 0.15;
+  2048 sequences, 1500 steps: 0.66 / 0.25; the earlier default (lr 3e-3, label temperature 1,
+  2000 steps): 0.57 / 0.18 — longer runs do not help, so watch the held-out numbers.
 * Warm start (``--init target``, the default; ``random`` is EAGLE-3's): the LM head takes
   the target's rows of the draft vocabulary and its final norm, the midlayer the target's
   last layer (attention reading the fused-feature half), ``fc`` the high tap — a short CPU
