@@ -189,17 +189,28 @@ def chain_tree(length: int) -> TokenTree:
 def _build(choices: tuple) -> TokenTree:
     depth_levels = max(len(c) for c in choices)
     topk = tuple(max(c[level] for c in choices if len(c) > level) + 1 for level in range(depth_levels))
+    base = _xformers_tree(choices) or _parents_tree(choices)
+    return TokenTree(parents=base.parents, mask=base.mask, depth=base.depth, choices=choices, topk=topk)
+
+
+def _parents_tree(choices: tuple) -> TokenTree:
+    """The tree of sorted choices from each one's parent path."""
+    index = {c: i + 1 for i, c in enumerate(choices)}
+    return _from_parents(tuple(index.get(c[:-1], 0) for c in choices))
+
+
+def _xformers_tree(choices: tuple) -> TokenTree | None:
+    """The same tree from xformers' ``TreeAttnMetadata`` (its CPU metadata, no kernels), or
+    None where xformers is not installed (the optional "xformers" extra) or fails to import."""
     try:
         from xformers.ops.tree_attention import TreeAttnMetadata
-    except ImportError:  # xformers is optional: the same tree from the sorted choices' parents
-        index = {c: i + 1 for i, c in enumerate(choices)}
-        base = _from_parents(tuple(index.get(c[:-1], 0) for c in choices))
-        return TokenTree(parents=base.parents, mask=base.mask, depth=base.depth, choices=choices, topk=topk)
+    except Exception:  # noqa: BLE001 - ImportError, or a broken build failing at import
+        return None
     meta = TreeAttnMetadata.from_tree_choices(list(choices), torch.float32, "cpu")
     mask = meta.attention_bias == 0  # [T, T], 0 = attend
     # xformers lists the parents of the non-root nodes, as root-inclusive node indices.
     parents = torch.cat([torch.tensor([-1]), meta.parent_node_indices.long()])
-    return TokenTree(parents=parents, mask=mask, depth=meta.tree_seq_position_ids.long(), choices=choices, topk=topk)
+    return TokenTree(parents=parents, mask=mask, depth=meta.tree_seq_position_ids.long())
 
 
 def build_tree(choices: Sequence[Sequence[int]], form: Form = "auto", max_depth: int | None = None) -> TokenTree:

@@ -109,3 +109,17 @@ def test_prefix_equals_the_rebuilt_cut_tree(name):
         for field in ("parents", "mask", "depth"):
             assert torch.equal(getattr(cut, field), getattr(ref, field)), (n, field)
     assert tree.prefix(tree.size) is tree and tree.prefix(2) is tree.prefix(2)
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_TREES))
+def test_xformers_metadata_and_the_parents_path_build_the_same_tree(name):
+    """xformers is optional: with it, trees come from its TreeAttnMetadata; without, from the
+    choices' parent paths. Both must give the same tree."""
+    from specray.kernels.tree import _parents_tree, _xformers_tree
+
+    choices = normalize_choices(NAMED_TREES[name])
+    ours, theirs = _parents_tree(choices), _xformers_tree(choices)
+    if theirs is None:
+        pytest.skip("xformers is not installed")
+    assert torch.equal(ours.parents, theirs.parents) and torch.equal(ours.mask, theirs.mask)
+    assert torch.equal(ours.depth, theirs.depth)
