@@ -5,6 +5,7 @@ repeated traffic, two engines sharing a tree, the controller, and every entry po
 import collections
 import copy
 import random
+import time
 
 import numpy as np
 import pytest
@@ -671,6 +672,12 @@ def test_suffix_over_http(server, tiny_checkpoints, tiny_pair, tmp_path_factory)
                 r = client.completions.create(model="sfx", prompt=prompt, max_tokens=20, temperature=0,
                                               extra_body={"speculation": spec})
                 assert r.choices[0].text == ref, spec
+        # Replicas pull each other's outputs every sync_interval_s (2 s): past it, whichever
+        # replica answers has the earlier answers in its tree and drafts this one.
+        time.sleep(3)
+        r = client.completions.create(model="sfx", prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"speculation": spec})
+        assert r.choices[0].text == ref
         assert r.model_dump()["speculation_metrics"][0]["num_accepted_tokens"] > 0
         stream = client.completions.create(model="sfx", prompt=prompt, max_tokens=20, temperature=0, stream=True,
                                            extra_body={"speculation": {"method": "suffix"}})
