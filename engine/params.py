@@ -30,8 +30,9 @@ class SamplingParams(BaseModel):
     max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept, in (0, 1].")
-    top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1 = off.")
-    seed: int | None = Field(None, description="Per-request RNG seed (reproducible sampling).")
+    top_k: int = Field(0, ge=-1, le=2**63 - 1, description="Keep the k most likely tokens; 0 or -1 = off.")
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1,
+                             description="Per-request RNG seed (reproducible sampling; torch takes 64 bits).")
     stop: list[str] = Field(default_factory=list, description="Stop strings (not included in text).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")

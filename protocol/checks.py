@@ -26,7 +26,8 @@ class RequestError(ValueError):
     """A bad request: every problem found, as (param, message) pairs (HTTP 400)."""
 
     def __init__(self, problems: list[tuple[str | None, str]]):
-        self.problems = problems
+        # A field name may itself be broken Unicode: every answer must encode as UTF-8.
+        self.problems = [(None if p is None else _printable(p), _printable(m)) for p, m in problems]
         shown = self.lines()[:MAX_REPORTED]
         more = len(problems) - len(shown)
         super().__init__("; ".join(shown) + (f"; and {more} more" if more > 0 else ""))
@@ -65,23 +66,61 @@ def facts_for(config, tokenizer) -> Facts:
 
 
 def validation_problems(exc: ValidationError, prefix: str = "") -> list[tuple[str | None, str]]:
-    """Every error of a pydantic validation, as (param, message) ("Value error, " dropped)."""
+    """Every error of a pydantic validation, as (param, message) ("Value error, " dropped; broken
+    Unicode is ``unicode_problems``' to report)."""
     out = []
     for err in exc.errors():
+        if err["type"] == "string_unicode":
+            continue
         loc = ".".join(str(p) for p in err["loc"]) or None
         msg = err["msg"].removeprefix("Value error, ")
         out.append((f"{prefix}{loc}" if loc else None, f"{prefix}{loc}: {msg}" if loc else msg))
     return out
 
 
+def unicode_problems(body, prefix: str = "") -> list[tuple[str | None, str]]:
+    """Every string of a parsed JSON body (keys too) that is not valid Unicode: JSON's
+    ``"\\ud800"`` escape decodes to a lone surrogate, which no tokenizer can encode. Walked
+    without recursion (a body may nest thousands of levels)."""
+    problems, stack = [], [((), body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(((*path, k), v) for k, v in reversed(value.items()))
+            for key in (k for k in value if isinstance(k, str) and not _utf8(k)):
+                param = f"{prefix}{'.'.join(map(str, (*path, key)))}"
+                problems.append((param, f"{param}: the field name is not valid Unicode (a lone surrogate)"))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
+        elif isinstance(value, str) and not _utf8(value):
+            param = f"{prefix}{'.'.join(map(str, path))}"
+            at = next(i for i, c in enumerate(value) if "\ud800" <= c <= "\udfff")
+            problems.append((param, f"{param}: not valid Unicode: a lone surrogate "
+                                    f"(\\u{ord(value[at]):04x}) at character {at}; send UTF-8 text"))
+    return problems
+
+
+def _printable(text: str) -> str:
+    return text if _utf8(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse(body: dict, chat: bool, prefix: str = "", facts: Facts | None = None):
     """The request model of a body (RequestError listing every field's error, and — with
     ``facts`` — whether its speculation can run here, so that one answer says both)."""
     model = P.ChatCompletionRequest if chat else P.CompletionRequest
+    broken = unicode_problems(body, prefix)
     try:
-        return model.model_validate(body)
+        req = model.model_validate(body)
     except ValidationError as exc:
-        problems = validation_problems(exc, prefix)
+        problems = broken + validation_problems(exc, prefix)
         if facts is not None and body.get("speculation") is not None and not any(
                 (p or "").startswith(f"{prefix}speculation") for p, _ in problems):
             try:
@@ -89,6 +128,9 @@ def parse(body: dict, chat: bool, prefix: str = "", facts: Facts | None = None):
             except ValueError:  # not even its method's options: pydantic has said so already
                 pass
         raise RequestError(problems) from None
+    if broken:
+        raise RequestError(broken)
+    return req
 
 
 def _speculation_problems(options, facts: Facts, prefix: str) -> list[tuple[str, str]]:
@@ -99,6 +141,15 @@ def _speculation_problems(options, facts: Facts, prefix: str) -> list[tuple[str,
         about_method = "method" in message.split(":")[0] or "unknown speculation method" in message
         param = f"{prefix}speculation{'.method' if about_method else ''}"
         return [(param, f"{param}: {message}")]
+    return []
+
+
+def _token_id_problems(req, facts: Facts, prefix: str) -> list[tuple[str, str]]:
+    """Token ids a request names besides its prompt must be the model's."""
+    bad = [t for t in req.stop_token_ids or () if not 0 <= t < facts.vocab_size]
+    if bad:
+        param = f"{prefix}stop_token_ids"
+        return [(param, f"{param}: token ids must lie in [0, {facts.vocab_size}); got {bad[:5]}")]
     return []
 
 
@@ -151,6 +202,7 @@ def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = 
             samplings.append([req.sampling(max_tokens, number * req.n + j) for j in range(req.n)])
         except ValidationError as exc:
             problems.extend(validation_problems(exc, prefix))
+    problems += _token_id_problems(req, facts, prefix)
     problems += _speculation_problems(req.speculation or facts.default_speculation, facts, prefix)
     if problems:
         raise RequestError(problems)

@@ -19,8 +19,16 @@ from specray.engine.params import SamplingParams, Speculation
 from specray.engine.intake import check_context_length
 
 
+# Request bodies are strict where OpenAI is: a boolean is not an integer, a string is not a
+# boolean (``max_tokens: true``, ``stream: "yes"`` are 400s, as OpenAI and vLLM answer), and a
+# float field takes an integer. Integers are bounded where they reach the engine (a seed fits
+# int64, as vLLM takes it).
+STRICT = ConfigDict(extra="forbid", strict=True)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
     include_speculation: bool = Field(
         False, description="specray extension: each chunk's choice lists the speculation steps that produced "
@@ -54,19 +62,19 @@ def _neutral(value, neutral):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="vLLM extension; 0/-1 = off")
+    top_k: int = Field(0, ge=-1, le=INT64_MAX, description="vLLM extension; 0/-1 = off")
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: bool = False
     user: str | None = None
     # Accepted for compatibility only at their neutral values (each refused on its own line,
@@ -170,7 +178,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
     name: str | None = None

@@ -427,6 +427,11 @@ ERRORS = [  # (id, body patch or raw bytes, status, the error's param, words of 
      400, None, ["nested too deeply"]),
     ("nested 200 deep", {"speculation": {"method": "draft", "x": json.loads("[" * 200 + "]" * 200)}}, 400,
      "speculation.x", ["speculation.x"]),
+    ("lone surrogate", b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 3}', 400, "prompt", ["Unicode"]),
+    ("seed past int64", {"seed": 2**80}, 400, "seed", ["seed"]),
+    ("boolean max_tokens", {"max_tokens": True}, 400, "max_tokens", ["valid integer"]),
+    ("string stream", {"stream": "yes"}, 400, "stream", ["valid boolean"]),
+    ("stop token id past the vocabulary", {"stop_token_ids": [64]}, 400, "stop_token_ids", ["[0, 64)"]),
 ]
 
 
