@@ -162,6 +162,7 @@ class Checked:
     prompt_ids: list[list[int]]
     samplings: list[list[SamplingParams]]
     speculation: dict | None
+    prompt_only: bool = False  # max_tokens 0 with echo: score the prompt, generate nothing (``P.prompt_only``)
 
 
 def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = "") -> Checked:
@@ -172,8 +173,12 @@ def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = 
         tok = facts.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise RequestError([(field, f"{field}: this model has no chat template; use /v1/completions")])
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompts = [tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)]
+        try:
+            prompts = [tok.apply_chat_template(req.template_messages(), tools=req.template_tools(), tokenize=False,
+                                               add_generation_prompt=True)]
+        except Exception as exc:  # noqa: BLE001 - the template (jinja) refused these messages
+            raise RequestError([(field, f"{field}: the model's chat template failed on them: "
+                                        f"{type(exc).__name__}: {exc}")]) from None
     else:
         prompts = req.prompts()
     ids_per_prompt, samplings = [], []
@@ -199,12 +204,17 @@ def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = 
             continue
         ids_per_prompt.append(ids)
         try:
-            samplings.append([req.sampling(max_tokens, number * req.n + j) for j in range(req.n)])
+            # Prompt scoring (max_tokens 0) runs the prefill, which samples one token; it is dropped.
+            samplings.append([req.sampling(max(max_tokens, 1), number * req.n + j) for j in range(req.n)])
         except ValidationError as exc:
             problems.extend(validation_problems(exc, prefix))
+    prompt_only = req.max_tokens == 0
+    if prompt_only and not getattr(req, "echo", False):
+        problems.append((f"{prefix}max_tokens", f"{prefix}max_tokens: 0 only scores a prompt: it needs echo "
+                                                "(completions), else at least 1"))
     problems += _token_id_problems(req, facts, prefix)
     problems += _speculation_problems(req.speculation or facts.default_speculation, facts, prefix)
     if problems:
         raise RequestError(problems)
     spec = req.speculation.model_dump() if req.speculation else None
-    return Checked(prompts, ids_per_prompt, samplings, spec)
+    return Checked(prompts, ids_per_prompt, samplings, spec, prompt_only)

@@ -65,7 +65,7 @@ class _Common(BaseModel):
     model_config = STRICT
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0, description="0: with echo, score the prompt only (as vLLM)")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, le=INT64_MAX, description="vLLM extension; 0/-1 = off")
@@ -177,11 +177,103 @@ class CompletionRequest(_Common):
         return self.logprobs if self.echo else None
 
 
+class TextPart(BaseModel):
+    """A content part of a chat message; text is the only kind a text model reads."""
+
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """A call an assistant made, sent back in the conversation that follows it."""
+
+    model_config = STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(BaseModel):
+    """OpenAI's message shapes: ``content`` a string or text parts; an assistant's may be null
+    (with or without ``tool_calls``); a ``tool`` message answers a call by ``tool_call_id``."""
+
     model_config = STRICT
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None  # an assistant's, as OpenAI returns it
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v):
+        if isinstance(v, list):  # one message for the first part a text model cannot read
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"part {i} is {kind!r}: only 'text' content parts are supported "
+                                     "(this server runs a text-only model)")
+        return v
+
+    @model_validator(mode="after")
+    def _role_fields(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content (only an assistant's may be null)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id belongs to tool messages")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (transformers' ``apply_chat_template``, as vLLM
+        hands it over): text parts joined by newlines, a null content as "", a tool call's JSON
+        arguments as an object."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(p.text for p in content)
+        out = {"role": self.role, "content": content or ""}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _json_object(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return out
+
+
+def _json_object(text: str):
+    """Tool-call arguments as templates expect them (an object); text that is not one stays text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_Common):
@@ -190,6 +282,17 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = Field(False, description="return each token's log-probability (the target's raw distribution)")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, description="rendered by the chat template (no tool-call parsing)")
+    tool_choice: Literal["none", "auto"] | None = Field(
+        None, description="'none' or 'auto' (the model writes what it writes); 'required' and named tools "
+        "would need guided decoding")
+    parallel_tool_calls: bool | None = None
+
+    def template_messages(self) -> list[dict]:
+        return [m.for_template() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -356,6 +459,13 @@ def choice_logprobs(out: dict, chat: bool, echo: Echo | None, token_text, start:
         return None
     prompt = out.get("prompt_logprobs") if echo is not None and start == 0 else None
     return logprobs_body(entries[start:], token_text, chat, prompt, echo.ids if echo else None)
+
+
+def prompt_only(out: dict) -> dict:
+    """A choice of a prompt-scoring request (``max_tokens: 0`` with ``echo``): the prefill sampled
+    a token, which is not the client's; it keeps the prompt's log-probabilities only."""
+    return {**out, "text": "", "token_ids": [], "new_token_ids": [], "finish_reason": "length",
+            "logprobs": [] if out.get("logprobs") is not None else None}
 
 
 def choices(finals: list[dict], chat: bool, echoes: list[Echo | None], token_text) -> list[dict]:

@@ -117,6 +117,16 @@ class OpenAIIngress:
     async def models(self, request: Request):
         return await self._guard(request, self._models)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request):  # the openai client's models.retrieve
+        async def card():
+            if model_id != self.model:
+                raise HTTPError(404, f"The model {model_id!r} does not exist; this server serves {self.model!r}",
+                                param="model")
+            return self._card()
+
+        return await self._guard(request, card)
+
     # The playground: a page (open to all, it asks for the key) over the API above.
     @app.get("/playground")
     async def playground(self):
@@ -165,7 +175,10 @@ class OpenAIIngress:
         return Response(body, media_type=media_type, headers={"Cache-Control": "no-cache"})
 
     async def _models(self):
-        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "specray"}]}
+        return {"object": "list", "data": [self._card()]}
+
+    def _card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "specray"}
 
     async def _parse(self, request: Request, chat: bool):
         raw = await request.body()
@@ -209,10 +222,12 @@ class OpenAIIngress:
             options = req.stream_options or P.StreamOptions()
             return StreamingResponse(
                 self._sse(rid, streams, first, chat, max_stop, options.include_usage, options.include_speculation,
-                          echoes, [len(ids) for ids in checked.prompt_ids]),
+                          echoes, [len(ids) for ids in checked.prompt_ids], checked.prompt_only),
                 media_type="text/event-stream",
             )
         finals = await asyncio.gather(*(self._last(s) for s in streams))
+        if checked.prompt_only:
+            finals = [P.prompt_only(f) for f in finals]
         choices = P.choices(finals, chat, echoes, self.token_text)
         usage = P.usage(finals, [len(ids) for ids in checked.prompt_ids])
         return P.completion_response(rid, self.model, choices, usage, P.speculation_metrics(finals), chat)
@@ -247,7 +262,7 @@ class OpenAIIngress:
         return firsts
 
     async def _sse(self, rid, streams, first, chat, max_stop, include_usage, include_speculation=False, echoes=None,
-                   prompt_sizes=None):
+                   prompt_sizes=None, prompt_only=False):
         queue: asyncio.Queue = asyncio.Queue()
         # With include_speculation each choice's steps travel with the text they make up.
         tracks = [SpeculationTrack(self.tokenizer) for _ in streams] if include_speculation else None
@@ -279,18 +294,22 @@ class OpenAIIngress:
                     yield P.sse(P.error_body(err.message, err.kind, err.status))
                     return
                 out = wholes[index].add(delta)
+                if prompt_only:
+                    out = P.prompt_only(out)
                 text, steps = out["text"], None
                 if tracks is not None:
                     upto, steps = tracks[index].advance(out, sent[index], max_stop)
                 else:  # hold back a possible stop-string prefix until it is decided
                     upto = len(text) if out["finished"] or not max_stop else max(sent[index], len(text) - max_stop + 1)
                 delta = text[sent[index]:upto]
-                if echoes[index] is not None and sent[index] == 0 and (delta or out["finished"]):
-                    delta = echoes[index].text + delta  # echo: the prompt leads the first text
+                echoing = echoes[index] is not None and sent[index] == 0 and (delta or out["finished"])
+                if echoing:
+                    delta = echoes[index].text + delta  # echo: the prompt (and its scores) lead the first text
                 sent[index] = upto
                 reason = P.finish_reason(out["finish_reason"]) if out["finished"] else None
                 logprobs = None
-                if out.get("logprobs") is not None and (delta or reason) and len(out["logprobs"]) > scored[index]:
+                if out.get("logprobs") is not None and (delta or reason) and (len(out["logprobs"]) > scored[index]
+                                                                               or echoing):
                     logprobs = P.choice_logprobs(out, chat, echoes[index], self.token_text, scored[index])
                     scored[index] = len(out["logprobs"])
                 if delta or reason or steps:

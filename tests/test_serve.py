@@ -22,7 +22,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from tests.conftest import hf_greedy
+from tests.conftest import ALPHABET, CHAT_TEMPLATE, decode, encode, hf_greedy, save_char_tokenizer  # noqa: F401
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -33,35 +33,10 @@ from specray.serve.config import ServeConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/"
-"""Token id i of the tiny models is the character ALPHABET[i] (64 ids, the tiny vocab)."""
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}ZZ{% endif %}"
-)
 KEY = "sekret-key"
 MAIN, GUARDED = "tiny", "tiny-guarded"
 LONG_CONTEXT = 4096
 """The guarded app's models take long prompts/outputs: its requests can be slow on purpose."""
-
-
-def encode(text: str) -> list[int]:
-    return [ALPHABET.index(c) for c in text]
-
-
-def decode(ids) -> str:
-    return "".join(ALPHABET[i] for i in ids)
-
-
-def save_char_tokenizer(path) -> None:
-    """A BPE without merges over the 64 symbols: text <-> token ids one to one."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(ALPHABET)}, merges=[]))
-    tok.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE
-    ).save_pretrained(str(path))
 
 
 def cpu_placement(mode: str = "separate") -> dict:
@@ -849,6 +824,65 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf(main_url, target_model):
     plain = {**body, "logprobs": None}  # echo alone: the prompt's text, no numbers
     c = httpx.post(f"{main_url}/v1/completions", json=plain, timeout=60).json()["choices"][0]
     assert c["text"].startswith(prompt) and c["logprobs"] is None
+
+
+def test_prompt_scoring_with_max_tokens_0(main_url, target_model):
+    """max_tokens 0 with echo and logprobs (vLLM's prompt scoring): the prompt and its scores,
+    nothing generated, streamed or not; without echo, 0 is a 400."""
+    url = f"{main_url}/v1/completions"
+    prompt = "helloWorld"
+    body = {"model": MAIN, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2, "temperature": 0}
+    r = httpx.post(url, json=body, timeout=60).json()
+    (c,) = r["choices"]
+    assert c["text"] == prompt and c["finish_reason"] == "length"
+    assert r["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+    lp = c["logprobs"]
+    assert lp["tokens"] == list(prompt) and lp["token_logprobs"][0] is None
+    ref = hf_logprobs(target_model, encode(prompt))
+    for t in range(1, len(prompt)):
+        assert abs(lp["token_logprobs"][t] - ref[t - 1, encode(prompt[t])[0]].item()) < 1e-4, t
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as resp:
+        events = sse_events(resp.iter_lines())
+    chunks = [ch for ev in events[:-1] for ch in ev["choices"]]
+    assert "".join(ch["text"] for ch in chunks) == prompt
+    assert [x for ch in chunks if ch["logprobs"] for x in ch["logprobs"]["token_logprobs"]] == lp["token_logprobs"]
+    assert_openai_error(httpx.post(url, json={**body, "echo": False}, timeout=60), 400, "echo")
+    chat = {"model": MAIN, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}
+    assert_openai_error(httpx.post(f"{main_url}/v1/chat/completions", json=chat, timeout=60), 400, "max_tokens")
+
+
+def test_openai_message_shapes(main_url, client, target_model):
+    """Text parts, an assistant's null content (with tool calls), a tool message, tools: the
+    tiny template renders each message's content, so the prompt is known."""
+    ref = greedy_text(target_model, encode("abchelloZZ"), 6)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [{"role": "system", "content": [{"type": "text", "text": "abc"}]},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "", "tool_call_id": "c1"},
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = client.chat.completions.create(model=MAIN, messages=messages, tools=tools, tool_choice="auto",
+                                       max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == ref
+    url = f"{main_url}/v1/chat/completions"
+    image = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    err = assert_openai_error(httpx.post(url, json={"model": MAIN, "messages": [{"role": "user", "content": image}]},
+                                         timeout=60), 400, "image_url", "text")
+    assert err["param"] == "messages.0.content"
+    err = assert_openai_error(httpx.post(url, json={"model": MAIN, "messages": [{"role": "user", "content": None}]},
+                                         timeout=60), 400, "needs content")
+    assert err["param"] == "messages.0"
+    tool = {"model": MAIN, "messages": [{"role": "tool", "content": "x"}]}
+    assert_openai_error(httpx.post(url, json=tool, timeout=60), 400, "tool_call_id")
+
+
+def test_models_retrieve(main_url, client):
+    assert client.models.retrieve(MAIN).id == MAIN
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+    err = assert_openai_error(httpx.get(f"{main_url}/v1/models/org/gpt-17", timeout=60), 404, "gpt-17")
+    assert err["param"] == "model"
 
 
 def test_chat_logprobs_streamed_and_not(main_url, target_model):
