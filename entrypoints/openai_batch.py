@@ -114,7 +114,7 @@ def check_line(obj: dict, facts: Facts) -> tuple[BatchRequest | None, list[str]]
         checked = C.check(req, chat, facts, DEFAULT_MAX_TOKENS, prefix="body.")
     except C.RequestError as exc:
         return None, exc.lines()
-    return BatchRequest(line.custom_id, chat, req.model, checked, bool(getattr(req, "echo", False)),
+    return BatchRequest(line.custom_id, chat, req.model, checked, req.echo_prompt(),
                         facts.tokenizer), []
 
 

@@ -146,11 +146,13 @@ def _speculation_problems(options, facts: Facts, prefix: str) -> list[tuple[str,
 
 def _token_id_problems(req, facts: Facts, prefix: str) -> list[tuple[str, str]]:
     """Token ids a request names besides its prompt must be the model's."""
-    bad = [t for t in req.stop_token_ids or () if not 0 <= t < facts.vocab_size]
-    if bad:
-        param = f"{prefix}stop_token_ids"
-        return [(param, f"{param}: token ids must lie in [0, {facts.vocab_size}); got {bad[:5]}")]
-    return []
+    problems = []
+    for name, ids in req.named_token_ids().items():
+        bad = [t for t in ids if not 0 <= t < facts.vocab_size]
+        if bad:
+            param = f"{prefix}{name}"
+            problems.append((param, f"{param}: token ids must lie in [0, {facts.vocab_size}); got {bad[:5]}"))
+    return problems
 
 
 @dataclass(frozen=True)
@@ -174,8 +176,7 @@ def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = 
         if tok is None or not getattr(tok, "chat_template", None):
             raise RequestError([(field, f"{field}: this model has no chat template; use /v1/completions")])
         try:
-            prompts = [tok.apply_chat_template(req.template_messages(), tools=req.template_tools(), tokenize=False,
-                                               add_generation_prompt=True)]
+            prompts = [req.render(tok)]
         except Exception as exc:  # noqa: BLE001 - the template (jinja) refused these messages
             raise RequestError([(field, f"{field}: the model's chat template failed on them: "
                                         f"{type(exc).__name__}: {exc}")]) from None
@@ -185,10 +186,13 @@ def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = 
     for number, prompt in enumerate(prompts):
         where = f"{field}" if len(prompts) == 1 else f"{field}.{number}"
         try:
-            ids = encode_prompt(prompt, facts.tokenizer)
+            ids = encode_prompt(prompt, facts.tokenizer, req.special_tokens())
         except ValueError as exc:
             problems.append((field, f"{where}: {exc}"))
             continue
+        if req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens:
+            ids = ids[-req.truncate_prompt_tokens:]  # vLLM's: the prompt's last N tokens
+            prompts[number] = ids  # what an echo shows
         if not ids:
             problems.append((field, f"{where}: the prompt is empty"))
             continue
@@ -203,13 +207,19 @@ def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = 
             problems.append((param, f"{where}: {exc}" if exc.max_tokens is None else str(exc)))
             continue
         ids_per_prompt.append(ids)
+        if req.min_tokens > max(max_tokens, 1):
+            param = f"{prefix}min_tokens"
+            if not any(p == param for p, _ in problems):
+                problems.append((param, f"{param}: {req.min_tokens} exceeds the {max_tokens} tokens the request "
+                                        "may generate"))
+            continue
         try:
             # Prompt scoring (max_tokens 0) runs the prefill, which samples one token; it is dropped.
             samplings.append([req.sampling(max(max_tokens, 1), number * req.n + j) for j in range(req.n)])
         except ValidationError as exc:
             problems.extend(validation_problems(exc, prefix))
     prompt_only = req.max_tokens == 0
-    if prompt_only and not getattr(req, "echo", False):
+    if prompt_only and not req.echo_prompt():
         problems.append((f"{prefix}max_tokens", f"{prefix}max_tokens: 0 only scores a prompt: it needs echo "
                                                 "(completions), else at least 1"))
     problems += _token_id_problems(req, facts, prefix)

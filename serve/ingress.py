@@ -212,7 +212,7 @@ class OpenAIIngress:
         streams = [self.engine.options(stream=True).stream.remote(ids, s.model_dump(), checked.speculation)
                    for ids, choices in zip(checked.prompt_ids, checked.samplings) for s in choices]
         # What each choice echoes (completions with echo): its prompt's text.
-        echo = getattr(req, "echo", False)
+        echo = req.echo_prompt()
         echoes = [P.echo_of(checked.prompts[i // req.n], checked.prompt_ids[i // req.n], self.tokenizer) if echo
                   else None for i in range(len(streams))]
         rid = P.request_id("chatcmpl" if chat else "cmpl")
@@ -221,8 +221,8 @@ class OpenAIIngress:
             first = await self._first_items(streams)
             options = req.stream_options or P.StreamOptions()
             return StreamingResponse(
-                self._sse(rid, streams, first, chat, max_stop, options.include_usage, options.include_speculation,
-                          echoes, [len(ids) for ids in checked.prompt_ids], checked.prompt_only),
+                self._sse(rid, streams, first, chat, max_stop, options, echoes, [len(ids) for ids in checked.prompt_ids],
+                          checked.prompt_only),
                 media_type="text/event-stream",
             )
         finals = await asyncio.gather(*(self._last(s) for s in streams))
@@ -261,11 +261,18 @@ class OpenAIIngress:
             raise _error_status(refused)
         return firsts
 
-    async def _sse(self, rid, streams, first, chat, max_stop, include_usage, include_speculation=False, echoes=None,
-                   prompt_sizes=None, prompt_only=False):
+    async def _sse(self, rid, streams, first, chat, max_stop, options: P.StreamOptions, echoes, prompt_sizes,
+                   prompt_only=False):
         queue: asyncio.Queue = asyncio.Queue()
         # With include_speculation each choice's steps travel with the text they make up.
-        tracks = [SpeculationTrack(self.tokenizer) for _ in streams] if include_speculation else None
+        tracks = [SpeculationTrack(self.tokenizer) for _ in streams] if options.include_speculation else None
+        # continuous_usage_stats (vLLM's): every chunk carries its choice's usage so far.
+        per_prompt = len(streams) // len(prompt_sizes)
+
+        def running(index=None, out=None) -> dict | None:
+            if not options.continuous_usage_stats:
+                return None
+            return P.usage([], prompt_sizes) if out is None else P.usage([out], [prompt_sizes[index // per_prompt]])
         wholes = [OutputAssembly() for _ in streams]  # each choice's output so far, from its deltas
 
         async def pump(index, stream, head):
@@ -281,12 +288,11 @@ class OpenAIIngress:
         sent = [0] * len(streams)
         scored = [0] * len(streams)  # tokens whose log-probabilities were sent, per choice
         finals: list = [None] * len(streams)
-        echoes = echoes or [None] * len(streams)
         try:
             if chat:
                 roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for i in range(len(streams))]
-                yield P.sse(P.chunk(rid, self.model, roles, chat))
+                yield P.sse(P.chunk(rid, self.model, roles, chat, usage=running()))
             while any(f is None for f in finals):
                 index, delta = await queue.get()
                 if isinstance(delta, Exception) or REFUSED in delta or delta.get("finish_reason") == "error":
@@ -317,10 +323,10 @@ class OpenAIIngress:
                     choice["logprobs"] = logprobs
                     if steps is not None:
                         choice["speculation"] = steps
-                    yield P.sse(P.chunk(rid, self.model, [choice], chat))
+                    yield P.sse(P.chunk(rid, self.model, [choice], chat, usage=running(index, out)))
                 if out["finished"]:
                     finals[index] = out
-            if include_usage:
+            if options.include_usage:
                 yield P.sse(P.chunk(rid, self.model, [], chat, usage=P.usage(finals, prompt_sizes)))
             yield "data: [DONE]\n\n"
         finally:  # also on client disconnect: cancelling the streams frees the sequences

@@ -104,3 +104,101 @@ def test_tool_choice_that_needs_guided_decoding_is_refused(choice):
     with pytest.raises(C.RequestError) as info:
         C.parse(body(True, {"tool_choice": choice}), True)
     assert info.value.param == "tool_choice"
+
+
+# -- vLLM's request fields ----------------------------------------------------------------
+HONOURED = {  # vLLM's sampling and stream extensions specray honours, with a value each
+    "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+    "min_tokens": 2, "stop_token_ids": [3], "ignore_eos": True, "include_stop_str_in_output": True,
+    "skip_special_tokens": False, "spaces_between_special_tokens": False, "allowed_token_ids": [1, 2, 3],
+    "logit_bias": {"7": -3.5}, "add_special_tokens": True, "truncate_prompt_tokens": 4,
+    "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+}
+CHAT_HONOURED = {"add_generation_prompt": False, "continue_final_message": True, "chat_template": "{{ x }}",
+                 "chat_template_kwargs": {"x": 1}, "documents": [{"title": "t", "text": "x"}]}
+IGNORED = {  # the rest of vLLM's list: accepted, named once in the log
+    "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "bad_words": ["x"],
+    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "g",
+    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "structural_tag": "s", "priority": 3,
+    "request_id": "r", "logits_processors": ["m.P"], "return_tokens_as_token_ids": True, "cache_salt": "s",
+    "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
+}
+CHAT_IGNORED = {"echo": True, "include_reasoning": False, "reasoning_effort": "low", "best_of": 2}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_vllm_fields_are_accepted_and_the_ignored_named_once(chat, monkeypatch, caplog):
+    from specray.protocol import openai as P
+
+    monkeypatch.setattr(P, "_named", set())
+    fields = {**HONOURED, **IGNORED, **(CHAT_HONOURED | CHAT_IGNORED if chat else {"prompt_embeds": "AAAA"})}
+    with caplog.at_level("WARNING", logger="specray.protocol"):
+        for _ in range(2):
+            C.parse(body(chat, fields), chat)
+    named = [r.getMessage().split("'")[1] for r in caplog.records]
+    assert sorted(named) == sorted([*IGNORED, *(CHAT_IGNORED if chat else ["prompt_embeds"])])  # each once
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specray.protocol"):
+        C.parse(body(chat, {"priority": 0, "use_beam_search": False}), chat)  # vLLM's defaults: nothing to say
+    assert not caplog.records
+    with pytest.raises(C.RequestError) as info:  # neither OpenAI's nor vLLM's
+        C.parse(body(chat, {"guided_jsn": {}}), chat)
+    assert info.value.param == "guided_jsn" and "Extra inputs" in str(info.value)
+
+
+def test_vllm_sampling_fields_reach_the_engine():
+    req = C.parse(body(False, {**HONOURED, "max_tokens": 8}), False)
+    s = req.sampling(8)
+    assert (s.top_k, s.min_p, s.repetition_penalty, s.presence_penalty, s.frequency_penalty, s.min_tokens) == \
+        (5, 0.1, 1.2, 0.5, -0.5, 2)
+    assert s.stop_token_ids == [3] and s.ignore_eos and s.allowed_token_ids == [1, 2, 3] and s.logit_bias == {7: -3.5}
+    assert s.include_stop_str_in_output and not s.skip_special_tokens and not s.spaces_between_special_tokens
+    assert s.processes_logits and not C.parse(body(False, {}), False).sampling(8).processes_logits
+
+
+@pytest.mark.parametrize("patch, param", [
+    ({"logit_bias": {"64": 1}}, "logit_bias"), ({"allowed_token_ids": [0, 99]}, "allowed_token_ids"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"), ({"allowed_token_ids": []},
+                                                                                     "allowed_token_ids"),
+])
+def test_bad_extension_values_are_400s_naming_them(facts, patch, param):
+    with pytest.raises(C.RequestError) as info:
+        C.check(C.parse(body(False, patch), False), False, facts, 16)
+    assert info.value.param == param, info.value.problems
+
+
+def test_special_tokens_and_truncation(tmp_path):
+    """add_special_tokens as vLLM defaults it (completions add them, chat leaves them to the
+    template), and truncate_prompt_tokens keeps the prompt's last tokens."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from specray.policies.registry import PlainOptions, Limits
+    from tests.conftest import encode, save_char_tokenizer
+
+    save_char_tokenizer(tmp_path)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="B $A", special_tokens=[("B", 27)])
+    facts = C.Facts(tok, 256, 64, Limits(capacity=256, vocab_size=64, methods={"none": {}}), PlainOptions())
+
+    def ids(chat, **patch):
+        return C.check(C.parse(body(chat, patch), chat), chat, facts, 16).prompt_ids[0]
+
+    assert ids(False, prompt="hello") == encode("Bhello")
+    assert ids(False, prompt="hello", add_special_tokens=False) == encode("hello")
+    assert ids(True) == encode("hiZZ") and ids(True, add_special_tokens=True) == encode("BhiZZ")
+    checked = C.check(C.parse(body(False, {"prompt": "hello", "truncate_prompt_tokens": 3, "echo": True}), False),
+                      False, facts, 16)
+    assert checked.prompt_ids == [encode("llo")] and checked.prompts == [encode("llo")]
+
+
+def test_chat_template_extensions(facts):
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert rendered(facts, messages=messages, add_generation_prompt=False) == "uaab"
+    assert rendered(facts, messages=messages, chat_template="{{ x }}{{ messages[0]['content'] }}",
+                    chat_template_kwargs={"x": "q"}) == "qa"
+    with pytest.raises(C.RequestError) as info:
+        rendered(facts, messages=messages, continue_final_message=True)  # and add_generation_prompt (default)
+    assert "continue_final_message" in str(info.value)

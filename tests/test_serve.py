@@ -333,6 +333,38 @@ def test_streaming_raw_sse_is_incremental(main_url, target_model):
     assert spread > 0.3 * arrivals[-1] and len({round(t, 3) for t in arrivals}) >= 10, arrivals[:3] + arrivals[-3:]
 
 
+def test_a_vllm_style_request(client, main_url, target_model):
+    """What a tool written for vLLM sends: its sampling extensions are honoured (the repetition
+    penalty as HF generate's, stop strings kept), the fields specray cannot honour accepted, and
+    with continuous_usage_stats every chunk carries its usage so far."""
+    import torch
+
+    prompt = encode("abcabcab")
+    with torch.no_grad():
+        hf = target_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.3,
+                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    ref = decode(hf[0, len(prompt):].tolist())
+    extra = {"repetition_penalty": 1.3, "min_tokens": 2, "skip_special_tokens": True, "top_k": -1,
+             "guided_json": {"type": "object"}, "priority": 0, "speculation": {"method": "draft"}}
+    r = client.completions.create(model=MAIN, prompt="abcabcab", max_tokens=12, temperature=0, extra_body=extra)
+    assert r.choices[0].text == ref
+    stop = ref[3:5]
+    kept = client.completions.create(model=MAIN, prompt="abcabcab", max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={**extra, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == ref[: ref.index(stop) + len(stop)] and kept.choices[0].finish_reason == "stop"
+    body = {"model": MAIN, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "presence_penalty": 0.5, "frequency_penalty": 0.5}
+    with httpx.stream("POST", f"{main_url}/v1/chat/completions", json=body, timeout=60) as resp:
+        events = sse_events(resp.iter_lines())
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert all("usage" in c for c in chunks)
+    texts = ["".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[: i + 1]) for i in range(len(chunks))]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [len(t) for t in texts]  # one character a token
+    assert all(c["usage"]["prompt_tokens"] == len("helloZZ") for c in chunks)
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 10
+
+
 def test_n_choices_with_seed(client):
     kwargs = dict(model=MAIN, prompt="abcdef", max_tokens=12, temperature=1.0, n=3, seed=1234,
                   extra_body={"speculation": {"method": "draft", "num_speculative_tokens": 2}})
@@ -393,7 +425,7 @@ ERRORS = [  # (id, body patch or raw bytes, status, the error's param, words of 
     ("unknown field", {"frobnicate": 1}, 400, "frobnicate", ["frobnicate", "Extra inputs"]),
     ("unknown speculation field", {"speculation": {"method": "draft", "k": 2}}, 400, "speculation.k",
      ["speculation.k"]),
-    ("unsupported penalty", {"presence_penalty": 1.0}, 400, "presence_penalty", ["presence_penalty"]),
+    ("penalty range", {"presence_penalty": 2.5}, 400, "presence_penalty", ["presence_penalty"]),
     ("chat-only field", {"response_format": {"type": "text"}}, 400, "response_format", ["Extra inputs"]),
     ("bad prompt form", {"prompt": [[1, 2], "x"]}, 400, "prompt", ["prompt: must be a string, a list of strings"]),
     ("empty prompt in a list", {"prompt": [[1, 2], []]}, 400, "prompt", ["prompt: a prompt in the list is empty"]),
