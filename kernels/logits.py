@@ -69,7 +69,6 @@ def apply_penalties(
     """
     x = logits.float()
     rep = repetition.to(x.device, torch.float32)[:, None]  # [N, 1]
-    scale = torch.where(x > 0, 1.0 / rep, rep)
-    x = torch.where(seen, x * scale, x)
+    x = torch.where(seen, torch.where(x < 0, x * rep, x / rep), x)  # HF's very operations (ties break alike)
     x = x - frequency.to(x.device, torch.float32)[:, None] * output_counts
     return x - presence.to(x.device, torch.float32)[:, None] * (output_counts > 0).float()

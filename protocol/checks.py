@@ -72,7 +72,9 @@ def validation_problems(exc: ValidationError, prefix: str = "") -> list[tuple[st
     for err in exc.errors():
         if err["type"] == "string_unicode":
             continue
-        loc = ".".join(str(p) for p in err["loc"]) or None
+        cause = (err.get("ctx") or {}).get("error")
+        at = (*err["loc"], cause.param) if isinstance(cause, P.FieldError) else err["loc"]
+        loc = ".".join(str(p) for p in at) or None
         msg = err["msg"].removeprefix("Value error, ")
         out.append((f"{prefix}{loc}" if loc else None, f"{prefix}{loc}: {msg}" if loc else msg))
     return out

@@ -51,6 +51,15 @@ class ResponseFormat(BaseModel):
         return v
 
 
+class FieldError(ValueError):
+    """A check across fields, raised by a model validator, that names the field at fault (pydantic
+    would report it at the model: ``protocol/checks.py`` puts it at ``param``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def _unset(value):
     """Fields accepted only empty (not implemented: a 400, never a silent no-op)."""
     if value:
@@ -333,13 +342,13 @@ class ChatMessage(BaseModel):
     @model_validator(mode="after")
     def _role_fields(self):
         if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content (only an assistant's may be null)")
+            raise FieldError("content", f"a {self.role} message needs content (only an assistant's may be null)")
         if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("tool_calls belong to assistant messages")
+            raise FieldError("tool_calls", "tool_calls belong to assistant messages")
         if self.role == "tool" and self.tool_call_id is None:
-            raise ValueError("a tool message needs the tool_call_id it answers")
+            raise FieldError("tool_call_id", "a tool message needs the tool_call_id it answers")
         if self.tool_call_id is not None and self.role != "tool":
-            raise ValueError("tool_call_id belongs to tool messages")
+            raise FieldError("tool_call_id", "tool_call_id belongs to tool messages")
         return self
 
     def for_template(self) -> dict:
@@ -408,13 +417,13 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _one_ending(self):
         if self.add_generation_prompt and self.continue_final_message:
-            raise ValueError("continue_final_message needs add_generation_prompt: false (vLLM's rule)")
+            raise FieldError("continue_final_message", "needs add_generation_prompt: false (vLLM's rule)")
         return self
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self
 
     def requested_max_tokens(self) -> tuple[str, int | None]:

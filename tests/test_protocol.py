@@ -27,6 +27,17 @@ ERRORS = [  # (id, chat, body patch, the error's param, words of its message)
     ("boolean n", True, {"n": True}, "n", ["valid integer"]),
     ("boolean seed", False, {"seed": False}, "seed", ["valid integer"]),
     ("top_k past int64", False, {"top_k": 2**70}, "top_k", ["top_k"]),
+    ("a user message without content", True, {"messages": [{"role": "user", "content": None}]},
+     "messages.0.content", ["needs content"]),
+    ("a tool message without its call", True, {"messages": [{"role": "tool", "content": "x"}]},
+     "messages.0.tool_call_id", ["tool_call_id"]),
+    ("tool calls of a user", True, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+     "messages.0.tool_calls", ["assistant"]),
+    ("an image part", True, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content", ["'image_url'", "text"]),
+    ("top_logprobs without logprobs", True, {"top_logprobs": 2}, "top_logprobs", ["needs logprobs"]),
+    ("continue the final message and add a prompt", True, {"continue_final_message": True},
+     "continue_final_message", ["add_generation_prompt"]),
 ]
 
 

@@ -904,7 +904,7 @@ def test_openai_message_shapes(main_url, client, target_model):
     assert err["param"] == "messages.0.content"
     err = assert_openai_error(httpx.post(url, json={"model": MAIN, "messages": [{"role": "user", "content": None}]},
                                          timeout=60), 400, "needs content")
-    assert err["param"] == "messages.0"
+    assert err["param"] == "messages.0.content"
     tool = {"model": MAIN, "messages": [{"role": "tool", "content": "x"}]}
     assert_openai_error(httpx.post(url, json=tool, timeout=60), 400, "tool_call_id")
 
