@@ -13,7 +13,7 @@ def demo_options(parser, max_tokens: int) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
 
 
-def start(name: str, argv) -> str:
+def announce(name: str, argv) -> str:
     """One torch thread (small models on shared cores); prints and returns the command run."""
     import sys
 

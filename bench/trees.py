@@ -25,7 +25,7 @@ import pathlib
 import sys
 import time
 from collections import defaultdict
-from specray.bench import demo_options, start
+from specray.bench import announce, demo_options
 
 
 def _eagle2_defaults() -> dict:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from specray.demo import held_out_prompts, load_or_build_demo_pair
     from specray.engine import EngineConfig, LLMEngine, SamplingParams
 
-    command = start("trees", argv)
+    command = announce("trees", argv)
     pair = load_or_build_demo_pair()
     checkpoints = {k: v for k, v in (("eagle", args.eagle), ("eagle3", args.eagle3), ("redrafter", args.redrafter)) if v}
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)

@@ -111,6 +111,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = None
+    response_format: ResponseFormat | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = Field(None, description="token id (a string) -> bias in [-100, 100]")
@@ -153,6 +154,15 @@ class _Common(BaseModel):
     mm_processor_kwargs: Any = None
 
     IGNORED: ClassVar[dict[str, Any]] = IGNORED_VLLM_FIELDS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data):
+        """OpenAI's fields are "X or null": a null is the field not given (its default)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items() if not (v is None and k in fields and fields[k].default is not None)}
+        return data
 
     @field_validator("logit_bias")
     @classmethod
@@ -383,7 +393,6 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="return each token's log-probability (the target's raw distribution)")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = Field(None, description="rendered by the chat template (no tool-call parsing)")
     tool_choice: Literal["none", "auto"] | None = Field(
         None, description="'none' or 'auto' (the model writes what it writes); 'required' and named tools "

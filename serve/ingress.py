@@ -177,8 +177,9 @@ class OpenAIIngress:
     async def _models(self):
         return {"object": "list", "data": [self._card()]}
 
-    def _card(self) -> dict:
-        return {"id": self.model, "object": "model", "created": 0, "owned_by": "specray"}
+    def _card(self) -> dict:  # OpenAI's model object, with vLLM's max_model_len (tools size requests by it)
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "specray",
+                "max_model_len": self.facts.context}
 
     async def _parse(self, request: Request, chat: bool):
         raw = await request.body()

@@ -56,6 +56,16 @@ def test_a_bad_body_is_a_request_error_naming_its_param(name, chat, patch, param
     json.dumps(str(info.value)).encode("utf-8")  # the answer itself encodes
 
 
+def test_null_is_the_default():
+    req = C.parse(body(False, {"temperature": None, "top_p": None, "n": None, "stream": None, "max_tokens": None,
+                               "presence_penalty": None, "logprobs": None, "min_tokens": None}), False)
+    assert (req.temperature, req.top_p, req.n, req.stream, req.max_tokens, req.min_tokens) == (1.0, 1.0, 1, False,
+                                                                                                 None, 0)
+    with pytest.raises(C.RequestError) as info:
+        C.parse({"model": None, "prompt": "x"}, False)
+    assert info.value.param == "model"
+
+
 def test_the_extremes_that_are_valid_pass():
     for seed in (-(2**63), 2**63 - 1):
         assert C.parse(body(False, {"seed": seed}), False).seed == seed

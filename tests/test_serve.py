@@ -426,7 +426,7 @@ ERRORS = [  # (id, body patch or raw bytes, status, the error's param, words of 
     ("unknown speculation field", {"speculation": {"method": "draft", "k": 2}}, 400, "speculation.k",
      ["speculation.k"]),
     ("penalty range", {"presence_penalty": 2.5}, 400, "presence_penalty", ["presence_penalty"]),
-    ("chat-only field", {"response_format": {"type": "text"}}, 400, "response_format", ["Extra inputs"]),
+    ("chat-only field", {"tool_choice": "auto"}, 400, "tool_choice", ["Extra inputs"]),
     ("bad prompt form", {"prompt": [[1, 2], "x"]}, 400, "prompt", ["prompt: must be a string, a list of strings"]),
     ("empty prompt in a list", {"prompt": [[1, 2], []]}, 400, "prompt", ["prompt: a prompt in the list is empty"]),
     ("logprobs range", {"logprobs": 21}, 400, "logprobs", ["logprobs", "20"]),
@@ -910,7 +910,8 @@ def test_openai_message_shapes(main_url, client, target_model):
 
 
 def test_models_retrieve(main_url, client):
-    assert client.models.retrieve(MAIN).id == MAIN
+    card = client.models.retrieve(MAIN)
+    assert card.id == MAIN and card.model_extra["max_model_len"] == 256
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-17")
     err = assert_openai_error(httpx.get(f"{main_url}/v1/models/org/gpt-17", timeout=60), 404, "gpt-17")
