@@ -67,7 +67,7 @@ def processed(
     rows = [i for i, r in enumerate(reqs) if r.sampling.processes_logits]
     if not rows:
         return logits
-    b, w, vocab = logits.shape
+    _, w, vocab = logits.shape
     device = logits.device
     picked = [reqs[i] for i in rows]
     idx = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)

@@ -772,7 +772,7 @@ def test_every_prompt_form_is_its_own_choice(main_url, target_model):
 
 
 def test_the_whole_request_is_checked_at_once(main_url):
-    body = {"model": MAIN, "prompt": [1, 2], "presence_penalty": 1, "logprobs": 99, "suffix": "x", "echo": [1],
+    body = {"model": MAIN, "prompt": [1, 2], "presence_penalty": 3, "logprobs": 99, "suffix": "x", "echo": [1],
             "speculation": {"method": "bogus"}}
     err = assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400,
                               "presence_penalty", "logprobs", "suffix", "echo", "bogus")
