@@ -25,7 +25,7 @@ import pathlib
 import sys
 import time
 from collections import defaultdict
-from specray.bench import DEFAULT_OUT
+from specray.bench import announce, demo_options
 
 
 def _eagle2_defaults() -> dict:
@@ -117,22 +117,14 @@ def main(argv: list[str] | None = None) -> int:
                    help='extra EAGLE-2 dynamic-tree settings (EAGLE and EAGLE-3 heads) as JSON, e.g. \'{"top_k": 4}\'')
     p.add_argument("--redrafter-opts", action="append", default=[],
                    help='extra ReDrafter settings as JSON, e.g. \'{"num_beams": 8, "draft_len_per_beam": 5}\'')
-    p.add_argument("--batch", default="1,8")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per batch size")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
+    demo_options(p, max_tokens=128)
     p.add_argument("--draft-k", type=int, default=4)
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     args = p.parse_args(argv)
-
-    import torch
 
     from specray.demo import held_out_prompts, load_or_build_demo_pair
     from specray.engine import EngineConfig, LLMEngine, SamplingParams
 
-    torch.set_num_threads(1)
-    command = "python -m specray.bench.trees " + " ".join(argv if argv is not None else sys.argv[1:])
-    print("command:", command)
+    command = announce("trees", argv)
     pair = load_or_build_demo_pair()
     checkpoints = {k: v for k, v in (("eagle", args.eagle), ("eagle3", args.eagle3), ("redrafter", args.redrafter)) if v}
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)

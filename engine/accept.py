@@ -57,11 +57,14 @@ class TargetScores:
     prompt_logprobs: dict[int, list] = field(default_factory=dict)
 
     @classmethod
-    def from_logits(cls, logits: torch.Tensor, sampled: Sequence[int] = (),
-                    scored: Sequence[int] = ()) -> "TargetScores":  # [B, m, V]
+    def from_logits(cls, logits: torch.Tensor, sampled: Sequence[int] = (), scored: Sequence[int] = (),
+                    processed: torch.Tensor | None = None) -> "TargetScores":  # [B, m, V] each
+        """processed: the logits as the rows sample from them (``engine/logits.py``; default the raw
+        ones): argmax and sampling read those, log-probabilities the raw ones."""
         sampled = list(sampled)
-        kept = logits[torch.tensor(sampled, device=logits.device)] if sampled else None
-        return cls(logits.argmax(dim=-1).tolist(), sampled, kept, {i: logits[i] for i in scored})
+        use = logits if processed is None else processed
+        kept = use[torch.tensor(sampled, device=use.device)] if sampled else None
+        return cls(use.argmax(dim=-1).tolist(), sampled, kept, {i: logits[i] for i in scored})
 
     def cpu(self) -> "TargetScores":
         """For sending across processes (a local engine keeps the logits on its device)."""
@@ -74,15 +77,23 @@ class TargetScores:
         if not self.sampled:
             return None
         n, m, vocab = self.logits.shape
-        temperature, top_k, top_p = sampling_tensors([reqs[i] for i in self.sampled])
-        flat = probs_from_logits(self.logits.reshape(-1, vocab), temperature.repeat_interleave(m),
-                                 top_k.repeat_interleave(m), top_p.repeat_interleave(m))
-        return flat.view(n, m, vocab)
+        return target_probs(self.logits, [reqs[i] for i in self.sampled]).view(n, m, vocab)
 
 
 def sampled_rows(reqs: Sequence) -> list[int]:
     """Rows whose acceptance needs the target's full distribution."""
     return [i for i, r in enumerate(reqs) if not r.sampling.greedy]
+
+
+def target_probs(logits: torch.Tensor, reqs: Sequence, check: bool = True) -> torch.Tensor:
+    """logits: [n, m, V] of the sampled rows ``reqs`` [n] -> [n * m, V] their sampling
+    distributions (temperature, min-p, top-k, top-p of each row at all its m positions)."""
+    n, m, vocab = logits.shape
+    temperature, top_k, top_p = (t.repeat_interleave(m) for t in sampling_tensors(reqs))
+    min_p = None
+    if any(r.sampling.min_p for r in reqs):
+        min_p = torch.tensor([r.sampling.min_p for r in reqs], dtype=torch.float32).repeat_interleave(m)
+    return probs_from_logits(logits.reshape(-1, vocab), temperature, top_k, top_p, check=check, min_p=min_p)
 
 
 def sampling_tensors(reqs: Sequence) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -24,7 +24,8 @@ import torch
 
 from specray.engine import logprobs as L
 from specray.engine import step as S
-from specray.engine.accept import StepResult, TargetScores, Verified, accept, sampling_tensors
+from specray.engine.accept import StepResult, TargetScores, Verified, accept, target_probs
+from specray.engine.logits import Positions, processed
 from specray.kernels.acceptance import rejection_accept
 from specray.kernels.batch_acceptance import (
     BatchAcceptance,
@@ -32,7 +33,7 @@ from specray.kernels.batch_acceptance import (
     tree_rejection_accept_batch,
     tree_uniform_count,
 )
-from specray.kernels.sampling import probs_from_logits, uniforms
+from specray.kernels.sampling import uniforms
 from specray.policies.base import DeviceDraft, DraftRow
 
 
@@ -59,7 +60,8 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
     out = static.run([r.slot for r in reqs], inputs.tokens, inputs.layout, spliced)
     batch, width = len(reqs), out.ids.shape[1]
     ids, anc, depth = out.ids[:batch], out.tree[:batch], out.offsets[:batch]
-    logits = out.logits[:batch]  # [B, W, V]
+    raw = out.logits[:batch]  # [B, W, V]
+    logits = processed(raw, reqs, Positions(ids, anc, depth))  # as each row samples (its history at each node)
     best = logits.argmax(dim=-1)  # [B, W]
     sizes = torch.tensor([d.size for d in drafts], dtype=torch.long).to(device, non_blocking=True)
     acc = greedy_accept_batch(ids, anc, depth, sizes, best)
@@ -87,7 +89,7 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
         part = accept([reqs[i] for i in host_rows], [filled[i] for i in host_rows], scores)
         for j, i in enumerate(host_rows):
             accepted[i], emitted[i], paths[i] = part.num_accepted[j], part.emitted[j], part.paths[j]
-    logprobs = L.step_entries(reqs, logits, paths, emitted) if L.wanted(reqs) else None  # rows that asked
+    logprobs = L.step_entries(reqs, raw, paths, emitted) if L.wanted(reqs) else None  # rows that asked (raw)
     return DeviceVerification(Verified(result, filled, extra_best, logprobs), out.hidden, out.layers)
 
 
@@ -109,11 +111,8 @@ def _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc: BatchAcce
     device = ids.device
     width, vocab = ids.shape[1], logits.shape[-1]
     rows = chains + trees
-    temperature, top_k, top_p = sampling_tensors([reqs[i] for i in rows])
     idx = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-    probs = probs_from_logits(logits[idx].reshape(-1, vocab), temperature.repeat_interleave(width),
-                              top_k.repeat_interleave(width), top_p.repeat_interleave(width),
-                              check=False).view(len(rows), width, vocab)  # [S, W, V]
+    probs = target_probs(logits[idx], [reqs[i] for i in rows], check=False).view(len(rows), width, vocab)  # [S, W, V]
     q = _draft_probs(rows, drafts, device_parts, width, vocab, device)  # [S, W, V] node-aligned or None
     generators = [reqs[i].generator for i in rows]
     parts = []

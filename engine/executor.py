@@ -18,6 +18,7 @@ from specray.engine import logprobs as L
 from specray.engine import step as S
 from specray.engine.device_step import verify_on_device
 from specray.engine.accept import TargetScores, accept_verified, sampled_rows
+from specray.engine.logits import host_positions, processed
 from specray.policies.base import EMPTY, Draft, DraftRow, PrefillRow
 from specray.policies.registry import method_spec, registered_methods
 
@@ -49,7 +50,8 @@ class LocalExecutor:
                                   **self._wants_features(reqs))
         self._last = out
         logits, prompts = L.split_prefill(out.logits, reqs) if every is not None else (out.logits, {})
-        return replace(TargetScores.from_logits(logits, sampled, L.wanted(reqs)), prompt_logprobs=prompts)
+        scores = TargetScores.from_logits(logits, sampled, L.wanted(reqs), processed(logits, reqs, None))
+        return replace(scores, prompt_logprobs=prompts)
 
     async def propose(self, plan):
         pending, parts = {}, {}
@@ -119,7 +121,11 @@ class LocalExecutor:
         out = self.target.forward([r.slot for r in reqs], inputs.tokens, inputs.logits_at, inputs.layout,
                                   **self._wants_features(reqs))
         self._last = out
-        return accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs), L.wanted(reqs)))
+        scored = out.logits
+        if any(r.sampling.processes_logits for r in reqs):  # each node's history: committed tokens + its path
+            scored = processed(out.logits, reqs, host_positions(inputs.tokens, inputs.layout, out.logits.device))
+        return accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs), L.wanted(reqs),
+                                                                      scored))
 
     def recover(self, reqs, drafts):
         out = list(drafts)

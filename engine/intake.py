@@ -45,12 +45,13 @@ def check_context_length(prompt_tokens: int, max_tokens: int | None, context: in
         raise ContextLengthError(prompt_tokens, max_tokens, context)
 
 
-def encode_prompt(prompt: str | Sequence[int], tokenizer) -> list[int]:
-    """A prompt's token ids as the engine counts them (text needs the tokenizer)."""
+def encode_prompt(prompt: str | Sequence[int], tokenizer, add_special_tokens: bool = False) -> list[int]:
+    """A prompt's token ids as the engine counts them (text needs the tokenizer; its special
+    tokens, e.g. BOS, only when asked: the engine's own API never adds them)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     return [int(t) for t in prompt]
 
 
@@ -91,6 +92,9 @@ class RequestMaker:
         vocab = self.limits.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        named = [t for t in sampling.named_token_ids() if not 0 <= t < vocab]
+        if named:
+            raise ValueError(f"token ids in the sampling parameters must lie in [0, {vocab}); got {named[:5]}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.limits.eos_ids)

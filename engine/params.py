@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Iterable
 
-from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema, field_validator,
+                      model_validator)
 
 import specray.policies  # noqa: F401  (registers every method)
 from specray.policies.registry import MethodOptions, PlainOptions, parse_speculation
@@ -30,8 +31,9 @@ class SamplingParams(BaseModel):
     max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
     temperature: float = Field(1.0, ge=0.0, le=100.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass kept, in (0, 1].")
-    top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1 = off.")
-    seed: int | None = Field(None, description="Per-request RNG seed (reproducible sampling).")
+    top_k: int = Field(0, ge=-1, le=2**63 - 1, description="Keep the k most likely tokens; 0 or -1 = off.")
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1,
+                             description="Per-request RNG seed (reproducible sampling; torch takes 64 bits).")
     stop: list[str] = Field(default_factory=list, description="Stop strings (not included in text).")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop token ids.")
     ignore_eos: bool = Field(False, description="Keep generating past the EOS token.")
@@ -40,6 +42,21 @@ class SamplingParams(BaseModel):
         "distribution and this many most likely alternatives (0: the token's own only); None = none.")
     prompt_logprobs: int | None = Field(
         None, ge=0, le=20, description="The same for every prompt token after the first (OpenAI's echo).")
+    # What changes the target's distribution (``engine/logits.py``; speculation keeps it exactly).
+    min_tokens: int = Field(0, ge=0, description="Generate at least this many tokens: the stop token ids (EOS "
+                            "unless ignore_eos, stop_token_ids) are held back and stop strings not matched until then.")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="Divide (positive) or multiply (negative) the logits "
+                                      "of tokens in the prompt or the output; 1 = off.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtract from the logits of tokens in the output.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtract, per occurrence in the output.")
+    logit_bias: dict[int, float] | None = Field(None, description="token id -> bias added to its logit, in [-100, 100].")
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, description="Sample only these tokens.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p x the most likely one "
+                         "(after temperature); 0 = off.")
+    # How text is made of the tokens.
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    spaces_between_special_tokens: bool = Field(True, description="(Tokenizers that take it.) Spaces around them.")
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the text.")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -54,6 +71,33 @@ class SamplingParams(BaseModel):
         if any(s == "" for s in v):
             raise ValueError("stop strings must be non-empty")
         return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v):
+        if v and any(not -100.0 <= b <= 100.0 for b in v.values()):
+            raise ValueError("biases must lie in [-100, 100]")
+        return v
+
+    @model_validator(mode="after")
+    def _min_below_max(self):
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    def named_token_ids(self) -> list[int]:
+        """Every token id these parameters name (each must be the model's)."""
+        return [*self.stop_token_ids, *(self.logit_bias or ()), *(self.allowed_token_ids or ())]
+
+    @property
+    def processes_logits(self) -> bool:
+        """Does sampling read other logits than the target's own (``engine/logits.py``)?"""
+        return bool(self.min_tokens or self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty or self.logit_bias or self.allowed_token_ids is not None)
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty)
 
     @property
     def greedy(self) -> bool:

@@ -73,7 +73,7 @@ class Request:
         out = Request(self.request_id, self.prompt_ids, self.sampling, self.speculation, self.stop_ids,
                       generator=generator, output_ids=list(output_ids), metrics=metrics)
         if tokenizer is not None and output_ids:
-            out.text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+            out.text = out._decode(tokenizer, out.output_ids)
             out._prefix_offset, out._read_offset = len(output_ids) - 1, len(output_ids)
         return out
 
@@ -113,23 +113,25 @@ class Request:
         before = len(self.text)
         text = self.text + self._decode_new(tokenizer)
         stops = self.sampling.stop
-        if stops:
+        least = self.sampling.min_tokens  # stop strings count once a token past the first min_tokens ends them
+        if stops and len(self.output_ids) > least:
             longest = max(len(s) for s in stops)
             start = max(0, before - longest + 1)
-            hits = [(text.find(s, start), s) for s in stops]
-            hits = [(i, s) for i, s in hits if i >= 0]
+            floor = len(self._decode(tokenizer, self.output_ids[:least])) if least else 0
+            hits = [_find_ending_after(text, s, start, floor) for s in stops]
+            hits = [(i, s) for i, s in zip(hits, stops) if i >= 0]
             if hits:
                 cut, stop = min(hits)
                 # Keep the fewest tokens whose text reaches the stop string.
                 first_new = len(self.output_ids) - len(kept)
-                for n in range(first_new + 1, len(self.output_ids) + 1):
-                    if stop in tokenizer.decode(self.output_ids[:n], skip_special_tokens=True)[start:]:
+                for n in range(max(first_new, least) + 1, len(self.output_ids) + 1):
+                    if _find_ending_after(self._decode(tokenizer, self.output_ids[:n]), stop, start, floor) >= 0:
                         break
                 dropped = len(self.output_ids) - n
                 del self.output_ids[n:]
                 kept = kept[: len(kept) - dropped]
                 self.finish_reason = "stop"
-                text = text[:cut]
+                text = text[: cut + len(stop)] if self.sampling.include_stop_str_in_output else text[:cut]
         if self.finish_reason not in (None, "stop"):
             text += self._decode_new(tokenizer, final=True)  # an incomplete character at the end
         self.text = text
@@ -140,12 +142,18 @@ class Request:
         from one emission back, for context, and hold back a trailing incomplete character),
         so a step costs what it adds, and the text only ever grows."""
         ids = self.output_ids
-        prefix = tokenizer.decode(ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        full = tokenizer.decode(ids[self._prefix_offset :], skip_special_tokens=True)
+        prefix = self._decode(tokenizer, ids[self._prefix_offset : self._read_offset])
+        full = self._decode(tokenizer, ids[self._prefix_offset :])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         return full[len(prefix) :]
+
+    def _decode(self, tokenizer, ids: Sequence[int]) -> str:
+        s = self.sampling
+        if s.spaces_between_special_tokens:  # the default: every tokenizer's own
+            return tokenizer.decode(ids, skip_special_tokens=s.skip_special_tokens)
+        return tokenizer.decode(ids, skip_special_tokens=s.skip_special_tokens, spaces_between_special_tokens=False)
 
     def fail(self, message: str) -> None:
         """Finish with 'error': something raised while serving this request (only this one)."""
@@ -166,6 +174,12 @@ class Request:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def _find_ending_after(text: str, stop: str, start: int, floor: int) -> int:
+    """The first occurrence of ``stop`` in ``text`` from ``start`` that ends past ``floor``; -1 if none."""
+    at = text.find(stop, max(start, floor - len(stop) + 1))
+    return at
 
 
 def speculation_event(method: str, drafted: list[int], rejected: list[int], num_accepted: int,

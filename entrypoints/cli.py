@@ -4,7 +4,7 @@
     specray generate --prompt "def fib(n):"       # one completion in this process
     specray jobs --input in.jsonl --output out.jsonl   # a batch file (local Ray unless --address)
     specray train medusa|eagle|redrafter --out DIR
-    specray bench speed|load|actors|trees|lookahead
+    specray bench speed|load|actors|trees|lookahead|penalties
     specray env                                   # versions, devices, dtype, attention kernel
     specray demo-models                           # build or find the demo pair
 """
@@ -30,6 +30,7 @@ BENCHMARKS = {
     "lookahead": "lookahead decoding against plain decoding and prompt lookup",
     "suffix": "suffix decoding against plain decoding and prompt lookup, on repetitive and non-repetitive work",
     "gpu": "the step against the memory-bandwidth bound on a GPU (a synthetic 8B-shaped pair; --device cpu: demo)",
+    "penalties": "what repetition/presence/frequency penalties cost plain and draft-model decoding",
 }
 
 

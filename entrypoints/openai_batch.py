@@ -80,6 +80,8 @@ class BatchRequest:
         """The OpenAI batch output line for this request's finished choices (the HTTP body)."""
         rid = P.request_id("chatcmpl" if self.chat else "cmpl")
         c = self.checked
+        if c.prompt_only:
+            outs = [P.prompt_only(o) for o in outs]
         n = len(c.samplings[0])
         echoes = [P.echo_of(c.prompts[i // n], c.prompt_ids[i // n], self.tokenizer) if self.echo else None
                   for i in range(len(outs))]
@@ -112,7 +114,7 @@ def check_line(obj: dict, facts: Facts) -> tuple[BatchRequest | None, list[str]]
         checked = C.check(req, chat, facts, DEFAULT_MAX_TOKENS, prefix="body.")
     except C.RequestError as exc:
         return None, exc.lines()
-    return BatchRequest(line.custom_id, chat, req.model, checked, bool(getattr(req, "echo", False)),
+    return BatchRequest(line.custom_id, chat, req.model, checked, req.echo_prompt(),
                         facts.tokenizer), []
 
 

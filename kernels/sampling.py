@@ -21,13 +21,15 @@ def probs_from_logits(
     top_k: torch.Tensor,  # [N] int64, 0 = off
     top_p: torch.Tensor,  # [N] float in (0, 1]
     check: bool = True,
+    min_p: torch.Tensor | None = None,  # [N] float in [0, 1], 0 = off; None = off everywhere
 ) -> torch.Tensor:  # [N, V] float32
     """Sampling distribution per row, in HF ``generate``'s order.
 
-    Temperature first, then top-k (keep the k largest logits, ties with the k-th
-    included), then top-p (keep the smallest prefix of the sorted distribution whose
-    mass reaches ``top_p``; the most likely token is always kept). Rows may use
-    different parameters; computed in float32.
+    Temperature first, then min-p when given (vLLM's place for it: drop tokens whose
+    probability is below min_p times the most likely one's), then top-k (keep the k largest
+    logits, ties with the k-th included), then top-p (keep the smallest prefix of the sorted
+    distribution whose mass reaches ``top_p``; the most likely token is always kept). Rows
+    may use different parameters; computed in float32.
 
     >>> logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     >>> p = probs_from_logits(logits, torch.tensor([1.0]), torch.tensor([2]), torch.tensor([1.0]))
@@ -47,6 +49,10 @@ def probs_from_logits(
 
     device = logits.device
     scaled = logits.float() / temperature.to(device, torch.float32).unsqueeze(-1)  # [N, V]
+    if min_p is not None:
+        # p < min_p * p_max  <=>  logit < max logit + log(min_p) (log(0) = -inf keeps every token)
+        floor = scaled.amax(dim=-1, keepdim=True) + min_p.to(device, torch.float32).log().unsqueeze(-1)
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
 
     # One descending sort serves both filters: top-k masking only removes a tail of
     # the sorted order, so the order stays valid for top-p.

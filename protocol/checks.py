@@ -26,7 +26,8 @@ class RequestError(ValueError):
     """A bad request: every problem found, as (param, message) pairs (HTTP 400)."""
 
     def __init__(self, problems: list[tuple[str | None, str]]):
-        self.problems = problems
+        # A field name may itself be broken Unicode: every answer must encode as UTF-8.
+        self.problems = [(None if p is None else _printable(p), _printable(m)) for p, m in problems]
         shown = self.lines()[:MAX_REPORTED]
         more = len(problems) - len(shown)
         super().__init__("; ".join(shown) + (f"; and {more} more" if more > 0 else ""))
@@ -65,23 +66,63 @@ def facts_for(config, tokenizer) -> Facts:
 
 
 def validation_problems(exc: ValidationError, prefix: str = "") -> list[tuple[str | None, str]]:
-    """Every error of a pydantic validation, as (param, message) ("Value error, " dropped)."""
+    """Every error of a pydantic validation, as (param, message) ("Value error, " dropped; broken
+    Unicode is ``unicode_problems``' to report)."""
     out = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or None
+        if err["type"] == "string_unicode":
+            continue
+        cause = (err.get("ctx") or {}).get("error")
+        at = (*err["loc"], cause.param) if isinstance(cause, P.FieldError) else err["loc"]
+        loc = ".".join(str(p) for p in at) or None
         msg = err["msg"].removeprefix("Value error, ")
         out.append((f"{prefix}{loc}" if loc else None, f"{prefix}{loc}: {msg}" if loc else msg))
     return out
+
+
+def unicode_problems(body, prefix: str = "") -> list[tuple[str | None, str]]:
+    """Every string of a parsed JSON body (keys too) that is not valid Unicode: JSON's
+    ``"\\ud800"`` escape decodes to a lone surrogate, which no tokenizer can encode. Walked
+    without recursion (a body may nest thousands of levels)."""
+    problems, stack = [], [((), body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(((*path, k), v) for k, v in reversed(value.items()))
+            for key in (k for k in value if isinstance(k, str) and not _utf8(k)):
+                param = f"{prefix}{'.'.join(map(str, (*path, key)))}"
+                problems.append((param, f"{param}: the field name is not valid Unicode (a lone surrogate)"))
+        elif isinstance(value, list):
+            stack.extend(((*path, i), v) for i, v in reversed(list(enumerate(value))))
+        elif isinstance(value, str) and not _utf8(value):
+            param = f"{prefix}{'.'.join(map(str, path))}"
+            at = next(i for i, c in enumerate(value) if "\ud800" <= c <= "\udfff")
+            problems.append((param, f"{param}: not valid Unicode: a lone surrogate "
+                                    f"(\\u{ord(value[at]):04x}) at character {at}; send UTF-8 text"))
+    return problems
+
+
+def _printable(text: str) -> str:
+    return text if _utf8(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def parse(body: dict, chat: bool, prefix: str = "", facts: Facts | None = None):
     """The request model of a body (RequestError listing every field's error, and — with
     ``facts`` — whether its speculation can run here, so that one answer says both)."""
     model = P.ChatCompletionRequest if chat else P.CompletionRequest
+    broken = unicode_problems(body, prefix)
     try:
-        return model.model_validate(body)
+        req = model.model_validate(body)
     except ValidationError as exc:
-        problems = validation_problems(exc, prefix)
+        problems = broken + validation_problems(exc, prefix)
         if facts is not None and body.get("speculation") is not None and not any(
                 (p or "").startswith(f"{prefix}speculation") for p, _ in problems):
             try:
@@ -89,6 +130,9 @@ def parse(body: dict, chat: bool, prefix: str = "", facts: Facts | None = None):
             except ValueError:  # not even its method's options: pydantic has said so already
                 pass
         raise RequestError(problems) from None
+    if broken:
+        raise RequestError(broken)
+    return req
 
 
 def _speculation_problems(options, facts: Facts, prefix: str) -> list[tuple[str, str]]:
@@ -102,6 +146,17 @@ def _speculation_problems(options, facts: Facts, prefix: str) -> list[tuple[str,
     return []
 
 
+def _token_id_problems(req, facts: Facts, prefix: str) -> list[tuple[str, str]]:
+    """Token ids a request names besides its prompt must be the model's."""
+    problems = []
+    for name, ids in req.named_token_ids().items():
+        bad = [t for t in ids if not 0 <= t < facts.vocab_size]
+        if bad:
+            param = f"{prefix}{name}"
+            problems.append((param, f"{param}: token ids must lie in [0, {facts.vocab_size}); got {bad[:5]}"))
+    return problems
+
+
 @dataclass(frozen=True)
 class Checked:
     """A request ready to run: per prompt, its text or ids, its token ids and the sampling
@@ -111,6 +166,7 @@ class Checked:
     prompt_ids: list[list[int]]
     samplings: list[list[SamplingParams]]
     speculation: dict | None
+    prompt_only: bool = False  # max_tokens 0 with echo: score the prompt, generate nothing (``P.prompt_only``)
 
 
 def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = "") -> Checked:
@@ -121,18 +177,24 @@ def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = 
         tok = facts.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise RequestError([(field, f"{field}: this model has no chat template; use /v1/completions")])
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
-        prompts = [tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)]
+        try:
+            prompts = [req.render(tok)]
+        except Exception as exc:  # noqa: BLE001 - the template (jinja) refused these messages
+            raise RequestError([(field, f"{field}: the model's chat template failed on them: "
+                                        f"{type(exc).__name__}: {exc}")]) from None
     else:
         prompts = req.prompts()
     ids_per_prompt, samplings = [], []
     for number, prompt in enumerate(prompts):
         where = f"{field}" if len(prompts) == 1 else f"{field}.{number}"
         try:
-            ids = encode_prompt(prompt, facts.tokenizer)
+            ids = encode_prompt(prompt, facts.tokenizer, req.special_tokens())
         except ValueError as exc:
             problems.append((field, f"{where}: {exc}"))
             continue
+        if req.truncate_prompt_tokens is not None and len(ids) > req.truncate_prompt_tokens:
+            ids = ids[-req.truncate_prompt_tokens:]  # vLLM's: the prompt's last N tokens
+            prompts[number] = ids  # what an echo shows
         if not ids:
             problems.append((field, f"{where}: the prompt is empty"))
             continue
@@ -147,12 +209,24 @@ def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = 
             problems.append((param, f"{where}: {exc}" if exc.max_tokens is None else str(exc)))
             continue
         ids_per_prompt.append(ids)
+        if req.min_tokens > max(max_tokens, 1):
+            param = f"{prefix}min_tokens"
+            if not any(p == param for p, _ in problems):
+                problems.append((param, f"{param}: {req.min_tokens} exceeds the {max_tokens} tokens the request "
+                                        "may generate"))
+            continue
         try:
-            samplings.append([req.sampling(max_tokens, number * req.n + j) for j in range(req.n)])
+            # Prompt scoring (max_tokens 0) runs the prefill, which samples one token; it is dropped.
+            samplings.append([req.sampling(max(max_tokens, 1), number * req.n + j) for j in range(req.n)])
         except ValidationError as exc:
             problems.extend(validation_problems(exc, prefix))
+    prompt_only = req.max_tokens == 0
+    if prompt_only and not req.echo_prompt():
+        problems.append((f"{prefix}max_tokens", f"{prefix}max_tokens: 0 only scores a prompt: it needs echo "
+                                                "(completions), else at least 1"))
+    problems += _token_id_problems(req, facts, prefix)
     problems += _speculation_problems(req.speculation or facts.default_speculation, facts, prefix)
     if problems:
         raise RequestError(problems)
     spec = req.speculation.model_dump() if req.speculation else None
-    return Checked(prompts, ids_per_prompt, samplings, spec)
+    return Checked(prompts, ids_per_prompt, samplings, spec, prompt_only)

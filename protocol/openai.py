@@ -1,17 +1,19 @@
-"""OpenAI-compatible request/response shapes (the subset specray serves, validated).
+"""OpenAI-compatible request/response shapes (OpenAI's fields and vLLM's extensions), validated.
 
-Requests are strict: an unknown field or a value out of range is a 400 naming the
-field. OpenAI fields specray accepts but does not implement must keep their neutral
-value (e.g. ``presence_penalty=0``); anything else is a clear 400, not a silent no-op.
+Requests are strict: an unknown field, a value of the wrong type or out of range is a 400
+naming the field. vLLM's extensions are honoured where specray can (penalties, min_tokens,
+special tokens, stop strings kept, ...); the rest of vLLM's list is accepted and named once
+in the log (``IGNORED_VLLM_FIELDS``). docs/openai-api.md lists them all.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -19,9 +21,18 @@ from specray.engine.params import SamplingParams, Speculation
 from specray.engine.intake import check_context_length
 
 
+# Request bodies are strict where OpenAI is: a boolean is not an integer, a string is not a
+# boolean (``max_tokens: true``, ``stream: "yes"`` are 400s, as OpenAI and vLLM answer), and a
+# float field takes an integer. Integers are bounded where they reach the engine (a seed fits
+# int64, as vLLM takes it).
+STRICT = ConfigDict(extra="forbid", strict=True)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: usage (so far) in every chunk")
     include_speculation: bool = Field(
         False, description="specray extension: each chunk's choice lists the speculation steps that produced "
         "its text (``speculation``: drafted, accepted, rejected and bonus tokens; see serve/playground.py)"
@@ -40,6 +51,15 @@ class ResponseFormat(BaseModel):
         return v
 
 
+class FieldError(ValueError):
+    """A check across fields, raised by a model validator, that names the field at fault (pydantic
+    would report it at the model: ``protocol/checks.py`` puts it at ``param``)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 def _unset(value):
     """Fields accepted only empty (not implemented: a 400, never a silent no-op)."""
     if value:
@@ -53,40 +73,112 @@ def _neutral(value, neutral):
     return value
 
 
+# vLLM's request fields specray cannot honour (``vllm/entrypoints/openai/protocol.py``,
+# CompletionRequest and ChatCompletionRequest), with vLLM's defaults: accepted, so that tools
+# written for vLLM run unchanged, and named once per process in the log when a request sets
+# one to anything else. A field neither OpenAI nor vLLM knows stays a 400.
+IGNORED_VLLM_FIELDS = {
+    "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "bad_words": [],
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structural_tag": None,
+    "priority": 0, "request_id": None, "logits_processors": None, "return_tokens_as_token_ids": None,
+    "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None, "mm_processor_kwargs": None,
+}
+COMPLETION_ONLY_IGNORED = {"prompt_embeds": None}
+CHAT_ONLY_IGNORED = {"echo": False, "include_reasoning": True, "reasoning_effort": None, "best_of": None}
+log = logging.getLogger("specray.protocol")
+_named: set[str] = set()
+
+
+def _name_ignored(fields) -> None:
+    """One warning per ignored field name per process."""
+    for name in sorted(set(fields) - _named):
+        _named.add(name)
+        log.warning("request field %r accepted but ignored: specray cannot honour it (named once per process)",
+                    name)
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0, description="0: with echo, score the prompt only (as vLLM)")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="vLLM extension; 0/-1 = off")
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = None
-    # Accepted for compatibility only at their neutral values (each refused on its own line,
-    # all at once: pydantic collects every field's error).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (a string) -> bias in [-100, 100]")
+    # vLLM's sampling extensions, honoured (engine/params.py: SamplingParams; engine/logits.py)
+    top_k: int = Field(0, ge=-1, le=INT64_MAX, description="0/-1 = off")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = Field(None, description="add the tokenizer's special tokens (BOS) to the "
+                                            "prompt; default as vLLM: true for completions, false for chat")
+    truncate_prompt_tokens: int | None = Field(None, ge=1, le=INT64_MAX, description="keep the prompt's last N tokens")
     speculation: Speculation | None = Field(
         None, description="specray extension: per-request speculation, the options of its 'method'"
     )
+    # Accepted and ignored (IGNORED_VLLM_FIELDS)
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    prompt_logprobs: Any = None
+    bad_words: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    priority: Any = None
+    request_id: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    IGNORED: ClassVar[dict[str, Any]] = IGNORED_VLLM_FIELDS
+
+    @model_validator(mode="before")
     @classmethod
-    def _no_penalty(cls, v):
-        return _neutral(v, 0.0)
+    def _null_is_unset(cls, data):
+        """OpenAI's fields are "X or null": a null is the field not given (its default)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items() if not (v is None and k in fields and fields[k].default is not None)}
+        return data
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v):
-        return _unset(v)
+    def _bias_keys(cls, v):
+        for key, bias in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids as strings; {key!r} is not one")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of {key} is {bias}; biases lie in [-100, 100]")
+        return v
+
+    @model_validator(mode="after")
+    def _name_the_ignored(self):
+        _name_ignored(name for name, default in self.IGNORED.items()
+                      if name in self.model_fields_set and getattr(self, name) not in (None, default))
+        return self
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         """(field, value) of the client's own output limit; None when it gave none."""
@@ -98,6 +190,19 @@ class _Common(BaseModel):
 
     def prompt_logprobs_asked(self) -> int | None:
         return None
+
+    def special_tokens(self) -> bool:
+        """Does tokenising the prompt add the tokenizer's special tokens?"""
+        return True if self.add_special_tokens is None else self.add_special_tokens
+
+    def echo_prompt(self) -> bool:
+        """Does each choice's text start with its prompt (OpenAI's completions ``echo``)?"""
+        return False
+
+    def named_token_ids(self) -> dict[str, list[int]]:
+        """field -> the token ids it names (each must be the model's)."""
+        return {"stop_token_ids": self.stop_token_ids or [], "allowed_token_ids": self.allowed_token_ids or [],
+                "logit_bias": [int(k) for k in self.logit_bias or {}]}
 
     def sampling(self, default_max_tokens: int, index: int = 0) -> SamplingParams:
         seed = None if self.seed is None else self.seed + index  # n > 1: distinct streams
@@ -112,6 +217,16 @@ class _Common(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=self.top_logprobs_asked(),
             prompt_logprobs=self.prompt_logprobs_asked(),
+            min_tokens=self.min_tokens,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            min_p=self.min_p,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 
@@ -139,6 +254,8 @@ class CompletionRequest(_Common):
                                  "per token (the target's raw distribution)")
     suffix: str | None = None
     best_of: int | None = None
+    prompt_embeds: Any = None  # vLLM's, ignored
+    IGNORED: ClassVar[dict[str, Any]] = {**IGNORED_VLLM_FIELDS, **COMPLETION_ONLY_IGNORED}
 
     @field_validator("prompt")
     @classmethod
@@ -168,12 +285,107 @@ class CompletionRequest(_Common):
     def prompt_logprobs_asked(self) -> int | None:
         return self.logprobs if self.echo else None
 
+    def echo_prompt(self) -> bool:
+        return self.echo
+
+
+class TextPart(BaseModel):
+    """A content part of a chat message; text is the only kind a text model reads."""
+
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ToolCallFunction(BaseModel):
+    model_config = STRICT
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    """A call an assistant made, sent back in the conversation that follows it."""
+
+    model_config = STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class FunctionDefinition(BaseModel):
+    model_config = STRICT
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """OpenAI's message shapes: ``content`` a string or text parts; an assistant's may be null
+    (with or without ``tool_calls``); a ``tool`` message answers a call by ``tool_call_id``."""
+
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None  # an assistant's, as OpenAI returns it
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v):
+        if isinstance(v, list):  # one message for the first part a text model cannot read
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind != "text":
+                    raise ValueError(f"part {i} is {kind!r}: only 'text' content parts are supported "
+                                     "(this server runs a text-only model)")
+        return v
+
+    @model_validator(mode="after")
+    def _role_fields(self):
+        if self.content is None and self.role != "assistant":
+            raise FieldError("content", f"a {self.role} message needs content (only an assistant's may be null)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise FieldError("tool_calls", "tool_calls belong to assistant messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise FieldError("tool_call_id", "a tool message needs the tool_call_id it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise FieldError("tool_call_id", "tool_call_id belongs to tool messages")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (transformers' ``apply_chat_template``, as vLLM
+        hands it over): text parts joined by newlines, a null content as "", a tool call's JSON
+        arguments as an object."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(p.text for p in content)
+        out = {"role": self.role, "content": content or ""}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            out["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _json_object(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return out
+
+
+def _json_object(text: str):
+    """Tool-call arguments as templates expect them (an object); text that is not one stays text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_Common):
@@ -181,12 +393,46 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="return each token's log-probability (the target's raw distribution)")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
-    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, description="rendered by the chat template (no tool-call parsing)")
+    tool_choice: Literal["none", "auto"] | None = Field(
+        None, description="'none' or 'auto' (the model writes what it writes); 'required' and named tools "
+        "would need guided decoding")
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat template extensions, honoured (transformers' apply_chat_template takes them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="leave the last (assistant) message open to continue it")
+    chat_template: str | None = Field(None, description="a Jinja template instead of the tokenizer's")
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    # vLLM's chat fields specray ignores (CHAT_ONLY_IGNORED; ``echo`` here is vLLM's, not OpenAI's)
+    echo: Any = None
+    include_reasoning: Any = None
+    reasoning_effort: Any = None
+    best_of: Any = None
+    IGNORED: ClassVar[dict[str, Any]] = {**IGNORED_VLLM_FIELDS, **CHAT_ONLY_IGNORED}
+
+    def special_tokens(self) -> bool:
+        return bool(self.add_special_tokens)  # vLLM's chat default: the template adds them
+
+    def render(self, tokenizer) -> str:
+        """The conversation as the model's chat template writes it (a text prompt)."""
+        return tokenizer.apply_chat_template(
+            [m.for_template() for m in self.messages],
+            tools=None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools],
+            documents=self.documents, chat_template=self.chat_template, tokenize=False,
+            add_generation_prompt=self.add_generation_prompt, continue_final_message=self.continue_final_message,
+            **(self.chat_template_kwargs or {}))
+
+    @model_validator(mode="after")
+    def _one_ending(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise FieldError("continue_final_message", "needs add_generation_prompt: false (vLLM's rule)")
+        return self
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         return self
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
@@ -348,6 +594,13 @@ def choice_logprobs(out: dict, chat: bool, echo: Echo | None, token_text, start:
         return None
     prompt = out.get("prompt_logprobs") if echo is not None and start == 0 else None
     return logprobs_body(entries[start:], token_text, chat, prompt, echo.ids if echo else None)
+
+
+def prompt_only(out: dict) -> dict:
+    """A choice of a prompt-scoring request (``max_tokens: 0`` with ``echo``): the prefill sampled
+    a token, which is not the client's; it keeps the prompt's log-probabilities only."""
+    return {**out, "text": "", "token_ids": [], "new_token_ids": [], "finish_reason": "length",
+            "logprobs": [] if out.get("logprobs") is not None else None}
 
 
 def choices(finals: list[dict], chat: bool, echoes: list[Echo | None], token_text) -> list[dict]:

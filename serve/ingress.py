@@ -117,6 +117,16 @@ class OpenAIIngress:
     async def models(self, request: Request):
         return await self._guard(request, self._models)
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request):  # the openai client's models.retrieve
+        async def card():
+            if model_id != self.model:
+                raise HTTPError(404, f"The model {model_id!r} does not exist; this server serves {self.model!r}",
+                                param="model")
+            return self._card()
+
+        return await self._guard(request, card)
+
     # The playground: a page (open to all, it asks for the key) over the API above.
     @app.get("/playground")
     async def playground(self):
@@ -165,7 +175,11 @@ class OpenAIIngress:
         return Response(body, media_type=media_type, headers={"Cache-Control": "no-cache"})
 
     async def _models(self):
-        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "specray"}]}
+        return {"object": "list", "data": [self._card()]}
+
+    def _card(self) -> dict:  # OpenAI's model object, with vLLM's max_model_len (tools size requests by it)
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "specray",
+                "max_model_len": self.facts.context}
 
     async def _parse(self, request: Request, chat: bool):
         raw = await request.body()
@@ -199,7 +213,7 @@ class OpenAIIngress:
         streams = [self.engine.options(stream=True).stream.remote(ids, s.model_dump(), checked.speculation)
                    for ids, choices in zip(checked.prompt_ids, checked.samplings) for s in choices]
         # What each choice echoes (completions with echo): its prompt's text.
-        echo = getattr(req, "echo", False)
+        echo = req.echo_prompt()
         echoes = [P.echo_of(checked.prompts[i // req.n], checked.prompt_ids[i // req.n], self.tokenizer) if echo
                   else None for i in range(len(streams))]
         rid = P.request_id("chatcmpl" if chat else "cmpl")
@@ -208,11 +222,13 @@ class OpenAIIngress:
             first = await self._first_items(streams)
             options = req.stream_options or P.StreamOptions()
             return StreamingResponse(
-                self._sse(rid, streams, first, chat, max_stop, options.include_usage, options.include_speculation,
-                          echoes, [len(ids) for ids in checked.prompt_ids]),
+                self._sse(rid, streams, first, chat, max_stop, options, echoes, [len(ids) for ids in checked.prompt_ids],
+                          checked.prompt_only),
                 media_type="text/event-stream",
             )
         finals = await asyncio.gather(*(self._last(s) for s in streams))
+        if checked.prompt_only:
+            finals = [P.prompt_only(f) for f in finals]
         choices = P.choices(finals, chat, echoes, self.token_text)
         usage = P.usage(finals, [len(ids) for ids in checked.prompt_ids])
         return P.completion_response(rid, self.model, choices, usage, P.speculation_metrics(finals), chat)
@@ -246,11 +262,18 @@ class OpenAIIngress:
             raise _error_status(refused)
         return firsts
 
-    async def _sse(self, rid, streams, first, chat, max_stop, include_usage, include_speculation=False, echoes=None,
-                   prompt_sizes=None):
+    async def _sse(self, rid, streams, first, chat, max_stop, options: P.StreamOptions, echoes, prompt_sizes,
+                   prompt_only=False):
         queue: asyncio.Queue = asyncio.Queue()
         # With include_speculation each choice's steps travel with the text they make up.
-        tracks = [SpeculationTrack(self.tokenizer) for _ in streams] if include_speculation else None
+        tracks = [SpeculationTrack(self.tokenizer) for _ in streams] if options.include_speculation else None
+        # continuous_usage_stats (vLLM's): every chunk carries its choice's usage so far.
+        per_prompt = len(streams) // len(prompt_sizes)
+
+        def running(index=None, out=None) -> dict | None:
+            if not options.continuous_usage_stats:
+                return None
+            return P.usage([], prompt_sizes) if out is None else P.usage([out], [prompt_sizes[index // per_prompt]])
         wholes = [OutputAssembly() for _ in streams]  # each choice's output so far, from its deltas
 
         async def pump(index, stream, head):
@@ -266,12 +289,11 @@ class OpenAIIngress:
         sent = [0] * len(streams)
         scored = [0] * len(streams)  # tokens whose log-probabilities were sent, per choice
         finals: list = [None] * len(streams)
-        echoes = echoes or [None] * len(streams)
         try:
             if chat:
                 roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for i in range(len(streams))]
-                yield P.sse(P.chunk(rid, self.model, roles, chat))
+                yield P.sse(P.chunk(rid, self.model, roles, chat, usage=running()))
             while any(f is None for f in finals):
                 index, delta = await queue.get()
                 if isinstance(delta, Exception) or REFUSED in delta or delta.get("finish_reason") == "error":
@@ -279,18 +301,22 @@ class OpenAIIngress:
                     yield P.sse(P.error_body(err.message, err.kind, err.status))
                     return
                 out = wholes[index].add(delta)
+                if prompt_only:
+                    out = P.prompt_only(out)
                 text, steps = out["text"], None
                 if tracks is not None:
                     upto, steps = tracks[index].advance(out, sent[index], max_stop)
                 else:  # hold back a possible stop-string prefix until it is decided
                     upto = len(text) if out["finished"] or not max_stop else max(sent[index], len(text) - max_stop + 1)
                 delta = text[sent[index]:upto]
-                if echoes[index] is not None and sent[index] == 0 and (delta or out["finished"]):
-                    delta = echoes[index].text + delta  # echo: the prompt leads the first text
+                echoing = echoes[index] is not None and sent[index] == 0 and (delta or out["finished"])
+                if echoing:
+                    delta = echoes[index].text + delta  # echo: the prompt (and its scores) lead the first text
                 sent[index] = upto
                 reason = P.finish_reason(out["finish_reason"]) if out["finished"] else None
                 logprobs = None
-                if out.get("logprobs") is not None and (delta or reason) and len(out["logprobs"]) > scored[index]:
+                if out.get("logprobs") is not None and (delta or reason) and (len(out["logprobs"]) > scored[index]
+                                                                               or echoing):
                     logprobs = P.choice_logprobs(out, chat, echoes[index], self.token_text, scored[index])
                     scored[index] = len(out["logprobs"])
                 if delta or reason or steps:
@@ -298,10 +324,10 @@ class OpenAIIngress:
                     choice["logprobs"] = logprobs
                     if steps is not None:
                         choice["speculation"] = steps
-                    yield P.sse(P.chunk(rid, self.model, [choice], chat))
+                    yield P.sse(P.chunk(rid, self.model, [choice], chat, usage=running(index, out)))
                 if out["finished"]:
                     finals[index] = out
-            if include_usage:
+            if options.include_usage:
                 yield P.sse(P.chunk(rid, self.model, [], chat, usage=P.usage(finals, prompt_sizes)))
             yield "data: [DONE]\n\n"
         finally:  # also on client disconnect: cancelling the streams frees the sequences

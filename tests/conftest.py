@@ -30,6 +30,34 @@ def pytest_sessionstart(session):
     load_or_build_demo_pair()
 
 
+ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/"
+"""Token id i of the tiny models is the character ALPHABET[i] (64 ids, the tiny vocab)."""
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}ZZ{% endif %}"
+)
+
+
+def encode(text: str) -> list[int]:
+    return [ALPHABET.index(c) for c in text]
+
+
+def decode(ids) -> str:
+    return "".join(ALPHABET[i] for i in ids)
+
+
+def save_char_tokenizer(path) -> None:
+    """A BPE without merges over the 64 symbols: text <-> token ids one to one (the serve tests'
+    tokenizer for the tiny models)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(ALPHABET)}, merges=[]))
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE
+    ).save_pretrained(str(path))
+
+
 def tiny_llama(vocab: int = 64, layers: int = 2, seed: int = 0, init: float = 0.3, kv_heads: int = 2):
     """A random LlamaForCausalLM; a large init keeps argmax margins far above float noise."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -128,10 +156,12 @@ def ray_session():
     if not ray.is_initialized():
         # The hook registers the toy method of tests/failing_method.py in the actors asked to
         # (it runs before Ray puts the driver's directory on a worker's path: PYTHONPATH does).
+        # The driver's own PYTHONPATH comes first, so workers import the code the driver imports.
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), root) if p)
         ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"worker_process_setup_hook": "tests.failing_method.register",
-                              "env_vars": {"PYTHONPATH": root}})
+                              "env_vars": {"PYTHONPATH": path}})
     yield ray
     ray.shutdown()
 
@@ -149,8 +179,6 @@ def tiny_checkpoints(tmp_path_factory, tiny_pair):
 @pytest.fixture(scope="session")
 def tiny_tok(tiny_checkpoints, tmp_path_factory) -> dict:
     """The tiny checkpoints plus a character tokenizer folder of their own (serve tests)."""
-    from tests.test_serve import save_char_tokenizer
-
     path = tmp_path_factory.mktemp("tiny-tokenizer")
     save_char_tokenizer(path)
     return {**tiny_checkpoints, "tokenizer": str(path)}

@@ -58,3 +58,13 @@ def test_gpu_benchmark_runs_on_the_cpu(tmp_path):
     assert rows[("specray draft k=4", "eager", 1)]["reads"] > 1  # the eager reference reads per draft token
     assert all(r["agree_rows"] in (None, "1/1", "2/2") for r in report["rows"])  # float32: greedy identical
     assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_penalties_benchmark(tmp_path):
+    from specray.bench import penalties
+
+    rc = penalties.main(["--modes", "eager,static", "--batch", "1", "--prompts", "2", "--max-tokens", "16",
+                         "--repeats", "1", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "penalties.json").read_text())["rows"]
+    assert rc == 0 and len(rows) == 8 and all(r["mismatches_vs_plain"] == 0 for r in rows)

@@ -43,3 +43,48 @@ def test_stop_strings_cut_where_plain_decoding_would(tokenizer):
                 break
         assert req.finish_reason == "stop" and req.text == "alpha beta "
         assert tokenizer.decode(req.output_ids).startswith("alpha beta") and "STOP" in tokenizer.decode(req.output_ids)
+
+
+@pytest.fixture(scope="module")
+def chars(tmp_path_factory):
+    """The serve tests' one-character-per-token tokenizer, with "Z" made a special token."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import save_char_tokenizer
+
+    path = tmp_path_factory.mktemp("chars")
+    save_char_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.add_special_tokens({"eos_token": "Z"})
+    return tok
+
+
+def run(tok, text: str, chunk: int, **params) -> Request:
+    """Append ``text``'s tokens ``chunk`` at a time (steps that accept several tokens) until a stop."""
+    from tests.conftest import encode
+
+    ids = encode(text)
+    req = Request("r", [1], SamplingParams(max_tokens=100, **params), PlainOptions(), frozenset())
+    for i in range(0, len(ids), chunk):
+        req.append(ids[i : i + chunk], capacity=10**6, tokenizer=tok)
+        if req.finished:
+            break
+    return req
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 7])
+def test_stop_strings_kept_and_min_tokens(chars, chunk):
+    """include_stop_str_in_output keeps the stop string (and the fewest tokens making it);
+    with min_tokens a stop string counts only when a token past the first min_tokens ends it
+    (vLLM's rule), wherever the steps' boundaries fall."""
+    req = run(chars, "abcSTOPdefSTOPghi", chunk, stop=["STOP"], include_stop_str_in_output=True)
+    assert (req.text, len(req.output_ids), req.finish_reason) == ("abcSTOP", 7, "stop")
+    req = run(chars, "abcSTOPdefSTOPghi", chunk, stop=["STOP"], min_tokens=7)
+    assert (req.text, len(req.output_ids)) == ("abcSTOPdef", 14)
+    req = run(chars, "abcSTOPdefSTOPghi", chunk, stop=["STOP"], min_tokens=6)  # its last token is the 7th
+    assert req.text == "abc"
+
+
+def test_skip_special_tokens(chars):
+    assert run(chars, "abZcd", 2).text == "abcd"
+    assert run(chars, "abZcd", 2, skip_special_tokens=False).text == "abZcd"

@@ -501,14 +501,15 @@ def test_openai_batch_bad_lines_are_rejected_up_front(batch_config, tmp_path, ca
         _batch_line("m", {"messages": [{"role": "user", "content": "ok"}], "max_tokens": 4}, url=chat),  # 16 ok
     ]
     inp = tmp_path / "bad.jsonl"
-    inp.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"custom_id": "n", \n')  # 17 not JSON
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"custom_id": "n", \n'  # 17 not JSON
+                   + json.dumps(_batch_line("o", {"prompt": "a\ud800b"})) + "\n")       # 18 lone surrogate
     out = tmp_path / "out.jsonl"
     assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(batch_config)]) == 2
     err = capsys.readouterr().err
     expect = {2: "custom_id", 3: "method", 4: "url", 5: "body.max_tokens", 6: "body.max_tokens",
               7: "body.stream", 8: "repeats line 1", 9: "body.speculation", 10: "body.messages.0.role",
               11: "body.frobnicate", 12: "body.prompt", 13: "body.max_completion_tokens", 14: "custom_id",
-              15: "body.prompt", 17: "invalid JSON"}
+              15: "body.prompt", 17: "invalid JSON", 18: "body.prompt: not valid Unicode"}
     reported: dict[int, str] = {}
     for row in err.splitlines():
         if row.strip().startswith("line "):

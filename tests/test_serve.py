@@ -22,7 +22,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from tests.conftest import hf_greedy
+from tests.conftest import ALPHABET, CHAT_TEMPLATE, decode, encode, hf_greedy, save_char_tokenizer  # noqa: F401
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -33,35 +33,10 @@ from specray.serve.config import ServeConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/"
-"""Token id i of the tiny models is the character ALPHABET[i] (64 ids, the tiny vocab)."""
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}ZZ{% endif %}"
-)
 KEY = "sekret-key"
 MAIN, GUARDED = "tiny", "tiny-guarded"
 LONG_CONTEXT = 4096
 """The guarded app's models take long prompts/outputs: its requests can be slow on purpose."""
-
-
-def encode(text: str) -> list[int]:
-    return [ALPHABET.index(c) for c in text]
-
-
-def decode(ids) -> str:
-    return "".join(ALPHABET[i] for i in ids)
-
-
-def save_char_tokenizer(path) -> None:
-    """A BPE without merges over the 64 symbols: text <-> token ids one to one."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(ALPHABET)}, merges=[]))
-    tok.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, clean_up_tokenization_spaces=False, chat_template=CHAT_TEMPLATE
-    ).save_pretrained(str(path))
 
 
 def cpu_placement(mode: str = "separate") -> dict:
@@ -358,6 +333,38 @@ def test_streaming_raw_sse_is_incremental(main_url, target_model):
     assert spread > 0.3 * arrivals[-1] and len({round(t, 3) for t in arrivals}) >= 10, arrivals[:3] + arrivals[-3:]
 
 
+def test_a_vllm_style_request(client, main_url, target_model):
+    """What a tool written for vLLM sends: its sampling extensions are honoured (the repetition
+    penalty as HF generate's, stop strings kept), the fields specray cannot honour accepted, and
+    with continuous_usage_stats every chunk carries its usage so far."""
+    import torch
+
+    prompt = encode("abcabcab")
+    with torch.no_grad():
+        hf = target_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.3,
+                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    ref = decode(hf[0, len(prompt):].tolist())
+    extra = {"repetition_penalty": 1.3, "min_tokens": 2, "skip_special_tokens": True, "top_k": -1,
+             "guided_json": {"type": "object"}, "priority": 0, "speculation": {"method": "draft"}}
+    r = client.completions.create(model=MAIN, prompt="abcabcab", max_tokens=12, temperature=0, extra_body=extra)
+    assert r.choices[0].text == ref
+    stop = ref[3:5]
+    kept = client.completions.create(model=MAIN, prompt="abcabcab", max_tokens=12, temperature=0, stop=[stop],
+                                     extra_body={**extra, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == ref[: ref.index(stop) + len(stop)] and kept.choices[0].finish_reason == "stop"
+    body = {"model": MAIN, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            "presence_penalty": 0.5, "frequency_penalty": 0.5}
+    with httpx.stream("POST", f"{main_url}/v1/chat/completions", json=body, timeout=60) as resp:
+        events = sse_events(resp.iter_lines())
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert all("usage" in c for c in chunks)
+    texts = ["".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[: i + 1]) for i in range(len(chunks))]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [len(t) for t in texts]  # one character a token
+    assert all(c["usage"]["prompt_tokens"] == len("helloZZ") for c in chunks)
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 10
+
+
 def test_n_choices_with_seed(client):
     kwargs = dict(model=MAIN, prompt="abcdef", max_tokens=12, temperature=1.0, n=3, seed=1234,
                   extra_body={"speculation": {"method": "draft", "num_speculative_tokens": 2}})
@@ -418,8 +425,8 @@ ERRORS = [  # (id, body patch or raw bytes, status, the error's param, words of 
     ("unknown field", {"frobnicate": 1}, 400, "frobnicate", ["frobnicate", "Extra inputs"]),
     ("unknown speculation field", {"speculation": {"method": "draft", "k": 2}}, 400, "speculation.k",
      ["speculation.k"]),
-    ("unsupported penalty", {"presence_penalty": 1.0}, 400, "presence_penalty", ["presence_penalty"]),
-    ("chat-only field", {"response_format": {"type": "text"}}, 400, "response_format", ["Extra inputs"]),
+    ("penalty range", {"presence_penalty": 2.5}, 400, "presence_penalty", ["presence_penalty"]),
+    ("chat-only field", {"tool_choice": "auto"}, 400, "tool_choice", ["Extra inputs"]),
     ("bad prompt form", {"prompt": [[1, 2], "x"]}, 400, "prompt", ["prompt: must be a string, a list of strings"]),
     ("empty prompt in a list", {"prompt": [[1, 2], []]}, 400, "prompt", ["prompt: a prompt in the list is empty"]),
     ("logprobs range", {"logprobs": 21}, 400, "logprobs", ["logprobs", "20"]),
@@ -427,6 +434,11 @@ ERRORS = [  # (id, body patch or raw bytes, status, the error's param, words of 
      400, None, ["nested too deeply"]),
     ("nested 200 deep", {"speculation": {"method": "draft", "x": json.loads("[" * 200 + "]" * 200)}}, 400,
      "speculation.x", ["speculation.x"]),
+    ("lone surrogate", b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 3}', 400, "prompt", ["Unicode"]),
+    ("seed past int64", {"seed": 2**80}, 400, "seed", ["seed"]),
+    ("boolean max_tokens", {"max_tokens": True}, 400, "max_tokens", ["valid integer"]),
+    ("string stream", {"stream": "yes"}, 400, "stream", ["valid boolean"]),
+    ("stop token id past the vocabulary", {"stop_token_ids": [64]}, 400, "stop_token_ids", ["[0, 64)"]),
 ]
 
 
@@ -760,7 +772,7 @@ def test_every_prompt_form_is_its_own_choice(main_url, target_model):
 
 
 def test_the_whole_request_is_checked_at_once(main_url):
-    body = {"model": MAIN, "prompt": [1, 2], "presence_penalty": 1, "logprobs": 99, "suffix": "x", "echo": [1],
+    body = {"model": MAIN, "prompt": [1, 2], "presence_penalty": 3, "logprobs": 99, "suffix": "x", "echo": [1],
             "speculation": {"method": "bogus"}}
     err = assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400,
                               "presence_penalty", "logprobs", "suffix", "echo", "bogus")
@@ -844,6 +856,66 @@ def test_echo_with_logprobs_scores_the_prompt_as_hf(main_url, target_model):
     plain = {**body, "logprobs": None}  # echo alone: the prompt's text, no numbers
     c = httpx.post(f"{main_url}/v1/completions", json=plain, timeout=60).json()["choices"][0]
     assert c["text"].startswith(prompt) and c["logprobs"] is None
+
+
+def test_prompt_scoring_with_max_tokens_0(main_url, target_model):
+    """max_tokens 0 with echo and logprobs (vLLM's prompt scoring): the prompt and its scores,
+    nothing generated, streamed or not; without echo, 0 is a 400."""
+    url = f"{main_url}/v1/completions"
+    prompt = "helloWorld"
+    body = {"model": MAIN, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2, "temperature": 0}
+    r = httpx.post(url, json=body, timeout=60).json()
+    (c,) = r["choices"]
+    assert c["text"] == prompt and c["finish_reason"] == "length"
+    assert r["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+    lp = c["logprobs"]
+    assert lp["tokens"] == list(prompt) and lp["token_logprobs"][0] is None
+    ref = hf_logprobs(target_model, encode(prompt))
+    for t in range(1, len(prompt)):
+        assert abs(lp["token_logprobs"][t] - ref[t - 1, encode(prompt[t])[0]].item()) < 1e-4, t
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as resp:
+        events = sse_events(resp.iter_lines())
+    chunks = [ch for ev in events[:-1] for ch in ev["choices"]]
+    assert "".join(ch["text"] for ch in chunks) == prompt
+    assert [x for ch in chunks if ch["logprobs"] for x in ch["logprobs"]["token_logprobs"]] == lp["token_logprobs"]
+    assert_openai_error(httpx.post(url, json={**body, "echo": False}, timeout=60), 400, "echo")
+    chat = {"model": MAIN, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}
+    assert_openai_error(httpx.post(f"{main_url}/v1/chat/completions", json=chat, timeout=60), 400, "max_tokens")
+
+
+def test_openai_message_shapes(main_url, client, target_model):
+    """Text parts, an assistant's null content (with tool calls), a tool message, tools: the
+    tiny template renders each message's content, so the prompt is known."""
+    ref = greedy_text(target_model, encode("abchelloZZ"), 6)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [{"role": "system", "content": [{"type": "text", "text": "abc"}]},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "", "tool_call_id": "c1"},
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = client.chat.completions.create(model=MAIN, messages=messages, tools=tools, tool_choice="auto",
+                                       max_tokens=6, temperature=0)
+    assert r.choices[0].message.content == ref
+    url = f"{main_url}/v1/chat/completions"
+    image = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    err = assert_openai_error(httpx.post(url, json={"model": MAIN, "messages": [{"role": "user", "content": image}]},
+                                         timeout=60), 400, "image_url", "text")
+    assert err["param"] == "messages.0.content"
+    err = assert_openai_error(httpx.post(url, json={"model": MAIN, "messages": [{"role": "user", "content": None}]},
+                                         timeout=60), 400, "needs content")
+    assert err["param"] == "messages.0.content"
+    tool = {"model": MAIN, "messages": [{"role": "tool", "content": "x"}]}
+    assert_openai_error(httpx.post(url, json=tool, timeout=60), 400, "tool_call_id")
+
+
+def test_models_retrieve(main_url, client):
+    card = client.models.retrieve(MAIN)
+    assert card.id == MAIN and card.model_extra["max_model_len"] == 256
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+    err = assert_openai_error(httpx.get(f"{main_url}/v1/models/org/gpt-17", timeout=60), 404, "gpt-17")
+    assert err["param"] == "model"
 
 
 def test_chat_logprobs_streamed_and_not(main_url, target_model):
