@@ -99,6 +99,41 @@ def clone_resource(resource):
     return copy.deepcopy(module, memo)
 
 
+@dataclass
+class Blueprint:
+    """What a trainer needs to rebuild a drafter away from the engine (another process, a
+    device of its own): its module with the serving weights, on the CPU, in float32 — a
+    draft model's Hugging Face causal LM, or the head without what it binds of the target —
+    and those bound parts of the target, frozen: its token embedding and LM head [V, H]."""
+
+    method: str
+    version: str
+    module: nn.Module
+    embed: torch.Tensor | None = None
+    lm_head: torch.Tensor | None = None
+    target_layers: int = 0
+    vocab_size: int = 0
+
+
+def blueprint(method: str, version: str, resource, target: ModelRunner) -> Blueprint:
+    if isinstance(resource, ModelRunner):
+        from transformers import AutoModelForCausalLM
+
+        # A config of its own: the serving model's names specray's attention, which it keeps.
+        module = AutoModelForCausalLM.from_config(copy.deepcopy(resource.config))
+        module.load_state_dict(snapshot(resource))
+        module.set_attn_implementation("sdpa")  # trained as a plain HF model
+        return Blueprint(method, version, module.float().eval(), vocab_size=target.vocab_size)
+    module = clone_resource(resource)
+    own = set(map(id, module.modules()))
+    for name, value in list(vars(module).items()):  # unbind: the trainer binds CPU copies
+        if isinstance(value, tuple) and value and all(isinstance(x, nn.Module) and id(x) not in own for x in value):
+            setattr(module, name, ())
+    cpu = lambda t: t.detach().to("cpu", torch.float32, copy=True)  # noqa: E731
+    return Blueprint(method, version, module.to("cpu", torch.float32).eval(), cpu(target.decoder.embed_tokens.weight),
+                     cpu(target.lm_head.weight), target.num_layers, target.vocab_size)
+
+
 def read_version(method: str, directory: str, context: ProposerContext, version: str | None = None) -> DrafterVersion:
     """A version from a directory in the method's public layout (as its checkpoint loads)."""
     spec = method_spec(method)
@@ -123,13 +158,13 @@ def write_version(v: DrafterVersion, resource, directory: str) -> str:
     if isinstance(resource, ModelRunner):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(resource.config)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(resource.config))
         model.load_state_dict(v.state)
         model.save_pretrained(out)
     else:
         clone = clone_resource(resource)
         clone.load_state_dict(v.state)
-        clone.save(out)
+        clone.save_pretrained(out) if hasattr(clone, "save_pretrained") else clone.save(out)
     (out / "specray_version.json").write_text(json.dumps(v.describe(), indent=2))
     return str(out)
 
@@ -158,6 +193,8 @@ class DrafterVersions:
         self.history: list[dict] = [{"time": time.time(), "method": m, "version": v} for m, v in self.serving.items()]
         self._live: dict[str, set[int]] = {m: set() for m in self.methods}
         self._logs: dict[int, _Log] = {}
+        self._swapped: dict[str, DrafterVersion] = {}  # the last version swapped in, per method
+        self.checkpoint_of = lambda method: None  # method -> its weights dir (set by the engine)
 
     # -- taps ------------------------------------------------------------------------------
     def prefilled(self, reqs, logits) -> None:
@@ -205,6 +242,7 @@ class DrafterVersions:
             self._rebuild(v.method, proposer)
         self.serving[v.method] = v.version
         self.measured[v.method] = dict(v.measured)
+        self._swapped[v.method] = v
         self.history.append({"time": time.time(), "method": v.method, "version": v.version})
         rates = v.measured.get("rates")
         if rates and hasattr(self.length_policy, "start_method"):
@@ -232,6 +270,20 @@ class DrafterVersions:
             version = self.serving.get(r.method)
             if version is not None:
                 r.metrics.drafter_version = version
+
+    def blueprint(self, method: str) -> Blueprint:
+        """``method``'s serving drafter for a trainer (``Blueprint``); a draft model in a worker of
+        its own is read from its checkpoint, with the last version swapped in."""
+        target = self.proposers.context.target
+        if method in self.proposers.resources:
+            return blueprint(method, self.serving[method], self.proposers.resources[method], target)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.checkpoint_of(method), dtype=torch.float32)
+        if method in self._swapped:
+            model.load_state_dict(self._swapped[method].state)
+        model.set_attn_implementation("sdpa")
+        return Blueprint(method, self.serving[method], model.eval(), vocab_size=target.vocab_size)
 
     def status(self) -> dict:
         return {"serving": dict(self.serving), "measured": {m: dict(x) for m, x in self.measured.items()},

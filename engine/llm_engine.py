@@ -98,6 +98,7 @@ class LLMEngine:
         self.capture = self.versions = None
         if config.online_learning is not None:  # online learning: capture, versioned drafters
             self.versions = DrafterVersions(self.proposers, list(self.limits.methods), self.driver.length_policy)
+            self.versions.checkpoint_of = lambda m: config.checkpoint(method_spec(m).checkpoint or "")
             self.capture = Capture(config.online_learning, self.versions.methods)
             self.capture.versions = self.versions.serving
             self.executor.taps += [self.versions, self.capture]

@@ -129,9 +129,11 @@ def ray_session():
         # The hook registers the toy method of tests/failing_method.py in the actors asked to
         # (it runs before Ray puts the driver's directory on a worker's path: PYTHONPATH does).
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # The driver's own PYTHONPATH first (a checkout's import shim), then the checkout.
+        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), root) if p)
         ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"worker_process_setup_hook": "tests.failing_method.register",
-                              "env_vars": {"PYTHONPATH": root}})
+                              "env_vars": {"PYTHONPATH": path}})
     yield ray
     ray.shutdown()
 

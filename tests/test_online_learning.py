@@ -197,3 +197,40 @@ def test_load_and_export_in_the_public_layout(models, tmp_path):
         engine.load_drafter("draft", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="learnable"):
         engine.use_drafter(DrafterVersion("ngram", "x", {}))
+
+
+@pytest.mark.parametrize("method,options", [("draft", {"num_speculative_tokens": 3}), ("eagle", {"tree": "chain"}),
+                                            ("eagle", {"eagle_choices": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]})])
+def test_the_gate_measures_what_the_engine_measured(models, method, options):
+    """Replaying greedy traffic with the serving drafter gives the engine's own mean accepted
+    length (and draft count) on it, exactly."""
+    from specray.training.online import measure
+
+    target, draft = models
+    engine = online_engine(target, draft, random_head(target, seed=2, std=0.1))
+    outs = engine.generate(ragged_prompts(6), GREEDY, SpeculationParams(method=method, **options))
+    drafts = sum(o.metrics["num_drafts"] for o in outs)
+    accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
+    bp = engine.versions.blueprint(method)
+    got = measure(bp, bp.module, engine.take_traces(), options)
+    assert got["drafts"] == drafts > 0
+    assert got["mean_accepted_length"] == pytest.approx(1 + accepted / drafts)
+
+
+def test_a_round_publishes_only_what_beats_the_serving_version(models):
+    """The draft learns the target's greedy traffic and is published; a candidate forced worse
+    (every weight scrambled) is judged by the same gate and not published."""
+    from tests import online_trainers as T
+
+    target, draft = models
+    engine = online_engine(target, draft)
+    engine.generate(ragged_prompts(16, seed=1), GREEDY, SpeculationParams(method="draft", num_speculative_tokens=3))
+    traces, bp = engine.take_traces(), engine.versions.blueprint("draft")
+    good = T.fast(bp, None, traces, {"gate_options": {"num_speculative_tokens": 3}})
+    assert good.published and good.state is not None
+    assert good.candidate["mean_accepted_length"] > good.serving["mean_accepted_length"]
+    serving = DrafterVersion("draft", "draft@1", good.state)
+    bad = T.worse(bp, serving, traces, {"gate_options": {"num_speculative_tokens": 3}})
+    assert not bad.published and bad.state is None
+    assert bad.candidate["mean_accepted_length"] < bad.serving["mean_accepted_length"]
+    assert bad.serving["mean_accepted_length"] == good.candidate["mean_accepted_length"]
