@@ -55,10 +55,14 @@ def test_replicas_converge_to_what_the_learner_publishes(ray_session, tiny_check
         for _ in range(2):  # two replicas' traffic fills a round
             assert [o["token_ids"] for o in serve(a)] == references
             assert [o["token_ids"] for o in serve(b)] == references
-        status = wait_for(lambda: (s := ray.get(a.drafters.remote("status")))["serving"].get("draft", "").endswith("@1")
-                          and s, what="a published version")
+        wait_for(lambda: ray.get(a.drafters.remote("status"))["serving"].get("draft") != "draft@base",
+                 what="a published version")
+        ray.get(a.drafters.remote("learning", enabled=False))  # the runtime switch: no new rounds
+        status = wait_for(lambda: (s := ray.get(b.drafters.remote("status")))["trainer"]["state"] == "idle" and s,
+                          what="the trainer to finish its round")
         version = status["serving"]["draft"]
-        assert status["rounds"][-1]["published"] and status["learning"] == "on"
+        assert any(r["published"] and r["version"] == version for r in status["rounds"])
+        assert status["learning"] == "off"
         # every replica converges to it, and serves the target's tokens under it
         for c in (a, b):
             wait_for(lambda: ray.get(c.drafters.remote("status"))["replica"]["serving"]["draft"] == version,
@@ -117,7 +121,8 @@ def test_a_worse_candidate_is_never_served(ray_session, tiny_checkpoints, refere
     from specray.actors.learner import OnlineLearningConfig, drop_learner
     from tests.test_actors import shutdown
 
-    cfg = config(tiny_checkpoints, "test-online-worse", "worse", buffer_mb=0.05)
+    # The target drafting for itself accepts everything: a scrambled candidate is surely worse.
+    cfg = {**config(tiny_checkpoints, "test-online-worse", "worse", buffer_mb=0.05), "draft": tiny_checkpoints["target"]}
     c = Coordinator.remote(cfg)
     try:
         for _ in range(2):
