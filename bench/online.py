@@ -2,8 +2,9 @@
 requests, learning on against off, for the draft model and EAGLE on the demo pair.
 
     python -m specray.bench.online [--methods draft,eagle] [--requests 300] [--max-tokens 32]
-                                   [--wave 10] [--window 30] [--round-requests 50] [--steps 100]
+                                   [--wave 10] [--window 30] [--round-requests 60] [--steps 60]
                                    [--eagle DIR] [--out bench/results]
+    python -m specray.bench.online --overhead [--requests 100] [--repeats 3]   # capture's cost
 
 The workload (``bench/shifted.py``) is German, French and Spanish sentences — the demo pair and
 its heads learned Python source. The same ``--requests`` prompts are served twice per method,
@@ -13,7 +14,7 @@ every ``--round-requests`` captured requests a round of ``--steps`` of the metho
 between waves, and the gate publishes the candidate only if it accepts more on held-out recent
 traffic). Both runs must produce the same tokens (the target's). Prints the curve — mean
 accepted length per step over each window of ``--window`` requests — and tokens/s of serving
-(training time excluded) beside it; writes online.{json,png} to --out. Without ``--eagle`` an
+(tokens per CPU second of this process, training time excluded) beside it; writes online.{json,png} to --out. Without ``--eagle`` an
 EAGLE head is trained once on the demo target (300 steps, cached).
 """
 
@@ -37,11 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--wave", type=int, default=10, help="requests served together (continuous batching)")
     p.add_argument("--window", type=int, default=30, help="requests per point of the curve")
-    p.add_argument("--round-requests", type=int, default=50, help="captured requests per training round")
-    p.add_argument("--steps", type=int, default=100, help="optimiser steps per round")
+    p.add_argument("--round-requests", type=int, default=60, help="captured requests per training round")
+    p.add_argument("--steps", type=int, default=60, help="optimiser steps per round")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eagle", default=None, help="an EAGLE head dir (default: train one on the demo target, cached)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overhead", action="store_true",
+                   help="instead: serving speed with capture on (every request) against off, no training")
+    p.add_argument("--repeats", type=int, default=3, help="--overhead: interleaved runs per config (best kept)")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(args)
+        return _overhead(args) if args.overhead else _run(args)
     finally:
         torch.set_num_threads(threads)
 
@@ -84,9 +88,9 @@ def _serve(method: str, learn: bool, prompts, args, pair, eagle: str | None) -> 
     spec = SpeculationParams(**SPECS[method])
     rows, rounds, serve_s, train_s = [], [], 0.0, 0.0
     for lo in range(0, len(prompts), args.wave):
-        start = time.perf_counter()
+        start = time.process_time()  # CPU seconds of this process (one torch thread): less disturbed on shared cores
         outs = engine.generate(prompts[lo : lo + args.wave], sampling, spec)
-        serve_s += time.perf_counter() - start
+        serve_s += time.process_time() - start
         for o in outs:
             m = o.metrics
             rows.append({"drafts": m["num_drafts"], "accepted": m["num_accepted_tokens"], "tokens": len(o.token_ids),
@@ -150,7 +154,7 @@ def _run(args) -> int:
             print(f"requests {first + 1}-{len(prompts)} (after the first published version): off "
                   f"{r['after_first_publish_off']:.3f}, on {r['after_first_publish_on']:.3f} "
                   f"({r['after_first_publish_on'] / r['after_first_publish_off'] - 1:+.1%})")
-        print(f"tokens/s serving (training excluded): off {r['tokens_per_s_off']}, on {r['tokens_per_s_on']}; "
+        print(f"tokens per CPU second serving (training excluded): off {r['tokens_per_s_off']}, on {r['tokens_per_s_on']}; "
               f"training {r['train_seconds']} s in {len(r['rounds'])} rounds, "
               f"published {[x['version'] for x in r['rounds'] if x['published']]}; identical tokens: {same}")
     out = pathlib.Path(args.out)
@@ -159,6 +163,44 @@ def _run(args) -> int:
     _plot(report, args, out / "online.png")
     print(f"\nwrote {out / 'online.json'} and {out / 'online.png'}")
     return 0 if ok else 1
+
+
+def _overhead(args) -> int:
+    """Tokens per CPU second with capture on (every request of the method) and off, same prompts."""
+    from specray.bench.shifted import shifted_prompts
+    from specray.demo import load_or_build_demo_pair
+    from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
+    from specray.engine.capture import CaptureConfig
+
+    pair = load_or_build_demo_pair()
+    prompts = shifted_prompts(args.requests, args.seed)
+    methods = [m for m in args.methods.split(",") if m]
+    eagle = (args.eagle or demo_eagle_head(pair.target, pair.tokenizer)) if "eagle" in methods else None
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    result = {}
+    for method in methods:
+        best = {}
+        for _ in range(args.repeats):
+            for capture in (False, True):
+                engine = LLMEngine(EngineConfig(
+                    target=pair.target, tokenizer=pair.tokenizer, max_num_seqs=args.wave,
+                    draft=pair.draft if method == "draft" else None,
+                    checkpoints={"eagle": eagle} if method == "eagle" else {},
+                    online_learning=CaptureConfig(methods=(method,), top_k=20) if capture else None))
+                start = time.process_time()
+                outs = engine.generate(prompts, sampling, SpeculationParams(**SPECS[method]))
+                rate = sum(len(o.token_ids) for o in outs) / (time.process_time() - start)
+                best[capture] = max(best.get(capture, 0.0), rate)
+                if capture:
+                    assert len(engine.take_traces()) == len(prompts)
+        result[method] = {"off": round(best[False], 1), "on": round(best[True], 1),
+                          "ratio": round(best[True] / best[False], 3)}
+        print(f"{method}: tokens per CPU second, capture off {best[False]:.1f}, on {best[True]:.1f} "
+              f"(on / off = {best[True] / best[False]:.3f}; best of {args.repeats} interleaved runs)")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "online-overhead.json").write_text(json.dumps(result, indent=2))
+    return 0
 
 
 def _plot(report: dict, args, path: pathlib.Path) -> None:
