@@ -234,3 +234,16 @@ def test_a_round_publishes_only_what_beats_the_serving_version(models):
     assert not bad.published and bad.state is None
     assert bad.candidate["mean_accepted_length"] < bad.serving["mean_accepted_length"]
     assert bad.serving["mean_accepted_length"] == good.candidate["mean_accepted_length"]
+
+
+def test_the_switch_and_the_section_reach_the_engine_config():
+    from specray.serve.config import ServeConfig
+
+    assert ServeConfig.model_validate({}).engine.engine_config().online_learning is None
+    cfg = ServeConfig.model_validate({"online-learning": True, "engine": {"target": "t"}}).engine
+    assert cfg.online_learning.enabled and cfg.engine_config().online_learning.top_k == 20
+    cfg = ServeConfig.model_validate({"engine": {"online_learning": {"enabled": True, "sample_rate": 0.25,
+                                                                     "methods": ["eagle"]}}}).engine
+    assert cfg.engine_config().online_learning == CaptureConfig(("eagle",), 0.25, 20)
+    with pytest.raises(ValueError, match="top_k"):
+        ServeConfig.model_validate({"engine": {"online_learning": {"top_k": 64}}})

@@ -43,7 +43,7 @@ def references(tiny_pair):
     return [hf_greedy(tiny_pair[0], p, GREEDY["max_tokens"]) for p in PROMPTS]
 
 
-def test_replicas_converge_to_what_the_learner_publishes(ray_session, tiny_checkpoints, references):
+def test_replicas_converge_to_what_the_learner_publishes(ray_session, tiny_checkpoints, references, tmp_path):
     from specray.actors.coordinator import Coordinator
     from specray.actors.learner import OnlineLearningConfig, drop_learner
     from tests.test_actors import shutdown
@@ -74,6 +74,14 @@ def test_replicas_converge_to_what_the_learner_publishes(ray_session, tiny_check
         assert [o["token_ids"] for o in serve(late, PROMPTS[:2])] == references[:2]
         wait_for(lambda: ray.get(late.drafters.remote("status"))["replica"]["serving"]["draft"] == version,
                  what="the late replica")
+        # export it in the public layout, and load it back through the API: every replica serves it
+        path = ray.get(a.drafters.remote("export", method="draft", version=version, path=str(tmp_path / "v")))["path"]
+        loaded = ray.get(b.drafters.remote("load", method="draft", path=path))["version"]
+        assert loaded == "draft@v"
+        for c in (a, b, late):
+            wait_for(lambda: ray.get(c.drafters.remote("status"))["replica"]["serving"]["draft"] == loaded,
+                     what="the loaded version")
+        assert [o["token_ids"] for o in serve(a, PROMPTS[:2])] == references[:2]
         # pin the base version back, everywhere; then unpin
         ray.get(a.drafters.remote("pin", method="draft", version="draft@base"))
         for c in (a, b, late):
