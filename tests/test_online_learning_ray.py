@@ -148,3 +148,41 @@ def test_a_worse_candidate_is_never_served(ray_session, tiny_checkpoints, refere
     finally:
         shutdown(c)
         drop_learner(OnlineLearningConfig.model_validate(cfg["online_learning"]), "")
+
+
+def test_a_loaded_version_reaches_the_draft_worker(ray_session, tiny_checkpoints, tiny_pair, references, tmp_path):
+    """Separate layout: the draft model runs in a worker of its own, which swaps a loaded
+    version in place and rebuilds its slots (the target drafting for itself accepts everything;
+    a scrambled version almost nothing; the target's weights loaded back, everything again)."""
+    import copy
+
+    import torch
+
+    from specray.actors.coordinator import Coordinator
+    from specray.actors.learner import OnlineLearningConfig, drop_learner
+    from tests.test_actors import shutdown
+
+    scrambled = copy.deepcopy(tiny_pair[0])
+    with torch.no_grad():
+        for p in scrambled.parameters():
+            p.copy_(torch.randn_like(p))
+    scrambled.save_pretrained(tmp_path / "scrambled")
+    cfg = {**config(tiny_checkpoints, "test-online-separate", "fast", learn=False), "draft": tiny_checkpoints["target"],
+           "placement": {"mode": "separate", "target": {"num_gpus": 0}, "draft": {"num_gpus": 0}}}
+    c = Coordinator.remote(cfg)
+
+    def acceptance(outs):
+        return sum(o["metrics"]["num_accepted_tokens"] for o in outs) / sum(o["metrics"]["num_draft_tokens"] for o in outs)
+
+    try:
+        outs = serve(c)
+        assert [o["token_ids"] for o in outs] == references and acceptance(outs) == 1.0
+        for path, name, check in ((tmp_path / "scrambled", "draft@scrambled", lambda a: a < 0.5),
+                                  (tiny_checkpoints["target"], "draft@target", lambda a: a == 1.0)):
+            assert ray.get(c.drafters.remote("load", method="draft", path=str(path)))["version"] == name
+            outs = serve(c)
+            assert [o["token_ids"] for o in outs] == references
+            assert {o["metrics"]["drafter_version"] for o in outs} == {name} and check(acceptance(outs))
+    finally:
+        shutdown(c)
+        drop_learner(OnlineLearningConfig.model_validate(cfg["online_learning"]), "")
