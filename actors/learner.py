@@ -338,17 +338,35 @@ class TrainerLoop:
 
 
 def hub_for(config: OnlineLearningConfig, model: str):
-    """The named hub actor for ``model`` (created on first use), and its trainer (one per hub)."""
+    """The named hub actor for ``model`` (created on first use), and its trainer (one per hub,
+    in a placement-group bundle of its own: ``trainer_resources``, e.g. a GPU)."""
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     name = config.name or hub_name(model)
     hub = ray.remote(LearnerCore).options(name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
                                           num_cpus=0, max_restarts=-1).remote(config.model_dump())
+    options = trainer_options(config)
+    strategy = PlacementGroupSchedulingStrategy(placement_group=trainer_bundle(name, options),
+                                                placement_group_bundle_index=0)
     trainer = ray.remote(TrainerLoop).options(
         name=name + "-trainer", namespace=NAMESPACE, get_if_exists=True, lifetime="detached", max_restarts=-1,
-        max_concurrency=4, **trainer_options(config)).remote(hub, config.model_dump())
+        max_concurrency=4, scheduling_strategy=strategy, **options).remote(hub, config.model_dump())
     trainer.start.remote()
     return hub, trainer
+
+
+def trainer_bundle(name: str, options: dict):
+    """The trainer's placement group (one bundle, detached: it outlives the replicas), by name."""
+    from ray.util import get_placement_group
+    from ray.util.placement_group import placement_group
+
+    try:
+        return get_placement_group(name + "-trainer")
+    except ValueError:
+        bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options.get("num_gpus") else {}),
+                  **options.get("resources", {})}
+        return placement_group([bundle], name=name + "-trainer", lifetime="detached")
 
 
 def trainer_options(config: OnlineLearningConfig) -> dict:
@@ -365,12 +383,18 @@ def drop_learner(config: OnlineLearningConfig, model: str) -> None:
     """Kill the hub and its trainer (tests, operations)."""
     import ray
 
+    from ray.util import get_placement_group, remove_placement_group
+
     name = config.name or hub_name(model)
     for actor in (name + "-trainer", name):
         try:
             ray.kill(ray.get_actor(actor, namespace=NAMESPACE), no_restart=True)
         except ValueError:
             pass
+    try:
+        remove_placement_group(get_placement_group(name + "-trainer"))
+    except ValueError:
+        pass
 
 
 class OnlineSync:

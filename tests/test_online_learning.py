@@ -247,3 +247,18 @@ def test_the_switch_and_the_section_reach_the_engine_config():
     assert cfg.engine_config().online_learning == CaptureConfig(("eagle",), 0.25, 20)
     with pytest.raises(ValueError, match="top_k"):
         ServeConfig.model_validate({"engine": {"online_learning": {"top_k": 64}}})
+
+
+def test_a_new_version_restarts_the_controllers_acceptance(models):
+    """The self-tuning length forgets the old version's acceptance and starts from the new one's
+    measured rates (per draft position)."""
+    target, draft = models
+    engine = online_engine(target, draft)
+    engine.generate(ragged_prompts(2), GREEDY, SpeculationParams(method="draft"))
+    policy = engine.driver.length_policy
+    before = list(policy._methods["draft"].reached)
+    engine.use_drafter(DrafterVersion("draft", "draft@x", snapshot(engine.proposers.resources["draft"]),
+                                      {"rates": [0.9, 0.5]}))
+    acc = policy._methods["draft"]
+    assert acc.reached == [policy.pseudo] * 2 != before
+    assert [a / r for a, r in zip(acc.accepted, acc.reached)] == pytest.approx([0.9, 0.5])
