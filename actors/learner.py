@@ -8,7 +8,8 @@ Engine workers ship finished traces and pull the serving versions in the backgro
 in a step (``actors/engine_worker.py``). The hub is named per target model (like suffix
 decoding's tree actor), so every replica of a deployment, and one that joins later, finds it
 and converges to its versions. The hub reserves no CPU and never trains; the trainer actor
-asks for its own resources (``OnlineLearningConfig.trainer_resources``) and finds the training
+runs in a placement-group bundle of its own (``OnlineLearningConfig.trainer_resources``: a GPU
+of its own where the cluster has them; CPU in tests) and finds the training
 code by its module name (``trainer``: training sits beside the serving stack and is not
 imported by it).
 
