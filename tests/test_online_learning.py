@@ -262,3 +262,16 @@ def test_a_new_version_restarts_the_controllers_acceptance(models):
     acc = policy._methods["draft"]
     assert acc.reached == [policy.pseudo] * 2 != before
     assert [a / r for a, r in zip(acc.accepted, acc.reached)] == pytest.approx([0.9, 0.5])
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs(tmp_path):
+    import json
+
+    from specray.bench import online
+
+    rc = online.main(["--methods", "draft", "--requests", "20", "--wave", "10", "--window", "10", "--round-requests",
+                      "10", "--steps", "3", "--max-tokens", "12", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "online.json").read_text())["methods"]["draft"]
+    assert rc == 0 and report["identical_tokens"] and (tmp_path / "online.png").exists()
+    assert len(report["rounds"]) == 2 and len(report["curve_on"]) == len(report["curve_off"]) == 2
