@@ -156,7 +156,9 @@ class OpenAIIngress:
         try:
             return await self.engine.drafters.remote(action, body)
         except Exception as exc:  # noqa: BLE001 - a bad action or argument is the client's: 400
-            cause = getattr(exc, "cause", None) or exc
+            cause = exc
+            while getattr(cause, "cause", None) is not None:  # raised in a worker, passed on by the coordinator
+                cause = cause.cause
             if isinstance(cause, ValueError):
                 raise HTTPError(400, str(cause).split("\n\n")[0], param=getattr(cause, "param", None)) from None
             raise
