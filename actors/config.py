@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specray.actors.learner import OnlineLearningConfig
 from specray.engine.config import STEP_CHOICES, EngineConfig, resolve_dtype
 from specray.engine.memory import DEFAULT_MAX_NUM_SEQS, KVPlan, plan_for_checkpoints
 from specray.engine.params import Speculation
@@ -99,6 +100,10 @@ class SpecrayConfig(BaseModel):
         default_factory=SuffixCacheConfig, description="Suffix decoding's trees: depth, the global tree's size, "
         "and whether engine replicas share it (a Ray actor)."
     )
+    online_learning: OnlineLearningConfig = Field(
+        default_factory=OnlineLearningConfig, description="Drafters that learn from what they serve: capture, a "
+        "trainer actor, gated versions swapped into every replica (docs/online-learning.md); off by default."
+    )
 
     def engine_config(self, device: str | None = None) -> EngineConfig:
         return EngineConfig(
@@ -117,6 +122,7 @@ class SpecrayConfig(BaseModel):
             speculation_length=SpeculationLengthPolicy(
                 self.speculation_off_above_batch, tuple(tuple(p) for p in self.speculation_k_caps)
             ) if self.speculation_off_above_batch is not None or self.speculation_k_caps else None,
+            online_learning=self.online_learning.capture() if self.online_learning.enabled else None,
         )
 
     def method_facts(self) -> dict[str, dict | None]:

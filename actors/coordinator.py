@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from ray.exceptions import RayActorError
 
 from specray.actors.config import SpecrayConfig
+from specray.actors.learner import hub_for
 from specray.actors.placement import reserve
 from specray.actors.proposer_proxy import Supervised
 from specray.actors.engine_worker import EngineWorker
@@ -100,7 +101,9 @@ class CoordinatorCore:
         engine_cfg, options = cfg.engine_config(), self.placement.options(self.role)
         cls = ray.remote(EngineWorker)
         overlap, suffix = cfg.overlap_drafting, cfg.suffix_cache.model_dump()
-        self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote, overlap, suffix))
+        online = cfg.online_learning.model_dump() if cfg.online_learning.enabled else None
+        self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote, overlap, suffix,
+                                                                                  online))
         limits = Limits.from_dict(await self._worker_started())
         # As OpenAI and vLLM: prompt + max_tokens beyond the context is refused (ContextLengthError).
         self.intake = RequestMaker(limits, self.tokenizer, cfg.default_speculation, strict_context=True)
@@ -237,6 +240,40 @@ class CoordinatorCore:
         """Handles of the workers by role (for tests and operations)."""
         await self.start()
         return {self.role: self.worker.handle, **await self.worker.handle.proposer_handles.remote()}
+
+    # -- drafter versions (online learning, actors/learner.py) ----------------------------------
+    async def drafters(self, action: str = "status", **args) -> dict:
+        """Online learning's operations: ``status``; ``load`` (method, path: a directory in the
+        method's public layout, served by every replica next); ``learning`` (enabled: the runtime
+        switch); ``pin`` (method, version; None unpins); ``rollback`` (method: the serving version
+        is retired, the one before serves); ``export`` (method, version, path). ValueError on
+        anything else, or when online learning is off."""
+        await self.start()
+        cfg = self.config.online_learning
+        if not cfg.enabled:
+            raise ValueError("online learning is off: start the server with --online-learning "
+                             "(online_learning.enabled; online_learning.learn: false only loads versions)")
+        needs = {"load": ("method", "path"), "learning": ("enabled",), "pin": ("method",), "rollback": ("method",),
+                 "export": ("method", "version", "path")}.get(action, ())
+        missing = [k for k in needs if k not in args]
+        if missing:
+            raise ValueError(f"drafters {action}: missing {', '.join(missing)}")
+        if action == "load":
+            return {"version": await self.worker.handle.load_drafter.remote(args["method"], args["path"])}
+        hub, _ = hub_for(cfg, f"{self.config.target}|{self.config.tokenizer}")
+        if action == "status":
+            return {**await hub.status.remote(), "replica": await self.worker.handle.drafter_status.remote()}
+        if action == "learning":
+            await hub.set_learning.remote(bool(args["enabled"]))
+            return {"learning": bool(args["enabled"])}
+        if action == "pin":
+            await hub.pin.remote(args["method"], args.get("version"))
+            return {"pinned": args.get("version")}
+        if action == "rollback":
+            return {"serving": await hub.rollback.remote(args["method"])}
+        if action == "export":
+            return {"path": await hub.export.remote(args["method"], args["version"], args["path"])}
+        raise ValueError(f"unknown drafters action {action!r}: status, load, learning, pin, rollback or export")
 
     # -- the loop ------------------------------------------------------------------------
     async def _loop(self) -> None:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from specray.actors.learner import OnlineSync
 from specray.actors.proposer_proxy import RemoteProposer
 from specray.actors.proposer_worker import Placed, on_this_device, set_worker_threads
 from specray.actors.suffix_cache import suffix_cache_for
 from specray.engine.config import EngineConfig
+from specray.engine.drafter_versions import read_version
 from specray.engine.llm_engine import LLMEngine
 from specray.policies.registry import ProposerContext
 
@@ -40,7 +42,7 @@ class EngineWorker(Placed):
     """
 
     def __init__(self, config: EngineConfig, remote: dict[str, dict] | None = None, overlap: bool = True,
-                 suffix_cache: dict | None = None):
+                 suffix_cache: dict | None = None, online: dict | None = None):
         set_worker_threads()
         config = on_this_device(config)
         self.remote: dict[str, RemoteProposer] = {}
@@ -56,6 +58,9 @@ class EngineWorker(Placed):
                                 resources={"suffix": suffix_cache_for(suffix_cache or {},
                                                                       f"{config.target}|{config.tokenizer}")})
         self._lock = asyncio.Lock()
+        # Online learning (actors/learner.py): traces out, drafter versions in, off the step's path.
+        self.online = OnlineSync(self.engine, online, f"{config.target}|{config.tokenizer}", self._lock) \
+            if online and self.engine.versions is not None else None
         self._outbox: list = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -74,6 +79,8 @@ class EngineWorker(Placed):
         return self.engine.limits.to_dict()
 
     async def add(self, request) -> None:
+        if self.online is not None:
+            self.online.start()
         self.engine.add(request)
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
@@ -128,3 +135,23 @@ class EngineWorker(Placed):
 
     def restarts(self) -> dict:
         return {m: p.restarts for m, p in self.remote.items()}
+
+    # -- drafter versions (online learning) ------------------------------------------------------
+    async def load_drafter(self, method: str, directory: str) -> str:
+        """Serve ``method``'s weights from ``directory`` here from the next step on, and through
+        the learner hub in every replica; returns the version's name."""
+        if self.engine.versions is None:
+            raise ValueError("loading drafter versions needs online_learning.enabled (--online-learning)")
+        v = read_version(method, directory, self.engine.proposers.context)
+        if self.online is not None:
+            v.version = await self.online.publish(v)
+        async with self._lock:
+            self.engine.use_drafter(v)
+        return v.version
+
+    def drafter_status(self) -> dict:
+        if self.engine.versions is None:
+            return {"enabled": False}
+        return {"enabled": True, **self.engine.versions.status(),
+                "sync": self.online.state if self.online is not None else "in-process",
+                "captured": self.engine.capture.captured}

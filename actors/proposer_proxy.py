@@ -133,6 +133,12 @@ class RemoteProposer(Supervised):
     def commit(self, rows) -> None:
         self.handle.commit.remote(rows)
 
+    def load_version(self, state: dict) -> None:
+        """A new drafter version (between steps): the worker swaps it in and rebuilds its slots;
+        a draft made ahead with the old one is dropped."""
+        self._ahead, self._ahead_len = None, {}
+        self.handle.load_version.remote(state)
+
     def release(self, slot: int) -> None:
         self._sent.pop(slot, None)
         self._ahead_len.pop(slot, None)

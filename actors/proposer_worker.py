@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from specray.engine.config import EngineConfig
+from specray.engine.drafter_versions import weights_module
 from specray.engine.runner import ModelRunner
 from specray.policies.base import CommitRow, Draft, PrefillRow, ProposalRow
 from specray.policies.registry import ProposerContext, method_spec
@@ -68,8 +69,8 @@ class ProposerWorker(Placed):
         ctx = ProposerContext(vocab_size=vocab_size, max_num_seqs=config.max_num_seqs, capacity=capacity,
                               device=config.device, dtype=config.resolved_dtype, runner_for=runner_for)
         path = config.checkpoint(spec.checkpoint) if spec.checkpoint else None
-        resource = spec.load(path, ctx) if path else None
-        self.proposer = spec.build(replace(ctx, resource=resource))
+        self.resource = spec.load(path, ctx) if path else None
+        self.proposer = spec.build(replace(ctx, resource=self.resource))
         self._generators: dict[int, torch.Generator] = {}
         self._tokens: dict[int, list[int]] = {}  # each slot's committed tokens (sent as tails)
 
@@ -105,6 +106,15 @@ class ProposerWorker(Placed):
 
     def commit(self, rows: Sequence[CommitRow]) -> None:
         self.proposer.commit(rows)
+
+    def load_version(self, state: dict) -> None:
+        """A drafter version (online learning): its weights copied into the serving tensors in
+        place, and every slot's state rebuilt from its committed tokens at its next draft
+        (``engine/drafter_versions.py``)."""
+        with torch.no_grad():
+            weights_module(self.resource).load_state_dict(state)
+        for s in list(self._tokens):
+            self.proposer.release(s)
 
     def release(self, slots: Sequence[int]) -> None:
         for s in slots:

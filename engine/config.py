@@ -8,6 +8,7 @@ from typing import Mapping
 
 import torch
 
+from specray.engine.capture import CaptureConfig
 from specray.policies.registry import MethodOptions
 from specray.policies.spec_length import SpeculationLengthPolicy
 
@@ -72,6 +73,9 @@ class EngineConfig:
         whatever requests ask for; None (default) = the self-tuning controller
         (``policies/controller.py``), which learns each step's k from measured acceptance
         and step costs (k = 0 when speculation does not pay).
+    online_learning: capture for online learning (``engine/capture.py``) and versioned
+        drafters that can be swapped between steps (``engine/drafter_versions.py``); None
+        (default): neither.
     """
 
     target: str | None = None
@@ -86,6 +90,7 @@ class EngineConfig:
     step: str = "auto"
     default_speculation: MethodOptions | None = None
     speculation_length: SpeculationLengthPolicy | None = None
+    online_learning: CaptureConfig | None = None
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

@@ -44,6 +44,7 @@ class DeviceVerification:
     verified: Verified
     features: torch.Tensor  # [Bb, W, H] final-norm hidden states of every verified position
     layers: dict[int, torch.Tensor]  # {k: [Bb, W, H]} the target's tapped layers there
+    logits: torch.Tensor | None = None  # [B, W, V] the target's at every verified node (step taps)
 
 
 def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
@@ -90,7 +91,7 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
         for j, i in enumerate(host_rows):
             accepted[i], emitted[i], paths[i] = part.num_accepted[j], part.emitted[j], part.paths[j]
     logprobs = L.step_entries(reqs, raw, paths, emitted) if L.wanted(reqs) else None  # rows that asked (raw)
-    return DeviceVerification(Verified(result, filled, extra_best, logprobs), out.hidden, out.layers)
+    return DeviceVerification(Verified(result, filled, extra_best, logprobs), out.hidden, out.layers, raw)
 
 
 def _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc: BatchAcceptance) -> list[int]:

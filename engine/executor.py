@@ -41,6 +41,9 @@ class LocalExecutor:
         self._device_parts: dict = {}  # method -> (batch indices, DeviceDraft) of this step
         self._compacted = False  # the last verification kept its paths in the cache already
         self._failed: dict[int, BaseException] = {}  # batch row -> what its proposer raised (last propose)
+        # Observers of the step (online learning's capture and feature log, engine/capture.py):
+        # told what the target computed anyway; a tap that raises is logged, never fails a row.
+        self.taps: list = []
 
     async def prefill(self, reqs, sampled):
         for r in reqs:
@@ -51,6 +54,7 @@ class LocalExecutor:
         self._last = out
         logits, prompts = L.split_prefill(out.logits, reqs) if every is not None else (out.logits, {})
         scores = TargetScores.from_logits(logits, sampled, L.wanted(reqs), processed(logits, reqs, None))
+        self._tap("prefilled", reqs, logits)
         return replace(scores, prompt_logprobs=prompts)
 
     async def propose(self, plan):
@@ -116,6 +120,7 @@ class LocalExecutor:
             done = verify_on_device(self.target, reqs, drafts, self._device_parts)
             self._device_parts, self._compacted = {}, True
             self._last = _Features(done.features, done.layers) if any(self._wants_features(reqs).values()) else None
+            self._tap("verified", reqs, done.logits, done.verified.result.paths, done.verified.result.emitted)
             return done.verified
         inputs = S.verify_inputs(reqs, drafts)
         out = self.target.forward([r.slot for r in reqs], inputs.tokens, inputs.logits_at, inputs.layout,
@@ -124,8 +129,10 @@ class LocalExecutor:
         scored = out.logits
         if any(r.sampling.processes_logits for r in reqs):  # each node's history: committed tokens + its path
             scored = processed(out.logits, reqs, host_positions(inputs.tokens, inputs.layout, out.logits.device))
-        return accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs), L.wanted(reqs),
-                                                                      scored))
+        verified = accept_verified(reqs, drafts, TargetScores.from_logits(out.logits, sampled_rows(reqs), L.wanted(reqs),
+                                                                          scored))
+        self._tap("verified", reqs, out.logits, verified.result.paths, verified.result.emitted)
+        return verified
 
     def recover(self, reqs, drafts):
         out = list(drafts)
@@ -153,6 +160,7 @@ class LocalExecutor:
             if method_spec(method).needs_features:
                 rows = [(i, _with_features(row, self._row_features(method, i))) for i, row in rows]
             rows = [row for _, row in rows]
+            self._tap("handed_over", method, rows)
             try:
                 _hand_over(proposer, rows)
             except Exception as exc:  # noqa: BLE001 - contained: row by row
@@ -171,6 +179,14 @@ class LocalExecutor:
         for s in slots:
             self.target.reset(s)
         self.proposers.release(slots)
+        self._tap("released", slots)
+
+    def _tap(self, event: str, *args) -> None:
+        for tap in self.taps:
+            try:
+                getattr(tap, event)(*args)
+            except Exception:  # noqa: BLE001 - observers never fail the step
+                log.exception("step tap %s.%s raised", type(tap).__name__, event)
 
     @property
     def _device_step(self) -> bool:

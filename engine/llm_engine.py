@@ -19,7 +19,9 @@ import logging
 from typing import Iterable, Mapping, Sequence
 
 from specray.engine.config import EngineConfig, load_tokenizer
+from specray.engine.capture import Capture
 from specray.engine.delta import StepDelta
+from specray.engine.drafter_versions import DrafterVersion, DrafterVersions, read_version
 from specray.engine.driver import StepDriver, run_sync
 from specray.engine.executor import LocalExecutor, ProposerTable
 from specray.engine.intake import RequestMaker
@@ -93,6 +95,13 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs)
         self.executor = LocalExecutor(self.target, self.proposers)
         self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, config.speculation_length)
+        self.capture = self.versions = None
+        if config.online_learning is not None:  # online learning: capture, versioned drafters
+            self.versions = DrafterVersions(self.proposers, list(self.limits.methods), self.driver.length_policy)
+            self.versions.checkpoint_of = lambda m: config.checkpoint(method_spec(m).checkpoint or "")
+            self.capture = Capture(config.online_learning, self.versions.methods)
+            self.capture.versions = self.versions.serving
+            self.executor.taps += [self.versions, self.capture]
         self._text_sent: dict[str, int] = {}  # request id -> characters of its text in deltas so far
 
     def _runner_for(self, model, extra_capacity: int = 0) -> ModelRunner:
@@ -177,12 +186,36 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests, then one speculative step; outputs of rows that moved."""
+        self._stamp()
         return run_sync(self.driver.step())
+
+    def _stamp(self) -> None:
+        if self.versions is not None:
+            self.versions.stamp([*self.scheduler.running.values(), *self.scheduler.waiting])
+
+    # -- drafter versions (online learning) ----------------------------------------------
+    def load_drafter(self, method: str, directory: str, version: str | None = None) -> str:
+        """Serve ``method``'s weights from ``directory`` (its public layout) from the next step
+        on, swapped in place and rebuilt for running requests (``engine/drafter_versions.py``);
+        returns the version's name. Needs ``EngineConfig.online_learning``."""
+        self.use_drafter(read_version(method, directory, self.proposers.context, version))
+        return self.versions.serving[method]
+
+    def use_drafter(self, v: DrafterVersion) -> None:
+        """Serve version ``v`` from the next step on (call between steps)."""
+        if self.versions is None:
+            raise ValueError("drafter versions need online_learning in the engine config (--online-learning)")
+        self.versions.swap(v)
+
+    def take_traces(self) -> list:
+        """Captured traces of finished requests not taken yet (``engine/capture.py``)."""
+        return self.capture.take() if self.capture is not None else []
 
     async def step_deltas(self) -> list[StepDelta]:
         """The same step inside an event loop (where proposers may be remote), as deltas:
         per request that moved, only what this step added (``engine/delta.py``)."""
         deltas = []
+        self._stamp()
         for out in await self.driver.step():
             deltas.append(StepDelta.of(out, self._text_sent.pop(out.request_id, 0)))
             if not out.finished:

@@ -18,6 +18,10 @@ class SpecMetrics:
     accepted_per_pos: list[int] = field(default_factory=list)
     target_forward_passes: int = 0
     num_generated_tokens: int = 0
+    # Online learning (engine/drafter_versions.py): the drafter version serving the request's
+    # method at its latest step, and per version [drafts, accepted tokens] of its steps.
+    drafter_version: str | None = None
+    accepted_by_version: dict[str, list[int]] = field(default_factory=dict)
 
     def record_draft(self, num_draft_tokens: int, num_accepted: int) -> None:
         if num_draft_tokens <= 0:
@@ -29,6 +33,10 @@ class SpecMetrics:
             self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
+        if self.drafter_version is not None:
+            counts = self.accepted_by_version.setdefault(self.drafter_version, [0, 0])
+            counts[0] += 1
+            counts[1] += num_accepted
 
     @property
     def mean_accepted_length(self) -> float:
@@ -49,6 +57,10 @@ class SpecMetrics:
             self.accepted_per_pos.extend([0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos)))
         for i, n in enumerate(other.accepted_per_pos):
             self.accepted_per_pos[i] += n
+        for version, (drafts, accepted) in other.accepted_by_version.items():
+            counts = self.accepted_by_version.setdefault(version, [0, 0])
+            counts[0] += drafts
+            counts[1] += accepted
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpecMetrics":

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "trees": "tree methods (EAGLE-1/2/3, Medusa, ReDrafter) against plain and draft-model speculation",
     "lookahead": "lookahead decoding against plain decoding and prompt lookup",
     "suffix": "suffix decoding against plain decoding and prompt lookup, on repetitive and non-repetitive work",
+    "online": "online learning on a shifted workload: accepted length over served requests, learning on vs off",
     "gpu": "the step against the memory-bandwidth bound on a GPU (a synthetic 8B-shaped pair; --device cpu: demo)",
     "penalties": "what repetition/presence/frequency penalties cost plain and draft-model decoding",
 }

@@ -94,6 +94,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "(the method's weights) and the method's options, e.g. "
                         """'{"method": "draft", "model": "DIR", "num_speculative_tokens": 4}' """
                         "(default: the best method loaded: draft, then heads, then ngram; length self-tuned)")
+    g.add_argument("--online-learning", action="store_true", default=None,
+                   help="drafters learn from what they serve: captured traffic, a trainer actor, gated versions "
+                        "swapped into every replica (online_learning: in a config file for its settings; "
+                        "docs/online-learning.md)")
 
 
 def add_server_flags(p: argparse.ArgumentParser) -> None:
@@ -121,7 +125,8 @@ def config_data(args: argparse.Namespace, file_data: dict) -> dict:
     from specray.serve.config import flat_to_nested
 
     keys = ("target", "tokenizer", "dtype", "device", "step", "max_model_len", "max_num_seqs", "gpu_memory_utilization",
-            "speculative_config", "served_model_name", "host", "port", "api_key", "num_replicas", *checkpoint_keys())
+            "speculative_config", "served_model_name", "host", "port", "api_key", "num_replicas", "online_learning",
+            *checkpoint_keys())
     flags = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "enforce_eager", None):
         if flags.get("step", "eager") != "eager":

@@ -232,3 +232,12 @@ class AdaptiveSpeculation:
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+    def start_method(self, method: str, rates: Sequence[float]) -> None:
+        """A new drafter version serves ``method`` (online learning): forget what the method's
+        old version accepted and start from ``rates`` — per draft position, P(accepted | the one
+        before accepted), as the version's gate measured it — worth ``pseudo_counts`` steps."""
+        acc = _Acceptance()
+        acc.reached = [self.pseudo] * len(rates)
+        acc.accepted = [self.pseudo * min(max(float(r), 0.0), 1.0) for r in rates]
+        self._methods[method] = acc

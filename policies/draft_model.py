@@ -234,6 +234,7 @@ register_method(MethodSpec(
     build=lambda ctx: DraftModelProposer(ctx.resource, ctx.vocab_size),
     placement="worker",
     checkpoint="draft",
+    recipe="specray.training.draft_distill",
     requirement="a draft model (EngineConfig.draft)",
     load=lambda path, ctx: ctx.runner_for(path),
 ))

@@ -91,6 +91,9 @@ def flat_to_nested(data: dict) -> dict:
         elif name not in _top_level() and _is_checkpoint_key(name):  # --eagle DIR, --redrafter DIR, ...
             if value is not None:
                 engine.setdefault("checkpoints", {})[name] = value
+        elif name == "online_learning" and value is not None:  # --online-learning, or the section
+            section = {"enabled": True} if value is True else {"enabled": False} if value is False else dict(value)
+            engine["online_learning"] = {**(engine.get("online_learning") or {}), **section}
         elif name == "speculative_config":
             if value is None:
                 continue

@@ -106,6 +106,11 @@ class EngineDeployment:
         except Exception as exc:  # noqa: BLE001 - re-raised in the request's own task
             outputs.put_nowait(exc)
 
+    async def drafters(self, action: str, args: dict) -> dict:
+        """Online learning's operations (``CoordinatorCore.drafters``)."""
+        await asyncio.shield(_detached(self.core.start()))
+        return await self.core.drafters(action, **args)
+
     def _load(self) -> tuple[int, int]:
         """(waiting, running) requests of this replica. Counted here: with a colocated
         worker the queue lives in that actor, not in ``self.core.scheduler``."""

@@ -144,6 +144,35 @@ class OpenAIIngress:
 
         return await self._guard(request, listing)
 
+    # Online learning (docs/online-learning.md): drafter versions, loads, the learning switch.
+    @app.get("/v1/drafters")
+    async def drafters_status(self, request: Request):
+        return await self._guard(request, lambda: self._drafters("status", {}))
+
+    @app.post("/v1/drafters/{action}")
+    async def drafters(self, action: str, request: Request):
+        async def run():
+            try:
+                body = await request.json()
+            except (ValueError, UnicodeDecodeError):
+                raise HTTPError(400, "the body must be a JSON object") from None
+            if not isinstance(body, dict):
+                raise HTTPError(400, "the body must be a JSON object")
+            return await self._drafters(action, body)
+
+        return await self._guard(request, run)
+
+    async def _drafters(self, action: str, body: dict):
+        try:
+            return await self.engine.drafters.remote(action, body)
+        except Exception as exc:  # noqa: BLE001 - a bad action or argument is the client's: 400
+            cause = exc
+            while getattr(cause, "cause", None) is not None:  # raised in a worker, passed on by the coordinator
+                cause = cause.cause
+            if isinstance(cause, ValueError):
+                raise HTTPError(400, str(cause).split("\n\n")[0], param=getattr(cause, "param", None)) from None
+            raise
+
     @app.post("/v1/completions")
     async def completions(self, request: Request):
         return await self._guard(request, lambda: self._generate(request, chat=False))

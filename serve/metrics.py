@@ -27,6 +27,11 @@ class EngineMetrics:
         self.accepted_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position.", ("model", "position")
         )
+        by_version = ("model", "version")
+        self.drafts_by_version = Counter(PREFIX + "spec_decode_num_drafts_by_version",
+                                         "Drafts, by the drafter version that made them (online learning).", by_version)
+        self.accepted_by_version = Counter(PREFIX + "spec_decode_num_accepted_tokens_by_version",
+                                           "Draft tokens accepted, by the drafter version that drafted them.", by_version)
         self.requests = Counter(PREFIX + "request_success", "Finished requests by finish reason.", ("model", "finished_reason"))
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", tags)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens.", tags)
@@ -46,6 +51,11 @@ class EngineMetrics:
         for pos, n in enumerate(m["accepted_per_pos"]):
             if n:
                 self.accepted_per_pos.inc(n, {**t, "position": str(pos)})
+        for version, (drafts, accepted) in (m.get("accepted_by_version") or {}).items():
+            if drafts:
+                self.drafts_by_version.inc(drafts, {**t, "version": version})
+            if accepted:
+                self.accepted_by_version.inc(accepted, {**t, "version": version})
         self.requests.inc(1, {**t, "finished_reason": output["finish_reason"] or "unknown"})
         if generated_tokens:
             self.generation_tokens.inc(generated_tokens, t)

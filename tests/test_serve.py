@@ -986,3 +986,32 @@ def test_a_deterministic_failure_is_a_500_with_its_message_and_the_server_goes_o
         assert ok.json()["choices"][0]["text"] == greedy_text(target_model, [1, 2, 3], 8)
     finally:
         serve.delete("failing")
+
+
+def test_drafter_versions_over_http(server, tiny_tok, main_url):
+    """Online learning's endpoints: status, the learning switch, bad actions and arguments as
+    OpenAI-shaped 400s; responses name the drafter version; a server without it says so."""
+    cfg = {"model_name": "learning",
+           "engine": {**tiny_tok, "max_num_seqs": 2, "placement": cpu_placement("colocated"),
+                      "online_learning": {"enabled": True, "learn": False, "name": "test-online-http"}}}
+    serve.run(build_app(cfg), name="learning", route_prefix="/learning")
+    url = f"{server}/learning"
+    try:
+        wait_until_serving(url, "learning")
+        r = httpx.post(f"{url}/v1/completions", json={"model": "learning", "prompt": "abcab", "max_tokens": 6,
+                                                      "temperature": 0, "speculation": {"method": "draft"}}, timeout=60)
+        assert r.json()["speculation_metrics"][0]["drafter_version"] == "draft@base"
+        status = httpx.get(f"{url}/v1/drafters", timeout=60).json()
+        assert status["learning"] == "off" and status["replica"]["serving"]["draft"] == "draft@base"
+        assert_openai_error(httpx.post(f"{url}/v1/drafters/pin", json={}, timeout=60), 400, "missing method")
+        assert_openai_error(httpx.post(f"{url}/v1/drafters/frobnicate", json={}, timeout=60), 400, "unknown")
+        assert_openai_error(httpx.post(f"{url}/v1/drafters/load", json={"method": "draft", "path": "/nope"},
+                                       timeout=60), 400, "no such directory")
+        assert_openai_error(httpx.post(f"{url}/v1/drafters/learning", content=b"[", timeout=60), 400, "JSON")
+        assert httpx.post(f"{url}/v1/drafters/learning", json={"enabled": True}, timeout=60).json() == {"learning": True}
+        assert_openai_error(httpx.get(f"{main_url}/v1/drafters", timeout=60), 400, "online learning is off")
+    finally:
+        serve.delete("learning")
+        from specray.actors.learner import OnlineLearningConfig, drop_learner
+
+        drop_learner(OnlineLearningConfig(name="test-online-http"), "")

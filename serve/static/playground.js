@@ -374,5 +374,48 @@
     $("#verdict").hidden = false;
   }
 
+  // -- online learning: accepted length of served requests over time, as versions change ----
+  const VERSION_COLORS = ["#888", "#2a7", "#37c", "#c73", "#a4c", "#c44", "#4aa"];
+
+  function drawLearning(data) {
+    $("#learning").hidden = false;
+    const serving = Object.entries(data.serving || {}).map(([m, v]) => `${m}: ${v}`).join(", ");
+    $("#learning-state").textContent = `learning ${data.learning} · serving ${serving || "–"}`;
+    const points = data.served || [];
+    const chart = $("#learning-chart");
+    chart.replaceChildren();
+    const versions = [...new Set(points.map((p) => p.version))];
+    const color = (v) => VERSION_COLORS[versions.indexOf(v) % VERSION_COLORS.length];
+    if (points.length) {
+      const t0 = points[0].time, t1 = Math.max(points[points.length - 1].time, t0 + 1);
+      const top = Math.max(2, ...points.map((p) => p.accepted_length));
+      const x = (t) => 30 + (520 * (t - t0)) / (t1 - t0);
+      const y = (a) => 145 - (130 * (a - 1)) / (top - 1);
+      chart.append(svg("line", { x1: 30, y1: 145, x2: 550, y2: 145, stroke: "#bbb" }));
+      chart.append(svg("text", { x: 2, y: y(top) + 4, "font-size": 10 }, top.toFixed(1)));
+      chart.append(svg("text", { x: 2, y: 149, "font-size": 10 }, "1.0"));
+      for (const p of points) {
+        const dot = svg("circle", { cx: x(p.time), cy: y(p.accepted_length), r: 2.5, fill: color(p.version) });
+        dot.append(svg("title", {}, `${p.version}: ${p.accepted_length}`));
+        chart.append(dot);
+      }
+    }
+    const list = $("#learning-versions");
+    list.replaceChildren();
+    for (const v of versions) {
+      const tag = element("span", "version", v);
+      tag.style.color = color(v);
+      list.append(tag);
+    }
+  }
+
+  async function pollLearning() {
+    const response = await request("v1/drafters");
+    if (!response.ok) return; // online learning is off here: the section stays hidden
+    drawLearning(await response.json());
+    setTimeout(() => pollLearning().catch(() => {}), 5000);
+  }
+
   loadMethods().catch((e) => showError(e.message));
+  pollLearning().catch(() => {});
 })();
