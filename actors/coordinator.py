@@ -54,6 +54,11 @@ class WorkerLostError(RuntimeError):
     """A model worker died and this request could not be continued on a new one."""
 
 
+class StartError(RuntimeError):
+    """The workers could not start (their models did not load, the placement cannot be had):
+    the cause, as one line. It stands: the coordinator does not try again."""
+
+
 @dataclass
 class _Tracked:
     """What the coordinator knows of a request in flight: enough to replay it elsewhere."""
@@ -84,12 +89,24 @@ class CoordinatorCore:
         self.totals = SpecMetrics()
         self._loop_task: asyncio.Task | None = None
         self._started = False
+        self._start_error: str | None = None
 
     async def start(self) -> None:
-        """Reserve the placement and start the workers (once; later calls return at once)."""
+        """Reserve the placement and start the workers (once; later calls return at once).
+        If they cannot start, StartError with the cause — now and on every later call: what
+        was reserved is given back and nothing is retried (a retry would wait on the same
+        cause, or on the placement group the first try left behind)."""
         async with self._start_lock:
+            if self._start_error is not None:
+                raise StartError(self._start_error)
             if not self._started:
-                await self._start_workers()
+                try:
+                    await self._start_workers()
+                except Exception as exc:  # noqa: BLE001 - any cause: said once, and it stands
+                    self._start_error = f"the engine's workers failed to start: {_cause(exc)}"
+                    log.error("%s", self._start_error)
+                    self._release()
+                    raise StartError(self._start_error) from None
 
     async def _start_workers(self) -> None:
         cfg = self.config
@@ -132,24 +149,34 @@ class CoordinatorCore:
         return (await self._submit(prompt, sampling, speculation, request_id)).request_id
 
     async def _submit(self, prompt, sampling=None, speculation=None, request_id=None) -> Request:
+        return (await self.submit_all([(prompt, sampling, speculation, request_id)]))[0]
+
+    async def submit_all(self, items) -> list[Request]:
+        """Submit requests together, each ``(prompt, sampling, speculation, request_id)``:
+        every one is validated before any is queued, so a bad one (ValueError) leaves
+        nothing running, and they join the engine in one call."""
         await self.start()
-        req = self.intake.make(
+        reqs = [self.intake.make(
             prompt,
             _validated(SamplingParams.model_validate, sampling or {}),
             _validated(parse_speculation, speculation) if speculation is not None else None,
             request_id,
-        )
-        if req.request_id in self._queues:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
-        self._queues[req.request_id] = asyncio.Queue()
-        self._tracked[req.request_id] = _Tracked(req)
-        await self.worker.handle.add.remote(req)
+        ) for prompt, sampling, speculation, request_id in items]
+        seen: set[str] = set()
+        for req in reqs:
+            if req.request_id in self._queues or req.request_id in seen:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            seen.add(req.request_id)
+        for req in reqs:
+            self._queues[req.request_id] = asyncio.Queue()
+            self._tracked[req.request_id] = _Tracked(req)
+        await self.worker.handle.add.remote(reqs)
         if self._loop_task is None or self._loop_task.done():
             # A fresh context: Ray would otherwise treat the request that happened to start
             # the loop as the parent of every worker call, and cancelling that request
             # (its client went away) would cancel the shared loop's calls.
             self._loop_task = asyncio.get_running_loop().create_task(self._loop(), context=contextvars.Context())
-        return req
+        return reqs
 
     async def outputs(self, request_id: str):
         """Async iterator over a submitted request's step deltas (dicts), until it finishes."""
@@ -168,7 +195,7 @@ class CoordinatorCore:
     async def generate(self, prompts, sampling=None, speculation=None) -> list[dict]:
         samplings = sampling if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         specs = speculation if isinstance(speculation, (list, tuple)) else [speculation] * len(prompts)
-        reqs = [await self._submit(p, s, sp) for p, s, sp in zip(prompts, samplings, specs)]
+        reqs = await self.submit_all([(p, s, sp, None) for p, s, sp in zip(prompts, samplings, specs)])
 
         async def final(req: Request) -> dict:
             whole = OutputAssembly(req.request_id, req.prompt_ids)
@@ -210,17 +237,25 @@ class CoordinatorCore:
                 self._fail(rid, "the coordinator is shutting down")
         if self._loop_task is not None:
             self._loop_task.cancel()
+        handles = {}
         if hasattr(self, "worker"):
             try:
                 handles = await self.worker.handle.proposer_handles.remote()
             except Exception:  # noqa: BLE001 - the worker is gone already
-                handles = {}
-            for handle in [self.worker.handle, *handles.values()]:
+                pass
+        self._release(handles.values())
+        self._started = False
+
+    def _release(self, others=()) -> None:
+        """Kill the workers and give the placement group back."""
+        for handle in [*([self.worker.handle] if hasattr(self, "worker") else []), *others]:
+            try:
                 ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
         if self.placement is not None:
             self.placement.remove()
             self.placement = None
-        self._started = False
 
     async def stats(self) -> dict:
         if not self._started:
@@ -331,7 +366,7 @@ class CoordinatorCore:
             metrics = SpecMetrics.from_dict(t.metrics) if t.metrics else SpecMetrics()
             resumed = t.request.resumed(t.output_ids, self.tokenizer, metrics, generator)
             try:
-                await self.worker.handle.add.remote(resumed)
+                await self.worker.handle.add.remote([resumed])
             except RayActorError:
                 return  # lost again: the next poll recovers once more
 
@@ -341,6 +376,17 @@ class CoordinatorCore:
         if queue is not None:
             self._errors[request_id] = message
             queue.put_nowait(_FAILED)
+
+
+def _cause(exc: BaseException) -> str:
+    """The root cause of a start failure as one line (a worker's constructor error arrives
+    wrapped by Ray, its traceback in the message: its last line is the error)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        return _cause(cause)
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[-1] if lines else ""
+    return text if ":" in text and not text.startswith("(") else f"{type(exc).__name__}: {text}"
 
 
 def _validated(parse, value):

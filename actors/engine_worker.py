@@ -78,10 +78,12 @@ class EngineWorker(Placed):
     def limits(self) -> dict:
         return self.engine.limits.to_dict()
 
-    async def add(self, request) -> None:
+    async def add(self, requests: list) -> None:
+        """Requests (records made by the coordinator's intake) join the engine together."""
         if self.online is not None:
             self.online.start()
-        self.engine.add(request)
+        for request in requests:
+            self.engine.add(request)
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 

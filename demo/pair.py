@@ -204,6 +204,7 @@ def _load(pair_dir: pathlib.Path) -> DemoPair | None:
                     missing or METRICS_FILE)
         return None
     metrics = json.loads((pair_dir / METRICS_FILE).read_text())
+    _note_acceptance(pair_dir / "draft" / "config.json", float(metrics["alpha"]))
     _log_quality(metrics, pair_dir)
     return DemoPair(
         target=str(pair_dir / "target"),
@@ -212,6 +213,26 @@ def _load(pair_dir: pathlib.Path) -> DemoPair | None:
         alpha=float(metrics["alpha"]),
         cost_ratio=float(metrics["cost_ratio"]),
     )
+
+
+ACCEPTANCE_KEY = "specray_acceptance"  # policies/checkpoint_files.py reads it (demo imports no specray)
+
+
+def _note_acceptance(draft_config: pathlib.Path, alpha: float) -> None:
+    """The draft's measured acceptance in its config.json, as specray's trained heads carry
+    theirs: alpha, the chance each draft token is the target's, at every position (the
+    self-tuning speculation length starts from it). Written once, aside and renamed; a pair
+    cached before this key existed gets it on its next load."""
+    raw = json.loads(draft_config.read_text())
+    if raw.get(ACCEPTANCE_KEY) == [round(alpha, 3)]:
+        return
+    raw[ACCEPTANCE_KEY] = [round(alpha, 3)]
+    partial = draft_config.with_name(f".{draft_config.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(json.dumps(raw, indent=2))
+        partial.replace(draft_config)
+    except OSError as exc:  # a read-only cache: the controller then starts from its own prior
+        log.warning("could not note the draft's acceptance in %s: %s", draft_config, exc)
 
 
 def _log_quality(metrics: dict, where: pathlib.Path | None = None) -> None:

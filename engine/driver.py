@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Mapping, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from specray.engine import step as S
 from specray.engine.request import Request, RequestOutput
@@ -62,9 +62,13 @@ class StepDriver:
     """Continuous batching over an executor: requests join and leave between steps."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, capacity: int, tokenizer=None,
-                 length_policy: SpeculationLengthPolicy | AdaptiveSpeculation | None = None):
+                 length_policy: SpeculationLengthPolicy | AdaptiveSpeculation | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         self.scheduler, self.executor = scheduler, executor
         self.capacity, self.tokenizer = capacity, tokenizer
+        # What a step's cost is measured in (the length policy learns from it): wall seconds,
+        # or (LLMEngine decides) the process's CPU seconds where that is all a step costs.
+        self.clock = clock
         # How many nodes each row drafts: learned online (default), or static caps.
         self.length_policy = length_policy if length_policy is not None else AdaptiveSpeculation()
         # Seconds spent waiting for drafts and verifying, and steps (benchmarks read them).
@@ -93,7 +97,7 @@ class StepDriver:
         return self._apply(S.commit_prefill(reqs, tokens, self.capacity, self.tokenizer, scores))
 
     async def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
-        start = time.perf_counter()
+        start, cost = time.perf_counter(), self.clock()
         views = [S.row_view(r) for r in batch]
         plan = S.plan_proposals(batch, self.capacity, self.length_policy.caps(views))
         drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
@@ -109,7 +113,7 @@ class StepDriver:
             self.phase_seconds["steps"] += 1
             outputs = self._apply(S.commit_step(batch, verified, self.capacity, self.tokenizer))
             self.length_policy.observe(views, [d.size for d in drafts], verified.result.num_accepted,
-                                       time.perf_counter() - start)
+                                       self.clock() - cost)
         return self._fail_after(outputs, {batch[i].slot: exc for i, exc in failed.items()})
 
     async def _verify_alone(self, batch: list[Request], drafts, exc: BaseException) -> list[RequestOutput]:

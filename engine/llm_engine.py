@@ -16,6 +16,7 @@ driver with the same executor, some of its proposers being proxies to other acto
 from __future__ import annotations
 
 import logging
+import time
 from typing import Iterable, Mapping, Sequence
 
 from specray.engine.config import EngineConfig, load_tokenizer
@@ -29,6 +30,8 @@ from specray.engine.params import SamplingParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
 from specray.engine.scheduler import Scheduler
+from specray.policies.checkpoint_files import measured_acceptance
+from specray.policies.controller import AdaptiveSpeculation
 from specray.policies.registry import Limits, MethodOptions, ProposerContext, method_spec, registered_methods
 
 log = logging.getLogger(__name__)
@@ -94,7 +97,15 @@ class LLMEngine:
         self.intake = RequestMaker(self.limits, tokenizer, config.default_speculation)
         self.scheduler = Scheduler(config.max_num_seqs)
         self.executor = LocalExecutor(self.target, self.proposers)
-        self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, config.speculation_length)
+        # How many nodes each row drafts: static caps when configured, else the self-tuning
+        # controller, starting from the acceptance the loaded weights were measured at.
+        length = config.speculation_length or AdaptiveSpeculation(priors=measured_priors(config, self.limits.methods))
+        # A step's cost: on a CPU with every proposer in this process, the CPU seconds it
+        # takes (which other work on the same cores does not inflate, as it does wall time);
+        # wall seconds where a device or another process works for it.
+        cpu_bound = self.target.device.type == "cpu" and not proposers
+        self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, length,
+                                 clock=time.process_time if cpu_bound else time.perf_counter)
         self.capture = self.versions = None
         if config.online_learning is not None:  # online learning: capture, versioned drafters
             self.versions = DrafterVersions(self.proposers, list(self.limits.methods), self.driver.length_policy)
@@ -263,6 +274,18 @@ def load_resources(config: EngineConfig, context: ProposerContext, given: Mappin
         if path and name not in resources and name not in skip:
             resources[name] = spec.load(path, context)
     return resources
+
+
+def measured_priors(config: EngineConfig, methods) -> dict[str, list[float]]:
+    """Method -> the acceptance its weights' directory says was measured (``specray_acceptance``:
+    saved by training, and for the demo pair's draft), for the methods available here."""
+    priors = {}
+    for name in methods:
+        key = method_spec(name).checkpoint
+        rates = measured_acceptance(config.checkpoint(key)) if key else None
+        if rates:
+            priors[name] = rates
+    return priors
 
 
 def available_methods(resources: Mapping[str, object], remote_facts: Mapping[str, dict] | None = None) -> dict:

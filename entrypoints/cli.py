@@ -75,7 +75,8 @@ def _generate(args, option_flags: list[F.OptionFlag]) -> int:
     from specray.entrypoints.defaults import resolved
     from specray.policies.registry import method_spec
 
-    cfg = engine_settings(args, F.load_config_file(args.config))
+    file_data = F.load_config_file(args.config)
+    cfg = engine_settings(args, file_data)
     engine_cfg = cfg.engine
     # Without --method: the server's default (the config's speculative-config, else the best
     # method the loaded weights allow).
@@ -98,6 +99,7 @@ def _generate(args, option_flags: list[F.OptionFlag]) -> int:
     if not demo and engine_cfg.tokenizer is None and F.tokenizer_dir_problem(engine_cfg.target):
         raise ValueError(f"--target {engine_cfg.target} has no tokenizer: give --tokenizer DIR")
     engine_cfg = resolved(engine_cfg.model_copy(update={"max_num_seqs": 1}))
+    F.check_weights(engine_cfg, args, file_data)
     engine = LLMEngine(engine_cfg.engine_config())
     out = engine.generate([args.prompt], sampling, speculation)[0]
     if args.json:

@@ -113,6 +113,15 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="clients must send Authorization: Bearer KEY (default: $SPECRAY_API_KEY, else open)")
     g.add_argument("--num-replicas", type=int, metavar="N", default=None,
                    help="engine replicas, each with its own models (default: 1)")
+    g.add_argument("--max-sequences-per-request", type=int, metavar="N", default=None,
+                   help="most sequences (prompts x n) one request may ask for; more is a 400 before anything runs "
+                        "(default: 4096)")
+    g.add_argument("--max-waiting-sequences", type=int, metavar="N", default=None,
+                   help="while more sequences wait in a replica than this, new requests get 503 with Retry-After; "
+                        "a request that finds none waiting is always taken whole (default: 2048)")
+    g.add_argument("--graceful-shutdown-s", type=float, metavar="SECONDS", default=None,
+                   help="on SIGINT/SIGTERM: new requests get 503, requests in flight get this long to finish, "
+                        "then end with an error event (default: 2)")
     g.add_argument("--address", metavar="ADDRESS", default=None,
                    help="join this Ray cluster (default: start a local Ray, stopped on exit)")
     g.add_argument("--once", metavar="PROMPT", default=None,
@@ -126,7 +135,7 @@ def config_data(args: argparse.Namespace, file_data: dict) -> dict:
 
     keys = ("target", "tokenizer", "dtype", "device", "step", "max_model_len", "max_num_seqs", "gpu_memory_utilization",
             "speculative_config", "served_model_name", "host", "port", "api_key", "num_replicas", "online_learning",
-            *checkpoint_keys())
+            "max_sequences_per_request", "max_waiting_sequences", "graceful_shutdown_s", *checkpoint_keys())
     flags = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "enforce_eager", None):
         if flags.get("step", "eager") != "eager":
@@ -185,6 +194,29 @@ def check_paths(engine) -> None:
             raise ValueError(f"{flag} {path}: not a Hugging Face checkpoint (no config.json in it)")
     if engine.tokenizer is not None and (problem := tokenizer_dir_problem(engine.tokenizer)):
         raise ValueError(f"--tokenizer {engine.tokenizer}: {problem}")
+
+
+def check_weights(engine, args=None, file_data: dict | None = None) -> None:
+    """The weights ``engine`` (a whole SpecrayConfig: the demo pair filled in) names, checked
+    from their configs and tensor headers before anything starts (``engine/checkpoints.py``):
+    one line naming each flag whose directory is wrong."""
+    from specray.engine.checkpoints import checkpoint_problems, problems_line
+
+    problems = checkpoint_problems(engine.engine_config())
+    if problems:
+        raise ValueError(problems_line(problems, speculative_model=_speculative_model(args, file_data or {})))
+
+
+def _speculative_model(args, file_data: dict) -> str | None:
+    """The ``model`` of the --speculative-config given (flag or file), if any."""
+    value = getattr(args, "speculative_config", None) or file_data.get("speculative-config") or file_data.get(
+        "speculative_config")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    return value.get("model") if isinstance(value, dict) else None
 
 
 # -- per-request speculation flags (generate) -------------------------------------------------

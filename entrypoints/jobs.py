@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from specray.actors.config import SpecrayConfig
 from specray.entrypoints import openai_batch
+from specray.engine.checkpoints import checkpoint_problems, problems_line
 from specray.entrypoints.defaults import with_demo_pair
 from specray.engine.metrics import SpecMetrics
 from specray.engine.params import SamplingParams, Speculation, best_speculation
@@ -175,9 +176,12 @@ def read_input(path: str, config: SpecrayConfig) -> list[JobLine] | list[openai_
     found = sorted(problems + bad, key=lambda e: e[0])
     errors = [f"line {n}: {msg}" for n, msg in found]
     if errors:
-        shown = errors[:MAX_REPORTED_ERRORS]
+        # the cap counts lines, not problems: one line may have several
+        bad_lines = sorted({n for n, _ in found})
+        kept = set(bad_lines[:MAX_REPORTED_ERRORS])
+        shown = [e for (n, _), e in zip(found, errors) if n in kept]
         more = len(errors) - len(shown)
-        lines = len({n for n, _ in found})
+        lines = len(bad_lines)
         msg = f"{path}: {lines} bad input line(s), nothing generated:\n  " + "\n  ".join(shown)
         if more:
             msg += f"\n  ... and {more} more"
@@ -418,6 +422,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m specray.entrypoin
         if args.batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
         config = load_config(args.config)
+        problems = checkpoint_problems(with_demo_pair(config).engine_config())
+        if problems:  # before Ray starts
+            raise UsageError(problems_line(problems, flags=False))
         records = read_input(args.input, config)
         pending = pending_records(args.output, records)
     except UsageError as exc:

@@ -101,19 +101,29 @@ def _format(exc: ValidationError) -> list[str]:
 
 def check_line(obj: dict, facts: Facts) -> tuple[BatchRequest | None, list[str]]:
     """Validate one line as the server checks its request (``protocol/checks.py``); (request, [])
-    or (None, every problem)."""
+    or (None, every problem: the envelope's and the body's, as far as the body parses)."""
+    problems: list[str] = []
     try:
         line = BatchLine.model_validate(obj)
     except ValidationError as exc:
-        return None, _format(exc)
-    chat = line.url == CHAT
+        problems, line = _format(exc), None
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return None, problems
+    # The body as the server at its URL would take it (a wrong URL: as the body's shape says).
+    chat = obj.get("url") == CHAT if obj.get("url") in (COMPLETIONS, CHAT) else "messages" in body
     try:
-        req = C.parse(line.body, chat, prefix="body.", facts=facts)
-        if req.stream:
-            return None, ["body.stream: streaming is not supported in a batch"]
+        req = C.parse(body, chat, prefix="body.", facts=facts)
+    except C.RequestError as exc:
+        return None, problems + exc.lines()
+    if req.stream:
+        problems.append("body.stream: streaming is not supported in a batch")
+    try:
         checked = C.check(req, chat, facts, DEFAULT_MAX_TOKENS, prefix="body.")
     except C.RequestError as exc:
-        return None, exc.lines()
+        problems += exc.lines()
+    if problems:
+        return None, problems
     return BatchRequest(line.custom_id, chat, req.model, checked, req.echo_prompt(),
                         facts.tokenizer), []
 

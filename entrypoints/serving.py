@@ -8,8 +8,10 @@ Safe to leave running:
   loopback address (Ray binds its gRPC servers to 127.0.0.1 only when its node IP is that);
 * the server answers a warm-up request before it says "ready" (the first request of a
   fresh server loads the models into the workers and pays torch's first-call costs);
-* SIGINT and SIGTERM shut Serve down, then Ray, and exit 0 (Ray's own SIGTERM handling
-  in the driver aborts the process with a native stack dump).
+* SIGINT and SIGTERM drain, then shut Serve down, then Ray, and exit 0 (Ray's own SIGTERM
+  handling in the driver aborts the process with a native stack dump): new requests get 503,
+  those in flight get ``--graceful-shutdown-s`` to finish, and what is left then ends with an
+  error (a 503; a stream, an error event as its last).
 """
 
 from __future__ import annotations
@@ -91,13 +93,15 @@ def startup_lines(cfg, plan) -> list[str]:
 
 def serve_main(args) -> int:
     from specray.entrypoints.defaults import with_demo_pair
-    from specray.entrypoints.flags import engine_settings, load_config_file
+    from specray.entrypoints.flags import check_weights, engine_settings, load_config_file
 
-    cfg = engine_settings(args, load_config_file(args.config))
+    file_data = load_config_file(args.config)
+    cfg = engine_settings(args, file_data)
     problem = port_problem(cfg.host, cfg.port)
     if problem:
         raise ValueError(problem)
     engine = with_demo_pair(cfg.engine)  # the demo pair when no target is given (built once)
+    check_weights(engine, args, file_data)  # before Ray starts: one line naming the flag
     plan = engine.kv_plan()  # the KV cache's size: given, sized from GPU memory, or the CPU default
     engine = engine.model_copy(update={"max_num_seqs": plan.max_num_seqs, "max_model_len": plan.max_model_len})
     cfg = cfg.model_copy(update={"engine": engine})
@@ -136,11 +140,36 @@ def serve_main(args) -> int:
         while not stop:
             time.sleep(3600)
     except _Stop:
-        pass
+        _drain(cfg.graceful_shutdown_s)
     finally:
         _shutdown(ray, started, local)
     print("specray: stopped", flush=True)
     return 0
+
+
+def _drain(grace_s: float) -> None:
+    """Stop taking requests, give those in flight ``grace_s`` to finish, end the rest (each
+    gets its error: a 503, a stream its last event), then return (shutting down follows)."""
+    from ray import serve
+
+    try:
+        ingress = serve.get_app_handle("specray")
+        ingress.drain.remote().result(timeout_s=30)
+        left = ingress.in_flight.remote().result(timeout_s=30)
+        if left:
+            print(f"specray: draining: {left} requests in flight, up to {grace_s:g} s to finish", flush=True)
+        deadline = time.monotonic() + grace_s
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = ingress.in_flight.remote().result(timeout_s=30)
+        if left:
+            print(f"specray: ending {ingress.expire.remote().result(timeout_s=30)} requests still in flight",
+                  flush=True)
+            deadline = time.monotonic() + 5  # their final events reach the clients
+            while ingress.in_flight.remote().result(timeout_s=30) and time.monotonic() < deadline:
+                time.sleep(0.1)
+    except Exception as exc:  # noqa: BLE001 - not started yet, or already going: shut down anyway
+        log.warning("could not drain the requests in flight: %s", exc)
 
 
 def _install_signal_handlers(stop: list) -> None:
@@ -194,6 +223,8 @@ def _warm_up(url: str, cfg, headers: dict) -> None:
     """One completion per replica before "ready": it starts each replica's workers (the
     models load there) and pays torch's first-call costs, so a user's first request runs
     at the speed of later ones."""
+    from specray.serve.deployment import START_FAILED
+
     deadline = time.monotonic() + 600
     body = {"model": cfg.model_name, "prompt": WARMUP_PROMPT, "max_tokens": ONCE_MAX_TOKENS, "temperature": 0}
     replicas = cfg.autoscaling.min_replicas if cfg.autoscaling is not None else cfg.num_replicas
@@ -205,6 +236,9 @@ def _warm_up(url: str, cfg, headers: dict) -> None:
                 status, reply = 0, {}
             if status == 200:
                 break
+            error = reply.get("error") if isinstance(reply.get("error"), dict) else {}
+            if error.get("type") == START_FAILED:  # it will not start: say why, never wait on it
+                raise ValueError(error.get("message"))
             if 400 <= status < 500 or time.monotonic() > deadline:
                 raise RuntimeError(f"the warm-up request failed ({status}): {json.dumps(reply)}")
             time.sleep(0.5)

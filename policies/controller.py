@@ -10,13 +10,23 @@ measured while serving:
   expected tokens of a row drafting k: E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j;
 * **cost**, per batch-size bucket: step seconds = t0 + sum_m t_m * k_m (k_m: the most draft
   nodes any row of method m took this step), fitted by exponentially forgotten ridge least
-  squares around a prior, from the wall time of every step.
+  squares around a prior, from the time of every step (wall time; the engine's CPU time on a
+  CPU with every proposer in its process, which other work on the same cores does not
+  inflate).
+
+Where it starts: the acceptance measured when the method's weights were trained (``priors``:
+the weights' ``specray_acceptance``, per position and, for a tree, as deep as its tree), else
+``prior_acceptance`` at every position; the cost of a step from its first measurements. Before
+it decides anything in a batch-size bucket it explores briefly: each method drafts its first
+``MIN_TRIES`` steps there, and the bucket's second step is a plain probe (``PROBE_EVERY``), so
+one unlucky first draft cannot switch a good drafter off and the cost of drafting is measured,
+not assumed.
 
 Each step, for each method, the k over 0..max_k maximising (expected tokens of the batch) /
 (predicted step seconds) is taken, the other methods at their current choice; every few
 steps a neighbour of the best k is tried so the costs stay identified. Tree methods choose
-between off (0) and their own tree; one that is off is tried again every
-``TREE_EXPLORE_EVERY`` exploration steps (its acceptance may have changed). A row the
+between off (0) and their own tree. A method that is off is tried again after
+``RETRY_AFTER`` steps, doubling (its acceptance or the load may have changed). A row the
 controller let draft that proposed nothing counts as a miss at the first position: a method
 that only sometimes has a proposal (prompt lookup, suffix decoding) is worth what it returns
 over all its steps. A request that set ``num_speculative_tokens`` keeps it.
@@ -34,7 +44,7 @@ over all its steps. A request that set ``num_speculative_tokens`` keeps it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -42,8 +52,24 @@ import numpy as np
 MIN_GAIN = 0.02
 """Speculating must beat plain decoding's predicted tokens/s by this share to be chosen."""
 
-TREE_EXPLORE_EVERY = 4
-"""A tree method that is off is switched on for one step every this many exploration steps."""
+MIN_TRIES = 3
+"""Steps a method drafts in a batch-size bucket before the controller may switch it off there:
+what it knows before then (a prior, one noisy step) is too little to judge a drafter by."""
+
+EXPLORE_SLACK = 0.25
+"""While exploring, a method drafts unless even its priors, at the costs measured so far (one
+step's, perhaps a cold one), promise this much less than plain decoding: so a drafter near
+break-even is measured, and one far from it (a big tree in a big batch) is not."""
+
+RETRY_AFTER = (4, 32)
+"""A method switched off is tried again after 4 steps, then 8, 16, ... at most 32 (its
+acceptance or the load may have changed; a method that stays useless costs little)."""
+
+PROBE_EVERY = 64
+"""A bucket's steps between plain probes: one step with every self-tuned row at k = 0, so the
+cost of a plain step stays measured (without it a tree's size alone could not tell its cost
+from the step's). The first probe is a bucket's second step; a bucket whose rows decode
+plainly anyway needs none."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +110,29 @@ class _Acceptance:
         return prior
 
 
+def _best(values: list[float]) -> int:
+    """The index of the k to take from each k's expected tokens/s: speculate only where it
+    clearly pays (noise in measured costs must not keep a useless draft on), and of
+    near-equal choices take the shortest."""
+    best = int(np.argmax(values))
+    if values[best] < values[0] * (1 + MIN_GAIN):
+        return 0
+    return next(i for i, v in enumerate(values) if v >= values[best] * (1 - MIN_GAIN / 2))
+
+
+@dataclass
+class _Bucket:
+    """A batch-size bucket's exploration: its steps, the last plain one, drafting steps per method."""
+
+    steps: int = 0
+    plain_at: int = 0  # its step number of the last step in which no row drafted (0: none yet)
+    tries: dict[str, int] = field(default_factory=dict)
+
+
+def _bucket(batch: int) -> int:
+    return 1 << max(batch - 1, 0).bit_length()  # 1, 2, 4, 8, ...
+
+
 class _Costs:
     """Step seconds = x . theta, x = [1, k_m for each method], ridge around a prior."""
 
@@ -116,9 +165,13 @@ class AdaptiveSpeculation:
     """The controller (see the module doc). ``caps`` before a step, ``observe`` after it."""
 
     def __init__(self, max_k: int = 8, prior_acceptance: float = 0.6, pseudo_counts: float = 4.0,
-                 forget: float = 0.98, prior_weight: float = 0.3, explore_every: int = 8):
+                 forget: float = 0.98, prior_weight: float = 0.3, explore_every: int = 8,
+                 priors: Mapping[str, Sequence[float]] | None = None):
         self.max_k, self.prior_acceptance, self.pseudo = max_k, prior_acceptance, pseudo_counts
         self.forget, self.prior_weight, self.explore_every = forget, prior_weight, explore_every
+        # method -> acceptance per position measured when its weights were trained (the
+        # weights' ``specray_acceptance``): where the estimates start instead of the prior.
+        self.priors = {m: [float(r) for r in rates] for m, rates in (priors or {}).items() if rates}
         self._methods: dict[str, _Acceptance] = {}
         self._requests: dict[str, _Acceptance] = {}
         self._costs: dict[int, _Costs] = {}
@@ -126,6 +179,13 @@ class AdaptiveSpeculation:
         self._nodes: dict[str, int] = {}  # tree methods: nodes a tree had lately
         self._on: set[str] = set()  # rows of the last step the controller let draft
         self._steps = 0
+        self._buckets: dict[int, _Bucket] = {}  # per batch-size bucket: its exploration so far
+        self._off: dict[str, list[int]] = {}  # method switched off -> [since step, retry interval]
+
+    def fresh(self) -> "AdaptiveSpeculation":
+        """A controller with these settings and priors that has learned nothing yet."""
+        return AdaptiveSpeculation(self.max_k, self.prior_acceptance, self.pseudo, self.forget, self.prior_weight,
+                                   self.explore_every, self.priors)
 
     # -- deciding ------------------------------------------------------------------------------
     def caps(self, rows: Sequence[RowView]) -> list[int | None]:
@@ -133,8 +193,14 @@ class AdaptiveSpeculation:
         self._steps += 1
         methods = sorted({r.method for r in rows if r.method != "none"})
         costs = self._cost_model(len(rows), methods).theta()
-        # each row's expected tokens for every k, once per step (not once per candidate k)
+        bucket = self._buckets.setdefault(_bucket(len(rows)), _Bucket())
+        bucket.steps += 1
+        # A plain probe: the bucket has measured drafting, never a plain step (or long ago).
+        probe = costs is not None and bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
+        # each row's expected tokens for every k, once per step (not once per candidate k):
+        # from what was measured, and from the priors alone (what the method should do)
         expected = {r.request_id: self._expected_tokens(r) for r in rows}
+        hoped = {r.request_id: self._expected_tokens(r, prior_only=True) for r in rows}
         choice = {}
         for m in methods:
             auto = [r for r in rows if r.method == m and not r.fixed]
@@ -142,27 +208,43 @@ class AdaptiveSpeculation:
                 continue
             tree = auto[0].tree
             options = [0, None] if tree else list(range(self.max_k + 1))
+            if probe:
+                choice[m] = 0
+                continue
             if costs is None:  # no measurement yet: draft, to learn
                 choice[m] = None if tree else min(4, self.max_k)
                 continue
-            values = [self._rate(rows, m, k, choice, costs, methods, expected) for k in options]
-            # Speculate only where it clearly pays (noise in measured costs must not keep a
-            # useless draft on), and of near-equal choices take the shortest.
-            best = int(np.argmax(values))
-            if values[best] < values[0] * (1 + MIN_GAIN):
-                best = 0
+            # What the priors promise at this step's measured costs: while a method is new in
+            # this bucket it is judged by that alone (a few drafts say little about a drafter;
+            # a step's cost says much), and it tells whether an off method is worth retrying.
+            hope = [self._rate(rows, m, k, choice, costs, methods, hoped) for k in options]
+            promised = _best(hope)
+            if bucket.tries.get(m, 0) < MIN_TRIES:  # exploring: draft unless clearly a loss
+                best = 1 + int(np.argmax(hope[1:]))
+                best = best if hope[best] >= hope[0] * (1 - EXPLORE_SLACK) else 0
             else:
-                best = next(i for i, v in enumerate(values) if v >= values[best] * (1 - MIN_GAIN / 2))
-            if self.explore_every and self._steps % self.explore_every == 0:
-                if not tree:
+                best = _best([self._rate(rows, m, k, choice, costs, methods, expected) for k in options])
+                if self.explore_every and self._steps % self.explore_every == 0 and not tree:
                     best = min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
-                elif best == 0 and (self._steps // self.explore_every) % TREE_EXPLORE_EVERY == 0:
-                    best = 1  # an off tree is tried again now and then
-            choice[m] = options[best]
+            choice[m] = options[self._retry(m, best, promised > 0)]
         self._choice.update(choice)
         caps = [r.requested if r.fixed else choice.get(r.method) for r in rows]
         self._on = {r.request_id for r, k in zip(rows, caps) if not r.fixed and r.method != "none" and k != 0}
         return caps
+
+    def _retry(self, method: str, best: int, promising: bool) -> int:
+        """``best``, or 1 (draft again) when the method has been off for its retry interval:
+        ``RETRY_AFTER``, doubling, while its priors say it should pay here (its measured
+        acceptance turned it off, and may be stale); ``PROBE_EVERY`` when even they say it
+        does not (the costs turned it off: they change with the load, slowly)."""
+        if best:
+            self._off.pop(method, None)
+            return best
+        since, interval = self._off.setdefault(method, [self._steps, RETRY_AFTER[0] if promising else PROBE_EVERY])
+        if self._steps - since < interval:
+            return 0
+        self._off[method] = [self._steps, min(2 * interval, RETRY_AFTER[1]) if promising else PROBE_EVERY]
+        return 1
 
     def _rate(self, rows, method, k, choice, costs, methods, expected) -> float:
         """Expected tokens per second of the whole batch if ``method`` drafts k."""
@@ -178,19 +260,24 @@ class AdaptiveSpeculation:
         return tokens / seconds
 
     def _depth(self, row: RowView) -> int:
-        """A tree's draft positions so far (its expected tokens: 1 + its mean accepted length)."""
-        return max(len(self._methods.get(row.method, _Acceptance()).reached), 1)
+        """A tree's draft positions so far, or as measured when it was trained (its expected
+        tokens: 1 + its mean accepted length)."""
+        seen = len(self._methods.get(row.method, _Acceptance()).reached)
+        return max(seen, len(self.priors.get(row.method, ())), 1)
 
-    def _expected_tokens(self, row: RowView) -> list[float]:
+    def _expected_tokens(self, row: RowView, prior_only: bool = False) -> list[float]:
         """[E(0), E(1), ...]: expected tokens of a step in which the row drafts k, for every k
-        it may take (1.0 for plain rows)."""
+        it may take (1.0 for plain rows); ``prior_only``: from the priors, nothing measured."""
         if row.method == "none":
             return [1.0]
         upto = max(self.max_k, row.requested or 0, self._depth(row))
-        method = self._methods.get(row.method, _Acceptance())
-        own = self._requests.get(row.request_id, _Acceptance())
+        method = self._methods.get(row.method, _Acceptance()) if not prior_only else _Acceptance()
+        own = self._requests.get(row.request_id, _Acceptance()) if not prior_only else _Acceptance()
         out, alive, prior = [1.0], 1.0, self.prior_acceptance
+        measured = self.priors.get(row.method)
         for j in range(upto):  # a position never reached inherits the estimate of the one before
+            if measured:  # beyond the positions measured, the last one's rate
+                prior = measured[min(j, len(measured) - 1)]
             prior = method.rate(j, prior, self.pseudo)
             alive *= own.rate(j, prior, self.pseudo)
             out.append(out[-1] + alive)
@@ -200,7 +287,7 @@ class AdaptiveSpeculation:
         return self._nodes.get(row.method, 8)
 
     def _cost_model(self, batch: int, methods: list[str]) -> _Costs:
-        bucket = 1 << max(batch - 1, 0).bit_length()  # 1, 2, 4, 8, ...
+        bucket = _bucket(batch)
         model = self._costs.get(bucket)
         if model is None or not set(methods) <= set(model.methods):
             known = model.methods if model is not None else []
@@ -229,6 +316,11 @@ class AdaptiveSpeculation:
         self._nodes.update(nodes)
         methods = sorted({r.method for r in rows if r.method != "none"})
         self._cost_model(len(rows), methods).add(ks, seconds)
+        bucket = self._buckets.setdefault(_bucket(len(rows)), _Bucket())
+        for m in {r.method for r in rows if r.request_id in self._on}:
+            bucket.tries[m] = bucket.tries.get(m, 0) + 1
+        if not any(ks.values()):
+            bucket.plain_at = bucket.steps
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -236,8 +328,8 @@ class AdaptiveSpeculation:
     def start_method(self, method: str, rates: Sequence[float]) -> None:
         """A new drafter version serves ``method`` (online learning): forget what the method's
         old version accepted and start from ``rates`` — per draft position, P(accepted | the one
-        before accepted), as the version's gate measured it — worth ``pseudo_counts`` steps."""
-        acc = _Acceptance()
-        acc.reached = [self.pseudo] * len(rates)
-        acc.accepted = [self.pseudo * min(max(float(r), 0.0), 1.0) for r in rates]
-        self._methods[method] = acc
+        before accepted), as the version's gate measured it — as a trained head starts from its
+        saved acceptance (the same priors)."""
+        self.priors[method] = [min(max(float(r), 0.0), 1.0) for r in rates]
+        self._methods.pop(method, None)
+        self._off.pop(method, None)

@@ -23,6 +23,7 @@ import torch
 
 from specray.kernels.sampling import probs_from_logits, sample, sample_from_uniform, uniforms
 from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, ProposalRow
+from specray.policies.checkpoint_files import causal_lm_facts
 from specray.policies.registry import LinearOptions, MethodSpec, register_method
 
 # Rows with more pending tokens than this catch up in a forward of their own, so one
@@ -237,4 +238,5 @@ register_method(MethodSpec(
     recipe="specray.training.draft_distill",
     requirement="a draft model (EngineConfig.draft)",
     load=lambda path, ctx: ctx.runner_for(path),
+    inspect=lambda path, target: causal_lm_facts(path),
 ))

@@ -54,7 +54,7 @@ from torch import nn
 
 from specray.kernels.sampling import probs_from_logits
 from specray.kernels.tree import NAMED_TREES, TokenTree, build_tree, normalize_choices
-from specray.policies.checkpoint_files import read_json_config, read_tensors
+from specray.policies.checkpoint_files import building, read_json_config, read_tensors
 from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, PrefillRow, ProposalRow
 from specray.policies.registry import MethodSpec, TreeAcceptanceOptions, register_method
 
@@ -194,15 +194,18 @@ class EagleHead(nn.Module):
         write_head_dir(directory, cfg, state, self)
 
     @classmethod
-    def load(cls, directory: str | pathlib.Path, hidden_size: int | None = None) -> "EagleHead":
+    def load(cls, directory: str | pathlib.Path, hidden_size: int | None = None,
+             described: bool = False) -> "EagleHead":
+        """A head from the public layout (``described``: only checked, see checkpoint_files)."""
         raw, cfg_file = read_head_config(directory, "EAGLE head")
         if hidden_size is not None and raw["hidden_size"] != hidden_size:
             raise ValueError(f"the EAGLE head expects hidden size {raw['hidden_size']}, the target has {hidden_size}")
-        state, weights = read_head_weights(directory)
+        state, weights = read_head_weights(directory, described)
         state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}
-        head = cls(llama_config(raw), bias=bool(raw.get("bias", "fc.bias" in state)))
+        with building(described):
+            head = cls(llama_config(raw), bias=bool(raw.get("bias", "fc.bias" in state)))
         try:
-            head.load_state_dict(state)
+            head.load_state_dict(state, assign=described)
         except RuntimeError as exc:
             raise ValueError(f"{weights} does not match a one-layer EAGLE head of {cfg_file}: {exc}") from None
         read_extras(head, raw, cfg_file)
@@ -222,9 +225,9 @@ def read_head_config(directory: str | pathlib.Path, what: str) -> tuple[dict, pa
     return raw, cfg_file
 
 
-def read_head_weights(directory: str | pathlib.Path) -> tuple[dict, pathlib.Path]:
+def read_head_weights(directory: str | pathlib.Path, described: bool = False) -> tuple[dict, pathlib.Path]:
     """A head directory's tensors (model.safetensors or pytorch_model.bin; ``model.`` prefixes dropped)."""
-    state, weights = read_tensors(directory, WEIGHT_FILES)
+    state, weights = read_tensors(directory, WEIGHT_FILES, described)
     return {k.removeprefix("model."): v for k, v in state.items()}, weights
 
 
@@ -632,6 +635,12 @@ def _kids_by_rank(choices: tuple) -> dict[tuple, list[tuple]]:
     return kids
 
 
+def _inspect(path: str, target) -> dict:
+    """The head's layout against the target (its embedding and LM head are the target's)."""
+    EagleHead.load(path, hidden_size=target.hidden_size, described=True)
+    return {}
+
+
 def _load(path: str, ctx) -> tuple[EagleHead, object]:
     head = EagleHead.load(path, hidden_size=ctx.target.hidden_size)
     return _bind(head, ctx)
@@ -676,4 +685,5 @@ register_method(MethodSpec(
     facts=lambda head: {"hidden_size": head.config.hidden_size, "choices": head.choices},
     offline_facts=_offline_facts,
     check=_check,
+    inspect=_inspect,
 ))

@@ -40,6 +40,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from specray.policies.checkpoint_files import building
 from specray.policies.eagle import (
     EagleOptions, EagleProposer, MAX_DEPTH, _check, _offline_facts, llama_config, read_extras, read_head_config,
     read_head_weights, write_head_dir,
@@ -205,12 +206,16 @@ class Eagle3Head(nn.Module):
         if embed_tokens.weight.shape != (self.vocab_size, self.config.hidden_size):
             raise ValueError(f"the EAGLE-3 head has vocabulary x hidden {self.vocab_size} x {self.config.hidden_size}, "
                              f"the target's embedding {tuple(embed_tokens.weight.shape)}")
+        self._embed, self.layer_ids = (embed_tokens,), self.taps(num_layers)
+        return self
+
+    def taps(self, num_layers: int) -> tuple[int, ...]:
+        """The target layers whose inputs the head reads, for a target of ``num_layers``."""
         layers = self.configured_layers or default_layers(num_layers)
         if len(layers) != NUM_TAPS or not all(0 <= k < num_layers for k in layers):
             raise ValueError(f"EAGLE-3 reads {NUM_TAPS} target layers in 0..{num_layers - 1}; got {list(layers)} "
                              f"(a target this shallow needs eagle_aux_hidden_state_layer_ids in the head's config)")
-        self._embed, self.layer_ids = (embed_tokens,), tuple(layers)
-        return self
+        return tuple(layers)
 
     # -- inputs -----------------------------------------------------------------------------------
     def fuse_target(self, tokens: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
@@ -285,8 +290,9 @@ class Eagle3Head(nn.Module):
 
     @classmethod
     def load(cls, directory: str | pathlib.Path, hidden_size: int | None = None,
-             vocab_size: int | None = None) -> "Eagle3Head":
-        """A head from the public layout; ``hidden_size``/``vocab_size``: the target's, checked."""
+             vocab_size: int | None = None, described: bool = False) -> "Eagle3Head":
+        """A head from the public layout; ``hidden_size``/``vocab_size``: the target's, checked
+        (``described``: only checked, see checkpoint_files)."""
         raw, cfg_file = read_head_config(directory, "EAGLE-3 head")
         if int(raw.get("num_hidden_layers", 1)) != 1:
             raise ValueError(f"{cfg_file}: num_hidden_layers {raw['num_hidden_layers']}: specray serves one-layer "
@@ -300,14 +306,15 @@ class Eagle3Head(nn.Module):
         vocab = raw.get("vocab_size") or vocab_size
         if vocab is None or vocab_size is not None and vocab != vocab_size:
             raise ValueError(f"the EAGLE-3 head maps to a vocabulary of {vocab}, the target has {vocab_size}")
-        state, weights = read_head_weights(directory)
+        state, weights = read_head_weights(directory, described)
         state.pop("embed_tokens.weight", None)  # SGLang's rule: the target's embedding serves
         t2d, d2t = state.pop("t2d", None), state.pop("d2t", None)
-        head = cls(llama_config(raw, drop=()), vocab)
+        with building(described):
+            head = cls(llama_config(raw, drop=()), vocab)
         if d2t is None and head.draft_vocab_size != vocab:
             raise ValueError(f"{weights}: a draft vocabulary of {head.draft_vocab_size} < {vocab} needs d2t")
         try:
-            missing, unexpected = head.load_state_dict(state, strict=False)  # d2t/t2d are set below
+            missing, unexpected = head.load_state_dict(state, strict=False, assign=described)  # d2t/t2d: below
         except RuntimeError as exc:  # shapes
             raise ValueError(f"{weights} does not match a one-layer EAGLE-3 head of {cfg_file}: {exc}") from None
         missing = [k for k in missing if k not in ("d2t", "t2d")]
@@ -320,7 +327,7 @@ class Eagle3Head(nn.Module):
                 raise ValueError(f"{weights}: d2t must map {head.draft_vocab_size} draft tokens to distinct, increasing "
                                  f"target tokens below {vocab}")
             head.set_vocab(ids)
-            if t2d is not None and not torch.equal(t2d.bool(), head.t2d):
+            if t2d is not None and not torch.equal(t2d.bool(), torch.zeros(vocab, dtype=torch.bool).index_fill(0, ids, True)):
                 raise ValueError(f"{weights}: t2d disagrees with d2t")
         head.configured_layers = configured_layers(raw)
         read_extras(head, raw, cfg_file)
@@ -336,6 +343,12 @@ def _build(ctx) -> EagleProposer:
     head = _bind(ctx.resource, ctx)  # in-memory heads too: the target's dtype, device and depth
     runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256)
     return EagleProposer(head, runner, ctx.vocab_size)
+
+
+def _inspect(path: str, target) -> dict:
+    """The head's layout against the target: widths, vocabulary map, the layers it taps."""
+    Eagle3Head.load(path, target.hidden_size, target.vocab_size, described=True).taps(target.num_layers)
+    return {}
 
 
 def _load(path: str, ctx) -> Eagle3Head:
@@ -357,5 +370,6 @@ register_method(MethodSpec(
     offline_facts=_offline_facts,
     check=_check,
     feature_layers=lambda head: head.layer_ids,
+    inspect=_inspect,
 ))
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from specray.kernels.tree import NAMED_TREES, TokenTree, TreeError, build_tree, normalize_choices
 from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, PrefillRow, ProposalRow
-from specray.policies.checkpoint_files import read_json_config, read_tensors
+from specray.policies.checkpoint_files import building, read_json_config, read_tensors
 from specray.policies.registry import MethodSpec, TreeAcceptanceOptions, register_method
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -108,12 +108,14 @@ class MedusaHeads(nn.Module):
         save_file(state, str(out / WEIGHT_FILES[0]))
 
     @classmethod
-    def load(cls, directory: str | pathlib.Path, hidden_size: int | None = None, vocab_size: int | None = None):
-        """Heads from a Medusa checkpoint dir; ``hidden_size``/``vocab_size`` default to the file's."""
+    def load(cls, directory: str | pathlib.Path, hidden_size: int | None = None, vocab_size: int | None = None,
+             described: bool = False):
+        """Heads from a Medusa checkpoint dir; ``hidden_size``/``vocab_size`` default to the file's
+        (``described``: only checked, see checkpoint_files)."""
         cfg, cfg_file = read_json_config(directory, "a Medusa heads")
         if "medusa_num_heads" not in cfg:
             raise ValueError(f"{cfg_file} has no medusa_num_heads")
-        state, weights = read_tensors(directory, WEIGHT_FILES)
+        state, weights = read_tensors(directory, WEIGHT_FILES, described)
         state = {k.removeprefix("medusa_head."): v for k, v in state.items()}
         num_heads, num_layers = int(cfg["medusa_num_heads"]), int(cfg.get("medusa_num_layers", 1))
         proj = state.get(f"0.{num_layers}.weight")
@@ -122,9 +124,10 @@ class MedusaHeads(nn.Module):
         vocab, hidden = proj.shape
         if hidden_size is not None and hidden != hidden_size:
             raise ValueError(f"Medusa heads expect hidden size {hidden}, the target has {hidden_size}")
-        heads = cls(hidden, vocab_size or vocab, num_heads, num_layers)
+        with building(described):
+            heads = cls(hidden, vocab_size or vocab, num_heads, num_layers)
         try:
-            heads.heads.load_state_dict(state)
+            heads.heads.load_state_dict(state, assign=described)
         except RuntimeError as exc:
             raise ValueError(f"{weights} does not match {num_heads} heads x {num_layers} layers: {exc}") from None
         if cfg.get("medusa_choices") is not None:
@@ -231,4 +234,5 @@ register_method(MethodSpec(
     facts=lambda heads: {"num_heads": heads.num_heads},
     offline_facts=_offline_facts,
     check=_check,
+    inspect=lambda path, t: {"vocab_size": MedusaHeads.load(path, hidden_size=t.hidden_size, described=True).vocab_size},
 ))

@@ -61,7 +61,7 @@ from pydantic import Field
 from torch import nn
 
 from specray.kernels.tree import TokenTree
-from specray.policies.checkpoint_files import read_json_config, read_tensors
+from specray.policies.checkpoint_files import building, read_json_config, read_tensors
 from specray.policies.base import CommitRow, Draft, DraftRow, PrefillRow, ProposalRow
 from specray.policies.medusa import ResBlock
 from specray.policies.registry import Limits, MethodSpec, TreeAcceptanceOptions, register_method
@@ -174,18 +174,20 @@ class Drafter(nn.Module):
 
     @classmethod
     def load(cls, directory: str | pathlib.Path, hidden_size: int | None = None,
-             vocab_size: int | None = None) -> "Drafter":
-        """A drafter from Apple's layout; ``hidden_size``/``vocab_size``: the target's, checked."""
+             vocab_size: int | None = None, described: bool = False) -> "Drafter":
+        """A drafter from Apple's layout; ``hidden_size``/``vocab_size``: the target's, checked
+        (``described``: only checked, see checkpoint_files)."""
         path = pathlib.Path(directory)
         cfg = read_config(path)
         if hidden_size is not None and cfg["hidden_size"] != hidden_size:
             raise ValueError(f"the drafter expects hidden size {cfg['hidden_size']}, the target has {hidden_size}")
         if vocab_size is not None and cfg["vocab_size"] != vocab_size:
             raise ValueError(f"the drafter has vocab size {cfg['vocab_size']}, the target {vocab_size}")
-        state, weights = read_tensors(path, WEIGHT_FILES)
-        drafter = cls(cfg["hidden_size"], cfg["vocab_size"], cfg["exit_dim"], cfg["num_draft_layers"], cfg["rnn"])
+        state, weights = read_tensors(path, WEIGHT_FILES, described)
+        with building(described):
+            drafter = cls(cfg["hidden_size"], cfg["vocab_size"], cfg["exit_dim"], cfg["num_draft_layers"], cfg["rnn"])
         try:
-            drafter.load_state_dict(_canonical(state))
+            drafter.load_state_dict(_canonical(state), assign=described)
         except RuntimeError as exc:
             raise ValueError(f"{weights} does not match the drafter of {path / 'config.json'}: {exc}") from None
         return drafter.eval()
@@ -351,4 +353,5 @@ register_method(MethodSpec(
     facts=lambda drafter: {"hidden_size": drafter.hidden_size, "vocab_size": drafter.vocab_size},
     offline_facts=_offline_facts,
     check=_check,
+    inspect=lambda path, t: {"vocab_size": Drafter.load(path, t.hidden_size, t.vocab_size, described=True).vocab_size},
 ))

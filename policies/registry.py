@@ -21,6 +21,12 @@ workers, HTTP, batch jobs, the CLI — reads the spec:
 * ``checkpoint``: the key of the weights it loads (``EngineConfig.checkpoints``), ``load``
   turning that directory into the resource its proposer is built from, and ``facts``
   describing that resource for validation (also readable offline, without loading it).
+  ``inspect(path, target)`` checks such a directory against the target before anything
+  starts, from its config and its tensors' headers (no weights read): the method's layout,
+  every tensor its loader needs with the shape the target asks for. It raises ValueError (or
+  FileNotFoundError) saying what is wrong, and returns facts the caller compares with the
+  target and its tokenizer (``vocab_size``: the rows its token ids index). The entry points
+  run it for every directory given (``engine/checkpoints.py``).
 * ``recipe``: the module whose ``main(argv)`` trains those weights (``specray train NAME``
   finds it here; a name, not an import: training sits above the policies).
 """
@@ -127,6 +133,7 @@ class MethodSpec:
     # entering decoder layer k (HF's ``output_hidden_states[k]``), concatenated, [.., len * H].
     feature_layers: Callable[[Any], Sequence[int]] | None = None
     recipe: str | None = None  # dotted module with ``main(argv)`` training this method's weights
+    inspect: Callable[[str, "CheckpointTarget"], dict] | None = None
 
     def validate(self, options: MethodOptions, limits: Limits) -> None:
         """Raise ValueError (naming the field) unless these options can run on these models."""
@@ -138,6 +145,21 @@ class MethodSpec:
         facts = limits.methods[self.name]
         if self.check is not None and facts is not None:
             self.check(options, facts, limits)
+
+
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """What a method's checkpoint must fit, read from the target's config and its tokenizer.
+
+    token_ids: how many token ids the engine may hand a proposer (those the tokenizer makes,
+    at most the target's vocabulary): an embedding indexed by them needs at least this many
+    rows; a padded one (Qwen2.5's 151,936 beside a 152,064 target) is fine.
+    """
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    token_ids: int
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specray.actors.config import SpecrayConfig
+from specray.engine.admission import AdmissionPolicy
 from specray.policies.registry import PLAIN, method_spec, parse_speculation
 
 DEMO_MODEL_NAME = "specray-demo"
@@ -161,13 +162,21 @@ class ServeConfig(BaseModel):
     num_replicas: int = Field(1, ge=1, description="Engine replicas when autoscaling is off.")
     autoscaling: AutoscalingSpec | None = Field(None, description="Ray Serve autoscaling (strict keys).")
     max_ongoing_requests: int = Field(32, ge=1, description="Requests in flight per engine replica.")
-    max_queued_requests: int = Field(64, ge=0, description="Beyond this queue, 503 (bounded, never unbounded).")
+    max_queued_requests: int = Field(
+        64, ge=0, description="Requests Serve queues for a busy replica; beyond them, 503 (bounded, never unbounded).")
+    max_sequences_per_request: int = Field(
+        4096, ge=1, description="Most sequences (prompts x n) one request may ask for; more is a 400 before anything "
+        "runs (OpenAI takes up to 2,048 prompts in a request).")
+    max_waiting_sequences: int = Field(
+        2048, ge=0, description="While more sequences than this wait in a replica beyond its running batch, a new "
+        "request gets 503 with Retry-After; a request that finds none waiting is always taken whole.")
     default_max_tokens: int = Field(16, ge=1, description="max_tokens when a request gives none (OpenAI: 16).")
     api_key: str | None = Field(
         None, description="Bearer token clients must send; default from $SPECRAY_API_KEY; None = open."
     )
     graceful_shutdown_s: float = Field(
-        2.0, ge=0, description="On shutdown, how long replicas wait for requests in flight (Serve's default: 20 s).")
+        2.0, ge=0, description="On SIGINT/SIGTERM (specray serve drains: new requests get 503) and on shutdown, how "
+        "long requests in flight may take to finish before they end with an error (Serve's default: 20 s).")
     host: str = Field("127.0.0.1")
     port: int = Field(8000, ge=1, le=65535)
     route_prefix: str = Field("/")
@@ -186,6 +195,10 @@ class ServeConfig(BaseModel):
             target = self.engine.target
             self.model_name = os.path.basename(os.path.normpath(target)) if target else DEMO_MODEL_NAME
         return self
+
+    def admission_policy(self) -> AdmissionPolicy:
+        """The one policy that admits a request whole or refuses it whole (engine/admission.py)."""
+        return AdmissionPolicy(self.max_sequences_per_request, self.max_waiting_sequences)
 
     def resolved_api_key(self) -> str | None:
         return self.api_key if self.api_key is not None else os.environ.get("SPECRAY_API_KEY") or None

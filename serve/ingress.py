@@ -12,6 +12,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specray.engine.config import load_tokenizer
+from specray.engine.admission import RETRY_AFTER_S, RequestCost
 from specray.engine.delta import OutputAssembly
 from specray.protocol import checks as C
 from specray.protocol import openai as P
@@ -22,6 +23,7 @@ from specray.serve.playground import SpeculationTrack, methods_listing, static_f
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="specray", description="OpenAI-compatible speculative decoding server")
+SHUTTING_DOWN = "shutting_down"  # the error type of requests refused or ended by a draining server
 MAX_BODY_BYTES = 32 * 2**20  # a request larger than this is refused (413) before it is parsed
 _KINDS = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error"}
@@ -62,8 +64,11 @@ def _log_client_error(status: int, path: str, message: str) -> None:
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None,
+                 retry_after_s: float | None = None):
         self.status, self.message, self.kind, self.param = status, message, kind, param
+        # A 503 is transient: it says when to come back (seconds, as HTTP's Retry-After).
+        self.headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s is not None else None
 
 
 def _error_status(exc: Exception) -> HTTPError:
@@ -72,14 +77,14 @@ def _error_status(exc: Exception) -> HTTPError:
 
     if isinstance(exc, dict) and REFUSED in exc:  # the engine refused the request (serve/deployment.py: client_error)
         e = exc[REFUSED]
-        return HTTPError(e["status"], e["message"], e["kind"], e["param"])
+        return HTTPError(e["status"], e["message"], e["kind"], e["param"], e.get("retry_after_s"))
     if isinstance(exc, dict):  # the engine failed this request alone (finish_reason "error"): it goes on serving
         log.error("request %s failed: %s", exc.get("request_id"), exc.get("error"))
         return HTTPError(500, f"internal error: {exc.get('error') or 'the request failed'}", "internal_error")
     cause = getattr(exc, "cause", None) or exc
     name = type(cause).__name__
-    if name == "BackPressureError":  # Serve's own queue bound
-        return HTTPError(503, str(cause) or "server busy, retry later", "overloaded")
+    if name == "BackPressureError":  # Serve's own queue bound (one call per request: nothing of it ran)
+        return HTTPError(503, str(cause) or "server busy, retry later", "overloaded", retry_after_s=RETRY_AFTER_S)
     if isinstance(cause, WorkerLostError):
         return HTTPError(503, f"{cause}; retry the request", "worker_lost")
     if isinstance(cause, ValueError):
@@ -95,6 +100,7 @@ class OpenAIIngress:
         self.engine = engine
         self.model = cfg.model_name
         self.default_max_tokens = cfg.default_max_tokens
+        self.admission = cfg.admission_policy()  # its load-free part: a request over the limits never leaves here
         self.api_key = cfg.resolved_api_key()
         engine = cfg.engine  # resolved by the application builder (entrypoints/app.py)
         self.tokenizer = load_tokenizer(engine.tokenizer or engine.target)
@@ -103,11 +109,35 @@ class OpenAIIngress:
         self.token_text = P.token_text_of(self.tokenizer)
         self.engine_config = engine
         self.static = static_files()
+        # Draining (specray serve on SIGINT/SIGTERM): new requests get 503; the streams of the
+        # requests in flight are kept here so that what the grace period leaves is ended.
+        self._draining = False
+        self._expired = False
+        self._streams: set = set()
 
     # -- routes ----------------------------------------------------------------------------
     @app.get("/health")
     async def health(self):
+        if self._draining:  # a load balancer stops sending requests here
+            return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
+
+    # -- draining (called through the application's handle, not over HTTP) ---------------------
+    async def drain(self) -> None:
+        """Take no new requests (503); those in flight go on."""
+        self._draining = True
+
+    async def in_flight(self) -> int:
+        return len(self._streams)
+
+    async def expire(self) -> int:
+        """End the requests still in flight: each gets a final error (503, its stream an error
+        event); their sequences are aborted. Returns how many there were."""
+        self._expired = True
+        streams = list(self._streams)
+        for stream in streams:
+            stream.cancel()
+        return len(streams)
 
     @app.get("/metrics")
     async def metrics(self):
@@ -189,7 +219,8 @@ class OpenAIIngress:
         except HTTPError as e:
             if e.status < 500:
                 _log_client_error(e.status, request.url.path, e.message)
-            return JSONResponse(P.error_body(e.message, e.kind, e.status, e.param), status_code=e.status)
+            return JSONResponse(P.error_body(e.message, e.kind, e.status, e.param), status_code=e.status,
+                                headers=e.headers)
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -234,101 +265,127 @@ class OpenAIIngress:
         return req
 
     async def _generate(self, request: Request, chat: bool):
+        if self._draining:
+            raise HTTPError(503, "the server is shutting down; retry elsewhere", SHUTTING_DOWN,
+                            retry_after_s=RETRY_AFTER_S)
         req = await self._parse(request, chat)
         try:
             checked = C.check(req, chat, self.facts, self.default_max_tokens)
         except C.RequestError as e:
             raise HTTPError(400, str(e), param=e.param) from None
-        streams = [self.engine.options(stream=True).stream.remote(ids, s.model_dump(), checked.speculation)
-                   for ids, choices in zip(checked.prompt_ids, checked.samplings) for s in choices]
+        # The whole request is one call: the engine replica admits it whole or refuses it whole.
+        count = sum(len(choices) for choices in checked.samplings)
+        param = "n" if len(checked.prompt_ids) == 1 else "prompt"
+        decision = self.admission.check(RequestCost(count), param)
+        if not decision.admitted:
+            raise HTTPError(decision.status, decision.message, decision.kind, decision.param)
+        stream = self.engine.options(stream=True).run.remote(
+            checked.prompt_ids, [[s.model_dump() for s in choices] for choices in checked.samplings],
+            checked.speculation, param)
+        self._streams.add(stream)
+        try:
+            return await self._respond(req, checked, chat, stream, count)
+        finally:
+            if not req.stream:  # a stream is in flight until its last event (_sse)
+                self._streams.discard(stream)
+
+    async def _respond(self, req, checked, chat: bool, stream, count: int):
         # What each choice echoes (completions with echo): its prompt's text.
         echo = req.echo_prompt()
         echoes = [P.echo_of(checked.prompts[i // req.n], checked.prompt_ids[i // req.n], self.tokenizer) if echo
-                  else None for i in range(len(streams))]
+                  else None for i in range(count)]
         rid = P.request_id("chatcmpl" if chat else "cmpl")
         max_stop = max((len(s) for s in checked.samplings[0][0].stop), default=0)
         if req.stream:
-            first = await self._first_items(streams)
+            first = await self._first_item(stream)
             options = req.stream_options or P.StreamOptions()
             return StreamingResponse(
-                self._sse(rid, streams, first, chat, max_stop, options, echoes, [len(ids) for ids in checked.prompt_ids],
-                          checked.prompt_only),
+                self._sse(rid, stream, count, first, chat, max_stop, options, echoes,
+                          [len(ids) for ids in checked.prompt_ids], checked.prompt_only),
                 media_type="text/event-stream",
             )
-        finals = await asyncio.gather(*(self._last(s) for s in streams))
+        finals = await self._whole(stream, count)
         if checked.prompt_only:
             finals = [P.prompt_only(f) for f in finals]
         choices = P.choices(finals, chat, echoes, self.token_text)
         usage = P.usage(finals, [len(ids) for ids in checked.prompt_ids])
         return P.completion_response(rid, self.model, choices, usage, P.speculation_metrics(finals), chat)
 
-    async def _last(self, stream) -> dict:
-        """A stream's whole output, assembled from its step deltas."""
-        whole = OutputAssembly()
+    async def _whole(self, stream, count: int) -> list[dict]:
+        """Each choice's whole output, assembled from the request's step deltas."""
+        wholes = [OutputAssembly() for _ in range(count)]
         try:
             async for delta in stream:
                 if REFUSED in delta or delta.get("finish_reason") == "error":
                     raise _error_status(delta)
-                whole.add(delta)
+                wholes[delta["index"]].add(delta)
         except HTTPError:
             raise
         except Exception as e:  # noqa: BLE001 - mapped to an HTTP status
-            raise _error_status(e) from None
-        return whole.whole
+            raise self._failure(e) from None
+        return [w.whole for w in wholes]
 
-    async def _first_items(self, streams) -> list:
-        """Wait for each stream's first output, so errors become a status code, not a broken stream."""
+    def _failure(self, exc) -> HTTPError:
+        """What a broken request stream answers: the server ended it (draining), or its cause."""
+        if self._expired:
+            return HTTPError(503, "the server shut down before this request finished", SHUTTING_DOWN)
+        return _error_status(exc)
+
+    async def _first_item(self, stream) -> dict:
+        """Wait for the request's first output (after its admission), so that a refusal or an
+        error becomes a status code, not a broken stream."""
         try:
-            firsts = list(await asyncio.gather(*(s.__anext__() for s in streams)))
+            first = await stream.__anext__()
         except Exception as e:  # noqa: BLE001
-            for s in streams:
-                s.cancel()
-            raise _error_status(e) from None
-        refused = next((f for f in firsts if REFUSED in f), None)
-        if refused is not None:
-            for s in streams:
-                s.cancel()
-            raise _error_status(refused)
-        return firsts
+            stream.cancel()
+            self._streams.discard(stream)
+            raise self._failure(e) from None
+        if REFUSED in first:
+            stream.cancel()
+            self._streams.discard(stream)
+            raise _error_status(first)
+        return first
 
-    async def _sse(self, rid, streams, first, chat, max_stop, options: P.StreamOptions, echoes, prompt_sizes,
+    async def _sse(self, rid, stream, count, first, chat, max_stop, options: P.StreamOptions, echoes, prompt_sizes,
                    prompt_only=False):
-        queue: asyncio.Queue = asyncio.Queue()
         # With include_speculation each choice's steps travel with the text they make up.
-        tracks = [SpeculationTrack(self.tokenizer) for _ in streams] if options.include_speculation else None
+        tracks = [SpeculationTrack(self.tokenizer) for _ in range(count)] if options.include_speculation else None
         # continuous_usage_stats (vLLM's): every chunk carries its choice's usage so far.
-        per_prompt = len(streams) // len(prompt_sizes)
+        per_prompt = count // len(prompt_sizes)
 
         def running(index=None, out=None) -> dict | None:
             if not options.continuous_usage_stats:
                 return None
             return P.usage([], prompt_sizes) if out is None else P.usage([out], [prompt_sizes[index // per_prompt]])
-        wholes = [OutputAssembly() for _ in streams]  # each choice's output so far, from its deltas
+        wholes = [OutputAssembly() for _ in range(count)]  # each choice's output so far, from its deltas
 
-        async def pump(index, stream, head):
+        async def deltas():
+            yield first
             try:
-                await queue.put((index, head))
-                if not head["finished"]:
-                    async for out in stream:
-                        await queue.put((index, out))
-            except Exception as e:  # noqa: BLE001
-                await queue.put((index, e))
+                async for out in stream:
+                    yield out
+            except Exception as e:  # noqa: BLE001 - the stream broke: an error event
+                yield e
 
-        tasks = [asyncio.create_task(pump(i, s, h)) for i, (s, h) in enumerate(zip(streams, first))]
-        sent = [0] * len(streams)
-        scored = [0] * len(streams)  # tokens whose log-probabilities were sent, per choice
-        finals: list = [None] * len(streams)
+        items = deltas()
+        sent = [0] * count
+        scored = [0] * count  # tokens whose log-probabilities were sent, per choice
+        finals: list = [None] * count
+        echoes = echoes or [None] * count
         try:
             if chat:
                 roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                         for i in range(len(streams))]
+                         for i in range(count)]
                 yield P.sse(P.chunk(rid, self.model, roles, chat, usage=running()))
             while any(f is None for f in finals):
-                index, delta = await queue.get()
+                delta = await anext(items, None)
+                if delta is None:  # the stream ended early (its replica went away)
+                    delta = RuntimeError("the request's stream ended before its choices finished")
                 if isinstance(delta, Exception) or REFUSED in delta or delta.get("finish_reason") == "error":
-                    err = _error_status(delta)
+                    err = self._failure(delta) if isinstance(delta, Exception) else _error_status(delta)
                     yield P.sse(P.error_body(err.message, err.kind, err.status))
                     return
+                index = delta["index"]
                 out = wholes[index].add(delta)
                 if prompt_only:
                     out = P.prompt_only(out)
@@ -359,8 +416,6 @@ class OpenAIIngress:
             if options.include_usage:
                 yield P.sse(P.chunk(rid, self.model, [], chat, usage=P.usage(finals, prompt_sizes)))
             yield "data: [DONE]\n\n"
-        finally:  # also on client disconnect: cancelling the streams frees the sequences
-            for t in tasks:
-                t.cancel()
-            for s in streams:
-                s.cancel()
+        finally:  # also on client disconnect: cancelling the stream frees the sequences
+            stream.cancel()
+            self._streams.discard(stream)

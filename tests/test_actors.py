@@ -70,6 +70,14 @@ def test_bad_parameters_raise_value_error(coordinator):
         ray.get(coordinator.generate.remote([[1, 2]], {"max_tokens": -1}))
 
 
+def test_a_request_list_with_one_bad_prompt_runs_none_of_it(coordinator):
+    """Admitted whole or refused whole: every record is made before any is queued."""
+    with pytest.raises(ValueError, match="prompt token ids"):
+        ray.get(coordinator.generate.remote([[1, 2], [3, 4], [10**6]], GREEDY))
+    assert ray.get(coordinator.stats.remote())["in_flight"] == 0
+    assert ray.get(coordinator.generate.remote([[1, 2]], {**GREEDY, "max_tokens": 2}))[0]["token_ids"]
+
+
 TWO_NODES = r"""
 import json, sys, ray
 from ray.cluster_utils import Cluster

@@ -499,17 +499,18 @@ def test_openai_batch_bad_lines_are_rejected_up_front(batch_config, tmp_path, ca
         {"prompt": [1, 2]},                                                            # 14 specray line
         _batch_line("l", {"prompt": [1] * 256}),                                       # 15 prompt fills context
         _batch_line("m", {"messages": [{"role": "user", "content": "ok"}], "max_tokens": 4}, url=chat),  # 16 ok
+        {**_batch_line("o", {"prompt": [1] * 200, "max_tokens": 100, "stream": True}), "method": "GET"},  # 17 all
     ]
     inp = tmp_path / "bad.jsonl"
-    inp.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"custom_id": "n", \n'  # 17 not JSON
-                   + json.dumps(_batch_line("o", {"prompt": "a\ud800b"})) + "\n")       # 18 lone surrogate
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"custom_id": "n", \n'  # 18 not JSON
+                   + json.dumps(_batch_line("p", {"prompt": "a\ud800b"})) + "\n")       # 19 lone surrogate
     out = tmp_path / "out.jsonl"
     assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(batch_config)]) == 2
     err = capsys.readouterr().err
     expect = {2: "custom_id", 3: "method", 4: "url", 5: "body.max_tokens", 6: "body.max_tokens",
               7: "body.stream", 8: "repeats line 1", 9: "body.speculation", 10: "body.messages.0.role",
               11: "body.frobnicate", 12: "body.prompt", 13: "body.max_completion_tokens", 14: "custom_id",
-              15: "body.prompt", 17: "invalid JSON", 18: "body.prompt: not valid Unicode"}
+              15: "body.prompt", 18: "invalid JSON", 19: "body.prompt: not valid Unicode"}
     reported: dict[int, str] = {}
     for row in err.splitlines():
         if row.strip().startswith("line "):
@@ -519,5 +520,6 @@ def test_openai_batch_bad_lines_are_rejected_up_front(batch_config, tmp_path, ca
         assert n in reported and word in reported[n], (n, err)
     assert 1 not in reported and 16 not in reported
     assert "300 tokens (200 in the prompt, 100 in the completion)" in reported[6]
+    assert all(word in reported[17] for word in ("method", "body.stream", "body.max_tokens")), reported[17]
     assert "context length is 256" in reported[13] and "303" in reported[13]
     assert not out.exists()

@@ -218,11 +218,13 @@ def test_training_reports_measured_lengths_and_keeps_the_fit_only_if_it_wins(tmp
 
     # A built-in tree that measures higher replaces the fit as the saved default.
     fake = {"fitted": 1.2, "chain": 1.5, "trtllm_example": 1.9, "wide": 1.4}
-    monkeypatch.setattr(T, "measure_accepted_length", lambda *a, **k: dict(fake))
+    monkeypatch.setattr(T, "measure_acceptance", lambda *a, **k: {
+        name: {"mean_accepted_length": v, "acceptance": [round(v - 1, 3), 0.25]} for name, v in fake.items()})
     report = T.train_medusa(str(tmp_path / "target"), str(tmp_path / "h2"), **common)
     assert report["default_tree"] == "trtllm_example" and report["expected_accepted_length"] == 1.9
-    saved = json.loads((tmp_path / "h2" / "config.json").read_text())["medusa_choices"]
-    assert saved == NAMED_TREES["trtllm_example"]
+    saved = json.loads((tmp_path / "h2" / "config.json").read_text())
+    assert saved["medusa_choices"] == NAMED_TREES["trtllm_example"]
+    assert saved["specray_acceptance"] == [0.9, 0.25]  # the default's, for the self-tuning length to start from
     fake["fitted"] = 2.5  # and the fit is kept when it wins
     report = T.train_medusa(str(tmp_path / "target"), str(tmp_path / "h3"), **common)
     assert report["default_tree"] == "fitted" and MedusaHeads.load(tmp_path / "h3", hidden_size=32).choices != \

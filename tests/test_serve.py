@@ -128,6 +128,7 @@ def main_url(server, tiny_tok, tiny_heads, tiny_eagle):
         "engine": {**tiny_tok, "medusa": tiny_heads, "checkpoints": {"eagle": tiny_eagle}, "max_num_seqs": 4,
                    "placement": cpu_placement("separate")},
         "max_ongoing_requests": 16,
+        "max_sequences_per_request": 600,
     }
     serve.run(build_app(cfg), name="main", route_prefix="/main")
     url = f"{server}/main"
@@ -148,6 +149,7 @@ def guarded_url(server, long_tok):
         "engine": {**long_tok, "max_num_seqs": 1, "placement": cpu_placement("colocated")},
         "max_ongoing_requests": 4,
         "max_queued_requests": 1,
+        "max_waiting_sequences": 1,
         "api_key": KEY,
     }
     serve.run(build_app(cfg), name="guarded", route_prefix="/guarded")
@@ -551,7 +553,7 @@ def test_burst_overload_gives_503_then_recovers(guarded_url):
     assert busy and any(c == 200 for c in codes) and set(codes) <= {200, 429, 503}, codes
     for r in busy:
         assert_openai_error(r, r.status_code)
-        assert r.json()["error"]["type"] == "overloaded"
+        assert r.json()["error"]["type"] == "overloaded" and int(r.headers["retry-after"]) >= 1
     for r in replies:
         if r.status_code == 200:
             assert r.json()["usage"]["completion_tokens"] == 400
@@ -560,8 +562,8 @@ def test_burst_overload_gives_503_then_recovers(guarded_url):
 
 
 def test_engine_queue_bound(guarded_url):
-    """One running + one waiting fills this replica (max_queued_requests=1): a third is 503
-    at once, although Serve would let up to max_ongoing_requests=4 reach the replica."""
+    """One running + one waiting fills this replica (max_waiting_sequences=1): a third is 503
+    at once, with Retry-After, although Serve would let up to max_ongoing_requests=4 reach the replica."""
     url = f"{guarded_url}/v1/completions"
 
     async def scenario():
@@ -581,7 +583,7 @@ def test_engine_queue_bound(guarded_url):
 
     third, waiting = asyncio.run(scenario())
     assert_openai_error(third, 503)
-    assert third.json()["error"]["type"] == "overloaded"
+    assert third.json()["error"]["type"] == "overloaded" and third.headers["retry-after"] == "1"
     assert waiting.status_code == 200 and waiting.json()["usage"]["completion_tokens"] == 4
 
 
@@ -746,6 +748,49 @@ def test_demo_chat_and_stream(demo_client, demo_reference, demo_models):
 
 
 # -- OpenAI conventions: prompt forms, errors, logprobs, echo --------------------------------------
+def test_a_long_prompt_list_runs_whole_and_past_the_limit_is_a_400(main_url, target_model):
+    """500 prompts in one request are queued and run (not 503 from Serve's queue bound:
+    the request is one call); prompts x n past max_sequences_per_request (600 here) is a 400
+    naming the limit."""
+    url = f"{main_url}/v1/completions"
+    prompts = [[i % 64, i // 64 + 1] for i in range(500)]
+    body = {"model": MAIN, "prompt": prompts, "max_tokens": 2, "temperature": 0, "speculation": {"method": "none"}}
+    r = httpx.post(url, json=body, timeout=240)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(500)) and r.json()["usage"]["completion_tokens"] == 1000
+    for i in (0, 137, 499):
+        assert choices[i]["text"] == greedy_text(target_model, prompts[i], 2)
+    err = assert_openai_error(httpx.post(url, json={**body, "prompt": prompts[:301], "n": 2}, timeout=60), 400,
+                              "602 sequences", "max_sequences_per_request")
+    assert err["param"] == "prompt"
+
+
+def test_a_replica_whose_workers_cannot_start_says_why_and_never_retries(server, tiny_tok, tmp_path_factory):
+    """Its coordinator gives back what it reserved and answers every request with the cause
+    (the start-up warm-up stops on it): no placement-group retry loop, no 'ready'."""
+    broken = tmp_path_factory.mktemp("no-head")  # no EAGLE head in it
+    cfg = {"model_name": "broken", "engine": {**tiny_tok, "checkpoints": {"eagle": str(broken)},
+                                              "placement": cpu_placement("colocated")}}
+    def reserved() -> int:
+        return sum(g["state"] == "CREATED" for g in ray.util.placement_group_table().values())
+
+    before = reserved()
+    serve.run(build_app(cfg), name="broken", route_prefix="/broken")
+    try:
+        url = f"{server}/broken/v1/completions"
+        body = {"model": "broken", "prompt": "abc", "max_tokens": 2}
+        for _ in range(2):
+            start = time.monotonic()
+            err = assert_openai_error(httpx.post(url, json=body, timeout=120), 500, "failed to start",
+                                      "not an EAGLE head directory")
+            assert err["type"] == "engine_start_failed"
+        assert time.monotonic() - start < 5  # the second answer waits on nothing
+        assert reserved() == before  # its placement group was given back
+    finally:
+        serve.delete("broken")
+
+
 def test_every_prompt_form_is_its_own_choice(main_url, target_model):
     url = f"{main_url}/v1/completions"
     forms = {"text": "abcd", "texts": ["abcd", "xyz"], "ids": [1, 2, 3], "id lists": [[1, 2, 3], [4, 5], [9]]}

@@ -175,3 +175,58 @@ def test_once_with_own_checkpoint(own_checkpoint):
     assert reply["model"] == "my-coder" and reply["usage"]["completion_tokens"] == 48
     assert reply["speculation_metrics"][0]["method"] == "ngram"
     assert port_free(port)
+
+
+def sse_lines(url: str, body: dict, into: list, first) -> None:
+    """Read a streamed completion's events into ``into`` (``first`` set at the first one)."""
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                into.append(line[len("data: "):])
+                first.set()
+
+
+def test_sigterm_drains_the_requests_in_flight(own_checkpoint):
+    """SIGTERM: new requests get 503, a request that finishes within --graceful-shutdown-s
+    finishes, one that does not ends with an error event; exit 0."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    port = free_port()
+    with Server("--target", own_checkpoint, "--port", str(port), "--graceful-shutdown-s", "4") as server:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"model": "my-coder", "prompt": "def f(x):", "temperature": 0, "ignore_eos": True,
+                "speculation": {"method": "none"}}
+        short, long, threads = [], [], []
+        for events, max_tokens in ((short, 120), (long, 1900)):  # ~1 s, and well past the grace period
+            first = threading.Event()
+            threads.append(threading.Thread(target=sse_lines, args=(url, {**body, "max_tokens": max_tokens},
+                                                                     events, first), daemon=True))
+            threads[-1].start()
+            assert first.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        refused = None
+        deadline = time.monotonic() + 20
+        while refused is None and time.monotonic() < deadline:
+            try:
+                post(url, {**body, "max_tokens": 1})
+            except urllib.error.HTTPError as exc:
+                refused = exc
+            time.sleep(0.2)
+        assert refused is not None and refused.code == 503, refused
+        assert json.loads(refused.read())["error"]["type"] == "shutting_down"
+        for t in threads:
+            t.join(60)
+        assert short[-1] == "[DONE]" and json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
+        error = json.loads(long[-1])["error"]
+        assert error["type"] == "shutting_down" and error["code"] == 503, long[-3:]
+        code, _ = server.proc.wait(60), None
+        out = server.proc.stdout.read()
+        assert code == 0 and "ending 1 requests still in flight" in out, out[-2000:]
+        assert "Traceback" not in out

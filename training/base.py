@@ -268,10 +268,23 @@ def measure_accepted_length(target: str, tokenizer: str | None, method: str, hea
     """Per named spec: the engine's mean accepted length (1 + accepted / drafts) of greedy
     ``method`` with its weights from ``head_dir``, on held-out prompts (the demo's, or
     ``prompts``: token ids)."""
+    measured = measure_acceptance(target, tokenizer, method, head_dir, specs, num_prompts, max_tokens, prompts)
+    return {name: m["mean_accepted_length"] for name, m in measured.items()}
+
+
+def measure_acceptance(target: str, tokenizer: str | None, method: str, head_dir: str, specs: dict[str, dict],
+                       num_prompts: int = 8, max_tokens: int = 64,
+                       prompts: list[list[int]] | None = None) -> dict[str, dict]:
+    """Per named spec, as ``measure_accepted_length``: ``mean_accepted_length`` and
+    ``acceptance``, the acceptance per draft position (tree depth) given the one before —
+    what the self-tuning controller estimates while serving, and starts from when a head
+    saves it (``save_acceptance``). The speculation length is fixed while measuring (every
+    step drafts), so the numbers describe the drafts, not a controller's choices."""
     from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
+    from specray.policies.spec_length import SpeculationLengthPolicy
 
     engine = LLMEngine(EngineConfig(target=target, tokenizer=tokenizer, checkpoints={method: head_dir},
-                                    max_num_seqs=4))
+                                    max_num_seqs=4, speculation_length=SpeculationLengthPolicy()))
     if prompts is None:
         from specray.demo import held_out_prompts
 
@@ -279,11 +292,42 @@ def measure_accepted_length(target: str, tokenizer: str | None, method: str, hea
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     result = {}
     for name, spec in specs.items():
-        before = engine.totals.num_drafts, engine.totals.num_accepted_tokens
+        before = engine.totals.num_drafts, engine.totals.num_accepted_tokens, list(engine.totals.accepted_per_pos)
         engine.generate(prompts, sampling, SpeculationParams(method=method, **spec))
         drafts = engine.totals.num_drafts - before[0]
-        result[name] = round(1 + (engine.totals.num_accepted_tokens - before[1]) / max(drafts, 1), 3)
+        per_pos = [n - (before[2][j] if j < len(before[2]) else 0)
+                   for j, n in enumerate(engine.totals.accepted_per_pos)]
+        result[name] = {"mean_accepted_length": round(1 + (engine.totals.num_accepted_tokens - before[1])
+                                                      / max(drafts, 1), 3),
+                        "acceptance": acceptance_rates(drafts, per_pos)}
     return result
+
+
+def record_acceptance(target: str, tokenizer: str | None, method: str, head_dir: str,
+                      measured: dict | None = None, **measure) -> dict:
+    """Save the acceptance of the head's default speculation (``{"method": method}``) into its
+    config.json (``specray_acceptance``), measured here unless ``measured`` (a
+    ``measure_acceptance`` entry) is given: what the self-tuning controller starts from."""
+    from specray.policies.checkpoint_files import save_acceptance
+
+    if measured is None:
+        measured = measure_acceptance(target, tokenizer, method, head_dir, {"default": {}}, **measure)["default"]
+    if measured["acceptance"]:
+        save_acceptance(head_dir, measured["acceptance"])
+    return measured
+
+
+def acceptance_rates(drafts: int, accepted_per_pos: list[int]) -> list[float]:
+    """Acceptance at each draft position given the one before, from counts: position 0 is
+    reached by every draft, position j by those that accepted j - 1 (a position reached by
+    none ends the list)."""
+    rates, reached = [], drafts
+    for accepted in accepted_per_pos:
+        if reached <= 0:
+            break
+        rates.append(round(accepted / reached, 3))
+        reached = accepted
+    return rates
 
 
 def run_recipe(argv: list[str] | None, parser: argparse.ArgumentParser, method: str,
@@ -296,6 +340,9 @@ def run_recipe(argv: list[str] | None, parser: argparse.ArgumentParser, method: 
     report = train(args, target, tokenizer)
     if not args.no_eval and specs:  # (a recipe that measured its own passes none)
         torch.set_num_threads(1)
-        report["mean_accepted_length"] = measure_accepted_length(target, tokenizer, method, args.out, specs)
+        measured = measure_acceptance(target, tokenizer, method, args.out, specs)
+        report["mean_accepted_length"] = {name: m["mean_accepted_length"] for name, m in measured.items()}
+        default = next(name for name, spec in specs.items() if not spec)  # the head's own default
+        report["acceptance"] = record_acceptance(target, tokenizer, method, args.out, measured[default])["acceptance"]
     print(json.dumps(report))
     return 0

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from specray.training.base import (  # noqa: F401 (fit_tree re-exported)
-    PromptSource, SequenceSet, add_common_args, demo_corpus_prompts, distill_data, fit_tree, measure_accepted_length,
-    optimise, ranks_of, run_recipe,
+    PromptSource, SequenceSet, add_common_args, demo_corpus_prompts, distill_data, fit_tree, measure_acceptance,
+    optimise, ranks_of, record_acceptance, run_recipe,
 )
 from specray.kernels.tree import NAMED_TREES
 from specray.policies.medusa import MedusaHeads
@@ -97,12 +97,14 @@ def train_medusa(
         source = prompts or demo_corpus_prompts(tokenizer or target)
         held = [p[-256:] for p in source("held_out", measure_prompts, seed + 2)]
         trees = {name: {"tree": name} for name, tree in NAMED_TREES.items() if max(map(len, tree)) <= heads}
-        measured = measure_accepted_length(target, tokenizer, "medusa", out, {"fitted": {}, **trees},
-                                           max_tokens=measure_tokens, prompts=held)
+        full = measure_acceptance(target, tokenizer, "medusa", out, {"fitted": {}, **trees},
+                                  max_tokens=measure_tokens, prompts=held)
+        measured = {name: m["mean_accepted_length"] for name, m in full.items()}
         best = max(trees, key=measured.get, default=None)
         if best is not None and measured[best] >= measured["fitted"]:  # the fit must win to be kept
             default, medusa.choices = best, NAMED_TREES[best]
             medusa.save(out, base_model=target)
+        record_acceptance(target, tokenizer, "medusa", out, full[default])
     report.update({
         "default_tree": default, "tree_size": len(medusa.choices),
         # measured by the engine (1 + accepted / drafts), never the fit's estimate
