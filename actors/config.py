@@ -164,7 +164,7 @@ class SpecrayConfig(BaseModel):
         (sized from GPU memory where max_num_seqs is not given; ``engine/memory.py``).
         ``free_total``: (free, total) GPU bytes to size from instead of the driver's (tests)."""
         engine = self.engine_config()
-        paths = [p for p in (self.target, self.draft) if p is not None]
+        paths = [p for p in (self.target, self.draft, engine.checkpoint("pard")) if p is not None]
         device = "cuda" if free_total is not None else engine.resolved_device
         return plan_for_checkpoints(paths, resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
                                     max_num_seqs=self.max_num_seqs, utilization=self.gpu_memory_utilization,

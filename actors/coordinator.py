@@ -111,7 +111,7 @@ class CoordinatorCore:
     async def _start_workers(self) -> None:
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.target)
-        self.placement = await reserve(cfg.placement, with_draft=cfg.draft is not None)
+        self.placement = await reserve(cfg.placement, drafts=self._draft_models())
         colocated = cfg.placement.mode == "colocated"
         self.role = "engine" if colocated else "target"
         remote = {} if colocated else self._remote_methods()
@@ -129,6 +129,12 @@ class CoordinatorCore:
     async def _worker_started(self) -> dict:
         await self.worker.wait_ready()
         return await self.worker.handle.start.remote(PROPOSER_START_TIMEOUT_S)
+
+    def _draft_models(self) -> list[str]:
+        """The draft models loaded (``draft``, ``pard``): each gets a bundle of its own (its GPU)."""
+        engine = self.config.engine_config()
+        return [m for m in registered_methods() if method_spec(m).placement == "worker"
+                and method_spec(m).checkpoint is not None and engine.checkpoint(method_spec(m).checkpoint)]
 
     def _remote_methods(self) -> dict[str, dict]:
         """Separate layout: each method placed "worker" in an actor of its own — the draft

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Sequence
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -49,23 +50,24 @@ def _gpus(spec: ModelPlacement, cluster_gpus: float) -> float:
     return 1.0 if cluster_gpus >= 1 else 0.0
 
 
-def bundles_for(config: PlacementConfig, with_draft: bool) -> tuple[list[str], list[dict]]:
-    """Roles and their bundles: target (+ draft) [+ colocated together]."""
+def bundles_for(config: PlacementConfig, drafts: Sequence[str] = ()) -> tuple[list[str], list[dict]]:
+    """Roles and their bundles: target (+ each draft model: ``draft``, ``pard``, with the draft's
+    resources) [+ colocated together]."""
     total = ray.cluster_resources()
     gpus = total.get("GPU", 0)
     t = {"CPU": config.target.num_cpus, "GPU": _gpus(config.target, gpus)}
     if config.mode == "colocated":
         return ["engine"], [{k: v for k, v in t.items() if v > 0}]
     roles, bundles = ["target"], [t]
-    if with_draft:
-        roles.append("draft")
+    for name in drafts:
+        roles.append(name)
         bundles.append({"CPU": config.draft.num_cpus, "GPU": _gpus(config.draft, gpus)})
     return roles, [{k: v for k, v in b.items() if v > 0} for b in bundles]
 
 
-async def reserve(config: PlacementConfig, with_draft: bool) -> Placement:
+async def reserve(config: PlacementConfig, drafts: Sequence[str] = ()) -> Placement:
     """Create and wait for the placement group, or raise PlacementError quickly."""
-    roles, bundles = bundles_for(config, with_draft)
+    roles, bundles = bundles_for(config, drafts)
     total = ray.cluster_resources()
     for resource in ("GPU", "CPU"):
         need = sum(b.get(resource, 0) for b in bundles)

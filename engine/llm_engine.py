@@ -90,9 +90,9 @@ class LLMEngine:
         if self.step_mode != "eager":
             # The fixed-shape forward hands over the layer taps every loaded method reads.
             self.target.enable_static(self.step_mode, layers=self.proposers.all_feature_layers())
-            draft = self.resources.get("draft")
-            if isinstance(draft, ModelRunner):  # the draft model drafts with fixed shapes too
-                draft.enable_static(self.step_mode)
+            for resource in self.resources.values():
+                if isinstance(resource, ModelRunner):  # draft models (draft, PARD) draft with fixed shapes too
+                    resource.enable_static(self.step_mode)
         log.info("step mode: %s", self.step_mode)
         self.intake = RequestMaker(self.limits, tokenizer, config.default_speculation)
         self.scheduler = Scheduler(config.max_num_seqs)

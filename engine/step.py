@@ -38,10 +38,11 @@ class ProposalPlan:
 
 def row_view(r: Request) -> RowView:
     """What the speculation-length policy sees of a row."""
-    options, tree = r.speculation, method_spec(r.method).drafts_trees
+    options, spec = r.speculation, method_spec(r.method)
+    tree = spec.drafts_trees
     given = options.model_fields_set - {"method"}
     fixed = bool(given) if tree else "num_speculative_tokens" in given
-    return RowView(r.request_id, r.method, options.budget, fixed, tree)
+    return RowView(r.request_id, r.method, options.budget, fixed, tree, spec.block)
 
 
 def plan_proposals(batch: Sequence[Request], capacity: int, sizes: Sequence[int | None] | None = None) -> ProposalPlan:

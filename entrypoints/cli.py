@@ -47,7 +47,7 @@ def request_speculation(args, option_flags: list[F.OptionFlag], default=None, ho
     """The request's speculation from ``--method``, ``--speculation JSON`` and the option flags;
     without a method, ``default`` (options, or None for plain decoding). A flag of another
     method than the request's, or a bad value, is a one-line ValueError naming the flag."""
-    from specray.policies.registry import method_spec, parse_speculation
+    from specray.policies.registry import method_spec, parse_speculation, resolve_method
 
     given = F.given_options(args, option_flags)
     fields = json.loads(args.speculation) if args.speculation else {}
@@ -59,10 +59,13 @@ def request_speculation(args, option_flags: list[F.OptionFlag], default=None, ho
     if "method" not in fields:
         fields = default.model_dump(exclude_unset=True) if default is not None else {"method": "none"}
         how = how_default
-    method = fields["method"]
+    fields.update({flag.field: value for flag, value in given})
+    try:  # vLLM's spellings: draft_model, {"method": "draft", "parallel_drafting": true} (PARD)
+        method, fields = resolve_method(fields)
+    except ValueError as exc:
+        raise ValueError(F.one_line(exc, {f.field: f.flag for f in option_flags})) from None
     method_spec(method)  # an unknown method fails here, before any model loads
     F.check_method_flags(method, given, how)
-    fields.update({flag.field: value for flag, value in given})
     try:
         return parse_speculation(fields)
     except ValueError as exc:

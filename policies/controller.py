@@ -9,7 +9,10 @@ measured while serving:
   starts from a prior), so a new request starts from what the method usually achieves;
   expected tokens of a row drafting k: E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j;
 * **cost**, per batch-size bucket: step seconds = t0 + sum_m t_m * k_m (k_m: the most draft
-  nodes any row of method m took this step), fitted by exponentially forgotten ridge least
+  nodes any row of method m took this step) + sum_b f_b * [k_b > 0] for methods that draft a
+  whole block in one forward (PARD, DFlash: ``MethodSpec.block``; their drafting costs one
+  forward whatever k, so t_b is what verifying one more token costs), fitted by exponentially
+  forgotten ridge least
   squares around a prior, from the time of every step (wall time; the engine's CPU time on a
   CPU with every proposer in its process, which other work on the same cores does not
   inflate).
@@ -76,13 +79,16 @@ plainly anyway needs none."""
 class RowView:
     """What the controller knows of a row: its request and method; ``fixed``: the request set
     its speculation size itself (``num_speculative_tokens``, or a tree), which then stands
-    (``requested``: that k, None for a tree's own size); ``tree``: the method drafts trees."""
+    (``requested``: that k, None for a tree's own size); ``tree``: the method drafts trees;
+    ``block``: it drafts its whole length in one forward."""
 
     request_id: str
     method: str
     requested: int | None = None
     fixed: bool = False
     tree: bool = False
+    block: bool = False
+
 
 @dataclass
 class _Acceptance:
@@ -134,11 +140,13 @@ def _bucket(batch: int) -> int:
 
 
 class _Costs:
-    """Step seconds = x . theta, x = [1, k_m for each method], ridge around a prior."""
+    """Step seconds = x . theta, x = [1, k_m for each method, [k_b > 0] for each block method],
+    ridge around a prior."""
 
-    def __init__(self, methods: list[str], forget: float, prior_weight: float):
+    def __init__(self, methods: list[str], forget: float, prior_weight: float, blocks: frozenset = frozenset()):
         self.methods, self.forget, self.prior_weight = list(methods), forget, prior_weight
-        n = len(self.methods) + 1
+        self.blocks = [m for m in self.methods if m in blocks]
+        n = len(self.methods) + len(self.blocks) + 1
         self.xx, self.xy = np.zeros((n, n)), np.zeros(n)
         self.prior: np.ndarray | None = None
 
@@ -146,9 +154,13 @@ class _Costs:
         x = self._x(ks)
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
             base = seconds / (1.0 + 0.15 * sum(ks.values()))
-            self.prior = np.array([base] + [0.15 * base] * len(self.methods))
+            self.prior = np.array([base] + [(0.05 if m in self.blocks else 0.15) * base for m in self.methods]
+                                  + [0.3 * base] * len(self.blocks))  # a block method: verifying + one forward
         self.xx = self.forget * self.xx + np.outer(x, x)
         self.xy = self.forget * self.xy + x * seconds
+
+    def seconds(self, theta: np.ndarray, ks: dict[str, int]) -> float:
+        return float(self._x(ks) @ theta)
 
     def theta(self) -> np.ndarray | None:
         if self.prior is None:
@@ -158,7 +170,8 @@ class _Costs:
         return np.maximum(theta, 1e-6)
 
     def _x(self, ks: dict[str, int]) -> np.ndarray:
-        return np.array([1.0] + [float(ks.get(m, 0)) for m in self.methods])
+        return np.array([1.0] + [float(ks.get(m, 0)) for m in self.methods]
+                        + [float(ks.get(m, 0) > 0) for m in self.blocks])
 
 
 class AdaptiveSpeculation:
@@ -181,6 +194,7 @@ class AdaptiveSpeculation:
         self._steps = 0
         self._buckets: dict[int, _Bucket] = {}  # per batch-size bucket: its exploration so far
         self._off: dict[str, list[int]] = {}  # method switched off -> [since step, retry interval]
+        self._blocks: set[str] = set()  # methods that draft a whole block in one forward
 
     def fresh(self) -> "AdaptiveSpeculation":
         """A controller with these settings and priors that has learned nothing yet."""
@@ -192,7 +206,9 @@ class AdaptiveSpeculation:
         """Per row: the most draft nodes it may take this step (None: the method's own size)."""
         self._steps += 1
         methods = sorted({r.method for r in rows if r.method != "none"})
-        costs = self._cost_model(len(rows), methods).theta()
+        self._blocks.update(r.method for r in rows if r.block)
+        model = self._cost_model(len(rows), methods)
+        costs = model.theta()
         bucket = self._buckets.setdefault(_bucket(len(rows)), _Bucket())
         bucket.steps += 1
         # A plain probe: the bucket has measured drafting, never a plain step (or long ago).
@@ -217,13 +233,13 @@ class AdaptiveSpeculation:
             # What the priors promise at this step's measured costs: while a method is new in
             # this bucket it is judged by that alone (a few drafts say little about a drafter;
             # a step's cost says much), and it tells whether an off method is worth retrying.
-            hope = [self._rate(rows, m, k, choice, costs, methods, hoped) for k in options]
+            hope = [self._rate(rows, m, k, choice, costs, model, hoped) for k in options]
             promised = _best(hope)
             if bucket.tries.get(m, 0) < MIN_TRIES:  # exploring: draft unless clearly a loss
                 best = 1 + int(np.argmax(hope[1:]))
                 best = best if hope[best] >= hope[0] * (1 - EXPLORE_SLACK) else 0
             else:
-                best = _best([self._rate(rows, m, k, choice, costs, methods, expected) for k in options])
+                best = _best([self._rate(rows, m, k, choice, costs, model, expected) for k in options])
                 if self.explore_every and self._steps % self.explore_every == 0 and not tree:
                     best = min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
             choice[m] = options[self._retry(m, best, promised > 0)]
@@ -246,7 +262,7 @@ class AdaptiveSpeculation:
         self._off[method] = [self._steps, min(2 * interval, RETRY_AFTER[1]) if promising else PROBE_EVERY]
         return 1
 
-    def _rate(self, rows, method, k, choice, costs, methods, expected) -> float:
+    def _rate(self, rows, method, k, choice, costs, model, expected) -> float:
         """Expected tokens per second of the whole batch if ``method`` drafts k."""
         tokens, ks = 0.0, {}
         for r in rows:
@@ -256,8 +272,7 @@ class AdaptiveSpeculation:
             table = expected[r.request_id]
             tokens += table[0] if r.method == "none" else table[self._depth(r) if kr is None else kr]
             ks[r.method] = max(ks.get(r.method, 0), nodes)
-        seconds = costs[0] + sum(costs[1 + i] * ks.get(m, 0) for i, m in enumerate(methods))
-        return tokens / seconds
+        return tokens / model.seconds(costs, ks)
 
     def _depth(self, row: RowView) -> int:
         """A tree's draft positions so far, or as measured when it was trained (its expected
@@ -291,7 +306,7 @@ class AdaptiveSpeculation:
         model = self._costs.get(bucket)
         if model is None or not set(methods) <= set(model.methods):
             known = model.methods if model is not None else []
-            model = _Costs(sorted(set(known) | set(methods)), self.forget, self.prior_weight)
+            model = _Costs(sorted(set(known) | set(methods)), self.forget, self.prior_weight, frozenset(self._blocks))
             self._costs[bucket] = model
         return model
 
@@ -315,6 +330,7 @@ class AdaptiveSpeculation:
             self._requests.setdefault(r.request_id, _Acceptance()).add(d, a, 1.0)
         self._nodes.update(nodes)
         methods = sorted({r.method for r in rows if r.method != "none"})
+        self._blocks.update(r.method for r in rows if r.block)
         self._cost_model(len(rows), methods).add(ks, seconds)
         bucket = self._buckets.setdefault(_bucket(len(rows)), _Bucket())
         for m in {r.method for r in rows if r.request_id in self._on}:

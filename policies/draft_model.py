@@ -24,7 +24,7 @@ import torch
 from specray.kernels.sampling import probs_from_logits, sample, sample_from_uniform, uniforms
 from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, ProposalRow
 from specray.policies.checkpoint_files import causal_lm_facts
-from specray.policies.registry import LinearOptions, MethodSpec, register_method
+from specray.policies.registry import LinearOptions, MethodSpec, register_alias, register_method
 
 # Rows with more pending tokens than this catch up in a forward of their own, so one
 # freshly admitted long prompt doesn't pad every other row of the first draft forward.
@@ -240,3 +240,4 @@ register_method(MethodSpec(
     load=lambda path, ctx: ctx.runner_for(path),
     inspect=lambda path, target: causal_lm_facts(path),
 ))
+register_alias("draft_model", "draft")  # vLLM's name

@@ -16,6 +16,8 @@ workers, HTTP, batch jobs, the CLI — reads the spec:
   names instead the decoder layers whose inputs it reads (EAGLE-3: three of them), handed
   over concatenated in that order.
 * ``drafts_trees``: its draft size is its tree, not ``num_speculative_tokens``.
+* ``block``: it drafts its whole length in one forward (PARD, DFlash), so a step's drafting
+  costs about the same whatever k (the self-tuning controller prices it so).
 * ``placement``: ``"worker"`` — may run in an actor of its own (a draft model on its own
   GPU, the n-gram pool); ``"target"`` — runs in the target's process.
 * ``checkpoint``: the key of the weights it loads (``EngineConfig.checkpoints``), ``load``
@@ -121,6 +123,7 @@ class MethodSpec:
     build: Callable[["ProposerContext"], Any] | None = None
     needs_features: bool = False
     drafts_trees: bool = False
+    block: bool = False
     placement: Literal["worker", "target"] = "target"
     checkpoint: str | None = None
     requirement: str = ""  # what a user must configure, for the "not available" error
@@ -194,6 +197,43 @@ class ProposerContext:
 
 
 _METHODS: dict[str, MethodSpec] = {}
+# Other spellings of a method (vLLM's ``draft_model`` is ``draft``), and options that select
+# another method: vLLM's ``{"method": "draft_model", "parallel_drafting": true}`` is PARD.
+_ALIASES: dict[str, str] = {}
+_VARIANTS: dict[tuple[str, str], str] = {}  # (method, option set true) -> the method it selects
+
+
+def register_alias(alias: str, method: str) -> None:
+    """Accept ``alias`` wherever a request names ``method``."""
+    _ALIASES[alias] = method
+
+
+def register_variant(method: str, option: str, variant: str) -> None:
+    """``{"method": method, option: true}`` selects ``variant`` (``option: false``: ``method`` itself)."""
+    _VARIANTS[(method, option)] = variant
+
+
+def resolve_method(value: Mapping) -> tuple[Any, dict]:
+    """(the method a speculation dict selects, the dict with ``method`` set to it): aliases
+    resolved, a variant's selecting option applied (kept for the variant, which accepts it;
+    dropped when false)."""
+    value = dict(value)
+    name = value.get("method", PLAIN)
+    if not isinstance(name, str):
+        return name, value
+    name = _ALIASES.get(name, name)
+    for (base, option), variant in _VARIANTS.items():
+        if base == name and option in value:
+            flag = value[option]
+            if flag is True:
+                name = variant
+            elif flag is False or flag is None:
+                value.pop(option)
+            else:
+                raise ValueError(f"speculation.{option} must be true or false, got {flag!r}")
+            break
+    value["method"] = name
+    return name, value
 
 
 def register_method(spec: MethodSpec) -> MethodSpec:
@@ -223,10 +263,10 @@ def parse_speculation(value: Any) -> MethodOptions:
         return value
     if not isinstance(value, Mapping):
         raise ValueError(f"speculation must be an object with a 'method', got {type(value).__name__}")
-    name = value.get("method", PLAIN)
+    name, value = resolve_method(value)
     spec = _METHODS.get(name) if isinstance(name, str) else None
     model = spec.options if spec is not None else UnknownMethodOptions
-    return model.model_validate({**value, "method": name})
+    return model.model_validate(value)
 
 
 def validate_speculation(options: MethodOptions, limits: Limits) -> None:

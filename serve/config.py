@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specray.actors.config import SpecrayConfig
 from specray.engine.admission import AdmissionPolicy
-from specray.policies.registry import PLAIN, method_spec, parse_speculation
+from specray.policies.registry import PLAIN, method_spec, parse_speculation, resolve_method
 
 DEMO_MODEL_NAME = "specray-demo"
 
@@ -38,7 +38,7 @@ FLAT_KEYS: dict[str, tuple[str, ...]] = {
     "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),
 }
 # vLLM's names for methods and their options in --speculative-config, as specray's.
-SPEC_METHOD_ALIASES = {"draft_model": "draft", "prompt_lookup": "ngram"}
+SPEC_METHOD_ALIASES = {"prompt_lookup": "ngram"}  # (draft_model and parallel_drafting: the registry's)
 SPEC_KEY_ALIASES = {"prompt_lookup_max": "max_matching_ngram_size"}
 
 
@@ -61,7 +61,11 @@ def speculative_config(value: Any) -> tuple[dict, str | None, str | None]:
     method = fields.pop("method", None) or ("draft" if model else None)
     if method is None:
         raise ValueError(f"{flag}: give a 'method' (e.g. draft, ngram, medusa, eagle)")
-    method = SPEC_METHOD_ALIASES.get(method, method)
+    try:
+        method, fields = resolve_method({**fields, "method": SPEC_METHOD_ALIASES.get(method, method)})
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+    fields.pop("method")
     spec = method_spec(method)  # unknown: "unknown speculation method ...; known: [...]"
     if model is not None and spec.checkpoint is None:
         raise ValueError(f"{flag}: method {method!r} loads no weights; drop 'model'")

@@ -1,0 +1,297 @@
+"""PARD (the parallel draft model): vLLM's spellings, one draft forward per step with the masks'
+KV discarded, lossless greedy (batch 1 and 8, ragged prompts, mixed with other methods, eager
+and static steps, one host read per step), exact sampling, the published config keys, overlap
+in the separate draft worker, and every entry point."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from specray.engine.config import EngineConfig
+from specray.engine.llm_engine import LLMEngine
+from specray.engine.params import SamplingParams, SpeculationParams
+from specray.engine.runner import ModelRunner
+from specray.policies.pard import PardOptions, PardProposer, mask_token_of
+from specray.policies.registry import parse_speculation
+from specray.policies.spec_length import SpeculationLengthPolicy
+from tests.conftest import hf_greedy, tiny_llama
+from tests.test_engine import GREEDY, ragged_prompts
+
+MASK = 63  # the tiny vocabulary's last id stands for the mask token
+
+
+def pard_model(model, mask: int = MASK, trained: int | None = None):
+    """A copy of ``model`` configured as a PARD model (its config names the mask token)."""
+    m = copy.deepcopy(model)
+    m.config.pard_token = mask
+    if trained is not None:
+        m.config.pard_max_tokens = trained
+    return m
+
+
+def pard_engine(target, pard, max_num_seqs: int = 4, step: str = "eager", draft=None, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(target="x", max_num_seqs=max_num_seqs, step=step, **kw),
+                     target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft) if draft else None,
+                     resources={"pard": ModelRunner(copy.deepcopy(pard), max_num_seqs, 256)})
+
+
+def test_vllm_spellings_select_pard():
+    assert parse_speculation({"method": "draft_model", "parallel_drafting": True}).method == "pard"
+    assert parse_speculation({"method": "draft", "parallel_drafting": True, "num_speculative_tokens": 6}) \
+        == PardOptions(num_speculative_tokens=6)
+    assert parse_speculation({"method": "draft", "parallel_drafting": False}).method == "draft"
+    assert parse_speculation({"method": "draft_model"}).method == "draft"
+    with pytest.raises(ValueError, match="parallel_drafting"):
+        parse_speculation({"method": "draft", "parallel_drafting": "yes"})
+    with pytest.raises(ValueError, match="method draft"):
+        parse_speculation({"method": "pard", "parallel_drafting": False})
+    assert mask_token_of({"pard_token": 5}) == 5 and mask_token_of({"ptd_token_id": 4}) == 4
+    assert mask_token_of({"dflash_config": {"mask_token_id": 3}, "pard_token": 5}) == 3  # vLLM's order
+    assert mask_token_of({"pard_token": True}) is None and mask_token_of({}) is None
+
+
+@pytest.mark.parametrize("step", ["eager", "static"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_pard_equals_hf_generate_batch_8(tiny_pair, references, step, k):
+    target, draft = tiny_pair
+    engine = pard_engine(target, pard_model(draft), max_num_seqs=8, step=step,
+                         speculation_length=SpeculationLengthPolicy())
+    outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method="pard", num_speculative_tokens=k))
+    assert [o.token_ids for o in outs] == references
+    assert engine.totals.num_drafts > 0 and engine.totals.num_draft_tokens >= engine.totals.num_drafts * min(k, 2)
+
+
+def test_greedy_pard_batch_1_and_joins(tiny_pair, references):
+    """One slot: requests run one after another in a reused slot (the cache starts over)."""
+    target, draft = tiny_pair
+    engine = pard_engine(target, pard_model(draft), max_num_seqs=1)
+    outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method="pard", num_speculative_tokens=4))
+    assert [o.token_ids for o in outs] == references
+
+
+def test_one_forward_per_step_and_the_masks_kv_discarded(tiny_pair, references):
+    """The target as its own PARD model: the first position is always right (it is the
+    target's own next token), so every step accepts at least one. Each step is one forward of
+    the PARD model over the whole batch, after which its cache holds exactly the committed
+    tokens (the masks' KV is gone)."""
+    target, _ = tiny_pair
+    engine = pard_engine(target, pard_model(target), max_num_seqs=4, speculation_length=SpeculationLengthPolicy())
+    proposer = engine.proposers.get("pard")
+    forwards, checked = [], []
+    forward, propose = proposer.runner.forward, proposer.propose
+    proposer.runner.forward = lambda *a, **kw: forwards.append(1) or forward(*a, **kw)
+
+    def checked_propose(rows):
+        before = len(forwards)
+        backlog = any(len(r.token_ids) - proposer.runner.lengths[r.slot] > 4 or proposer.runner.lengths[r.slot]
+                      >= len(r.token_ids) for r in rows)  # (a reused slot starts over)
+        draft = propose(rows)
+        assert len(forwards) - before == 1 or backlog  # a long backlog (a new prompt) is fed first
+        assert all(proposer.runner.lengths[r.slot] == len(r.token_ids) for r in rows)
+        checked.append(len(rows))
+        return draft
+
+    proposer.propose = checked_propose
+    outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method="pard", num_speculative_tokens=5))
+    assert [o.token_ids for o in outs] == references and len(checked) > 5
+    totals = engine.totals
+    assert totals.num_accepted_tokens >= totals.num_drafts, (totals.num_accepted_tokens, totals.num_drafts)
+
+
+def test_pard_mixes_with_other_methods_in_one_batch(tiny_pair, references):
+    target, draft = tiny_pair
+    engine = pard_engine(target, pard_model(draft), max_num_seqs=4, draft=draft)
+    specs = [SpeculationParams(method="pard", num_speculative_tokens=4), SpeculationParams(method="draft"),
+             SpeculationParams(method="ngram"), SpeculationParams(method="none"),
+             SpeculationParams(method="draft_model", parallel_drafting=True)]
+    outs = engine.generate(ragged_prompts(8), GREEDY, [specs[i % len(specs)] for i in range(8)])
+    assert [o.token_ids for o in outs] == references
+
+
+def test_static_step_reads_the_device_once(tiny_pair):
+    from tests.test_static_step import reads_per_step
+
+    target, draft = tiny_pair
+    engine = pard_engine(target, pard_model(draft), step="static", speculation_length=SpeculationLengthPolicy())
+    for p in ragged_prompts(4):
+        engine.add_request(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+                           SpeculationParams(method="pard", num_speculative_tokens=4))
+    reads = reads_per_step(engine)
+    assert len(reads) >= 3 and max(reads) == 1, reads
+
+
+def test_trained_length_caps_k(tiny_pair):
+    target, draft = tiny_pair
+    engine = pard_engine(target, pard_model(draft, trained=3))
+    with pytest.raises(ValueError, match="trained for"):
+        engine.add_request([1, 2, 3], GREEDY, SpeculationParams(method="pard", num_speculative_tokens=4))
+    # the self-tuning length may ask for more: the proposer drafts at most what it was trained for
+    outs = engine.generate(ragged_prompts(3), GREEDY, SpeculationParams(method="pard"))
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(3)]
+    assert engine.totals.num_draft_tokens <= 3 * engine.totals.num_drafts
+
+
+@pytest.mark.parametrize("step", ["eager", "static"])
+def test_sampling_keeps_the_target_distribution(step):
+    """Each position is drawn from the PARD model's own distribution there and carries it as q."""
+    from tests.test_sampling_e2e import N, PARAMS, PROMPT, VOCAB, check, exact_joint
+
+    target = tiny_llama(vocab=VOCAB, seed=3, init=0.25)
+    # The target as its own PARD model: its first position is the target's distribution (often
+    # accepted), the masked ones are not (rejections): both paths of the rule run.
+    engine = pard_engine(target, pard_model(target, mask=VOCAB - 1), max_num_seqs=64, step=step,
+                         speculation_length=SpeculationLengthPolicy())
+    params = [SamplingParams(seed=i, **PARAMS) for i in range(N)]
+    outs = engine.generate([PROMPT] * N, params, SpeculationParams(method="pard", num_speculative_tokens=3))
+    t = engine.totals
+    assert t.num_drafts > N // 2 and N // 10 < t.num_accepted_tokens < t.num_draft_tokens
+    seqs = np.array([o.token_ids for o in outs])
+    joint = exact_joint(target)
+    assert min(check(seqs, joint)) > 1e-3
+    biased = seqs.copy()  # negative control: the same test catches a plausible bug
+    biased[: N // 5, 1:] = biased[: N // 5, :1]
+    assert min(check(biased, joint)) < 1e-3
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_pair):
+    target, draft = tiny_pair
+    spec = SpeculationParams(method="pard", num_speculative_tokens=3)
+    sampling = SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True)
+    alone = pard_engine(target, pard_model(draft), max_num_seqs=1).generate([[1, 2, 3]], sampling, spec)[0]
+    crowd = pard_engine(target, pard_model(draft), max_num_seqs=4).generate(
+        [[1, 2, 3], [4, 5], [6, 7, 8, 9]], [sampling, sampling.model_copy(update={"seed": 1}),
+                                            sampling.model_copy(update={"seed": 2})], spec)[0]
+    assert alone.token_ids == crowd.token_ids
+
+
+# -- the published layout ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def pard_dir(tiny_pair, tmp_path_factory):
+    """A PARD checkpoint as AMD publishes one: a causal LM with ``pard_token`` in config.json."""
+    path = tmp_path_factory.mktemp("pard")
+    model = pard_model(tiny_pair[1])
+    model.config.spd_type = "pard"
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_published_checkpoint_loads_and_bad_ones_are_refused(tiny_pair, pard_dir, tmp_path):
+    from specray.engine.checkpoints import checkpoint_problems
+
+    raw = json.loads(open(f"{pard_dir}/config.json").read())
+    assert raw["pard_token"] == MASK and "pard_max_tokens" not in raw
+    engine = LLMEngine(EngineConfig(target="x", checkpoints={"pard": pard_dir}, max_num_seqs=2),
+                       target_model=copy.deepcopy(tiny_pair[0]))
+    assert isinstance(engine.proposers.get("pard"), PardProposer) and engine.proposers.get("pard").mask == MASK
+    outs = engine.generate(ragged_prompts(2), GREEDY, SpeculationParams(method="draft", parallel_drafting=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny_pair[0], p, GREEDY.max_tokens) for p in ragged_prompts(2)]
+    plain = tmp_path / "plain"
+    tiny_pair[1].save_pretrained(plain)  # an ordinary draft model: no mask token
+    target_dir = tmp_path / "target"
+    tiny_pair[0].save_pretrained(target_dir)
+    problems = checkpoint_problems(EngineConfig(target=str(target_dir), checkpoints={"pard": str(plain)}))
+    assert any("pard_token" in p.message and "--draft" in p.message for p in problems), problems
+    assert not checkpoint_problems(EngineConfig(target=str(target_dir), checkpoints={"pard": pard_dir}))
+
+
+# -- entry points ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", [True, False])
+def test_pard_in_its_own_draft_worker(ray_session, tiny_checkpoints, tiny_pair, tmp_path, overlap):
+    """Separate layout: PARD in a ProposerWorker of its own, on its own (fake) GPU; with overlap
+    the next draft is made while the target verifies (the target as its own PARD model drafting
+    one token: its draft and its guess of the bonus token are always right)."""
+    from specray.actors.coordinator import Coordinator
+    from tests.test_actors import PROMPTS, shutdown
+    from tests.test_overlap import GREEDY as GREEDY_DICT
+
+    path = tmp_path / "self-pard"
+    pard_model(tiny_pair[0]).save_pretrained(path)
+    c = Coordinator.remote({"target": tiny_checkpoints["target"], "checkpoints": {"pard": str(path)},
+                            "max_num_seqs": 3, "overlap_drafting": overlap})
+    try:
+        prompts = [PROMPTS[i % len(PROMPTS)] + [20 + i] for i in range(5)]
+        refs = [c.generate.remote([p], GREEDY_DICT, {"method": "draft", "parallel_drafting": True,
+                                                     "num_speculative_tokens": 1 if i % 2 else 3})
+                for i, p in enumerate(prompts)]
+        outs = [ray.get(r)[0] for r in refs]
+        assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_pair[0], p, GREEDY_DICT["max_tokens"])
+                                                  for p in prompts]
+        workers = ray.get(c.workers.remote())
+        assert set(workers) >= {"target", "pard"}
+        assert ray.get(workers["pard"].gpu_ids.remote()) != ray.get(workers["target"].gpu_ids.remote())
+        stats = ray.get(workers["target"].overlap_stats.remote())["pard"]
+        assert stats["rows"] > 0
+        assert (stats["hits"] > stats["rows"] / 3) if overlap else stats["hits"] == 0, stats
+    finally:
+        shutdown(c)
+
+
+def test_pard_batch_job_and_cli(ray_session, tiny_checkpoints, tiny_pair, pard_dir, tmp_path, capsys):
+    from specray.entrypoints import jobs
+    from specray.entrypoints.cli import main
+    from tests.test_serve import ALPHABET, save_char_tokenizer
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text(f"target: {tiny_checkpoints['target']}\ncheckpoints:\n  pard: {pard_dir}\nmax_num_seqs: 2\n"
+                      f"placement:\n  timeout_s: 60\n")
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4]]
+    specs = [{"method": "draft_model", "parallel_drafting": True, "num_speculative_tokens": 3}, {"method": "pard"}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": p, "sampling": {"max_tokens": 16, "temperature": 0},
+                                       "speculation": s}) + "\n" for p, s in zip(prompts, specs)))
+    out = tmp_path / "out.jsonl"
+    assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [o["token_ids"] for o in lines] == [hf_greedy(tiny_pair[0], p, 16) for p in prompts]
+    assert {o["method"] for o in lines} == {"pard"} and sum(o["metrics"]["num_drafts"] for o in lines) > 0
+
+    target_dir = tmp_path / "target"
+    tiny_pair[0].save_pretrained(target_dir)
+    save_char_tokenizer(target_dir)
+    common = ["generate", "--prompt", "dbdbfjcg", "--target", str(target_dir), "--max-tokens", "12", "--json"]
+    want = hf_greedy(tiny_pair[0], [ALPHABET.index(c) for c in "dbdbfjcg"], 12)
+    assert main([*common, "--method", "draft", "--parallel-drafting", "--pard", pard_dir,
+                 "--num-speculative-tokens", "3"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want and got["method"] == "pard" and got["metrics"]["num_drafts"] > 0
+    assert main([*common, "--speculative-config", json.dumps({"method": "draft_model", "parallel_drafting": True,
+                                                              "model": pard_dir})]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want and got["method"] == "pard"
+    assert main([*common, "--method", "pard"]) == 2
+    assert "--method pard needs --pard DIR" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_pard_over_http(server, tiny_checkpoints, tiny_pair, pard_dir, tmp_path_factory):
+    import httpx
+    from ray import serve
+
+    from specray.entrypoints.app import build_app
+    from tests.test_serve import cpu_placement, decode, save_char_tokenizer, wait_until_serving
+
+    tok = tmp_path_factory.mktemp("pard-tok")
+    save_char_tokenizer(tok)
+    cfg = {"model_name": "pd", "engine": {**tiny_checkpoints, "tokenizer": str(tok), "max_num_seqs": 2,
+                                          "checkpoints": {"pard": pard_dir}, "placement": cpu_placement("separate")}}
+    serve.run(build_app(cfg), name="pd", route_prefix="/pd")
+    try:
+        url = f"{server}/pd"
+        wait_until_serving(url, "pd")
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+        body = {"model": "pd", "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                "speculation": {"method": "draft_model", "parallel_drafting": True, "num_speculative_tokens": 4}}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert r["choices"][0]["text"] == decode(hf_greedy(tiny_pair[0], prompt, 20))
+        assert r["speculation_metrics"][0]["num_drafts"] > 0 and r["speculation_metrics"][0]["method"] == "pard"
+        body["speculation"] = {"method": "draft", "parallel_drafting": "sometimes"}
+        bad = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert bad.status_code == 400 and "parallel_drafting" in bad.text
+    finally:
+        serve.delete("pd")
