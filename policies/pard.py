@@ -74,6 +74,31 @@ def mask_token_of(config) -> int | None:
     return None
 
 
+def draw_block(rows: Sequence[ProposalRow], ks: Sequence[int], logits: torch.Tensor):
+    """A block of independently drawn positions (PARD, DFlash): logits [n, k_max, V] ->
+    (tokens [n, k_max] on their device, q [n, k_max, V] of the sampled rows or None). Greedy
+    rows take each position's argmax; sampled rows draw ``ks[i]`` uniforms each from their own
+    generator (in position order), so their draws do not depend on the batch, and each token
+    carries the distribution it was drawn from."""
+    n, k_max, vocab = logits.shape
+    tokens = logits.argmax(dim=-1)  # [n, k_max]
+    sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
+    if not sampled:
+        return tokens, None
+    device = logits.device
+    sub = [rows[i] for i in sampled]
+    sel = torch.tensor(sampled, dtype=torch.long).to(device, non_blocking=True)
+    params = [torch.tensor([getattr(r.sampling, name) for r in sub for _ in range(k_max)], dtype=dt)
+              .to(device, non_blocking=True)
+              for name, dt in (("temperature", torch.float32), ("top_k", torch.long), ("top_p", torch.float32))]
+    q = probs_from_logits(logits[sel].reshape(-1, vocab).float(), *params, check=False)  # [s * k_max, V]
+    u = uniforms([ks[i] for i in sampled], [r.generator for r in sub], device, width=k_max)  # [s, k_max]
+    tokens[sel] = sample_from_uniform(q, u.reshape(-1)).view(len(sampled), k_max)
+    probs = torch.zeros(n, k_max, vocab, device=device)
+    probs[sel] = q.view(len(sampled), k_max, vocab)
+    return tokens, probs
+
+
 class PardProposer(DraftModelProposer):
     """k drafts from one forward over the uncached committed tokens and k - 1 masks."""
 
@@ -97,28 +122,6 @@ class PardProposer(DraftModelProposer):
                                 for p, f in zip(pending, fed)], dtype=torch.long)  # [n, k_max]
         return fed, columns
 
-    def _draw(self, rows, ks, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """logits [n, k_max, V] -> (tokens [n, k_max] on their device, q [n, k_max, V] of the sampled
-        rows or None). Sampled rows draw k uniforms each from their own generator (in position
-        order), so their draws do not depend on the batch."""
-        n, k_max, vocab = logits.shape
-        tokens = logits.argmax(dim=-1)  # [n, k_max]
-        sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
-        if not sampled:
-            return tokens, None
-        device = logits.device
-        sub = [rows[i] for i in sampled]
-        sel = torch.tensor(sampled, dtype=torch.long).to(device, non_blocking=True)
-        params = [torch.tensor([getattr(r.sampling, name) for r in sub for _ in range(k_max)], dtype=dt)
-                  .to(device, non_blocking=True)
-                  for name, dt in (("temperature", torch.float32), ("top_k", torch.long), ("top_p", torch.float32))]
-        q = probs_from_logits(logits[sel].reshape(-1, vocab), *params, check=False)  # [s * k_max, V]
-        u = uniforms([ks[i] for i in sampled], [r.generator for r in sub], device, width=k_max)  # [s, k_max]
-        tokens[sel] = sample_from_uniform(q, u.reshape(-1)).view(len(sampled), k_max)
-        probs = torch.zeros(n, k_max, vocab, device=device)
-        probs[sel] = q.view(len(sampled), k_max, vocab)
-        return tokens, probs
-
     def _done(self, rows, ks) -> None:
         for r, k in zip(rows, ks):
             self.runner.set_length(r.slot, len(r.token_ids))  # the masks' KV is never kept
@@ -131,7 +134,7 @@ class PardProposer(DraftModelProposer):
         fed, columns = self._inputs(rows, ks)
         out = self.runner.forward([r.slot for r in rows], fed, logits_at=columns)
         logits = self._fit_vocab(out.logits.flatten(0, 1)).view(len(rows), max(ks), -1)  # [n, k_max, V]
-        tokens, probs = self._draw(rows, ks, logits)
+        tokens, probs = draw_block(rows, ks, logits)
         self._done(rows, ks)
         drafted = tokens.tolist()
         return Draft([DraftRow(t[:k], None, probs[i, :k] if probs is not None and not r.sampling.greedy else None)
@@ -150,7 +153,7 @@ class PardProposer(DraftModelProposer):
         every = torch.arange(n, device=device)[:, None]
         logits = out.logits[every, columns.to(device, non_blocking=True)]  # [n, k_max, V_draft]
         logits = self._fit_vocab(logits.flatten(0, 1)).view(n, max(ks), -1)
-        tokens, probs = self._draw(rows, ks, logits)
+        tokens, probs = draw_block(rows, ks, logits)
         self._done(rows, ks)
         return DeviceDraft([DraftRow([0] * k) for k in ks], tokens, probs)
 
@@ -166,7 +169,7 @@ class PardProposer(DraftModelProposer):
             return {}
         saved = {r.slot: (self._base[r.slot], self._k[r.slot]) for r, _ in live}
         logits = self._fit_vocab(self.runner.forward([r.slot for r, _ in live], [d.tokens for _, d in live]).logits[:, 0])
-        guesses, _ = self._draw([r for r, _ in live], [1] * len(live), logits[:, None])
+        guesses, _ = draw_block([r for r, _ in live], [1] * len(live), logits[:, None])
         ahead_rows = []
         for (r, d), g in zip(live, guesses[:, 0].tolist()):
             tokens = list(r.token_ids) + d.tokens + [g]

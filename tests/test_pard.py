@@ -295,3 +295,52 @@ def test_pard_over_http(server, tiny_checkpoints, tiny_pair, pard_dir, tmp_path_
         assert bad.status_code == 400 and "parallel_drafting" in bad.text
     finally:
         serve.delete("pd")
+
+
+# -- training ------------------------------------------------------------------------------------------
+def test_cod_training_entries_equal_the_masks_drafted_at_inference(tiny_pair):
+    """Each kept entry (j, t) of a COD sequence computes what the model computes at inference
+    for the j-th mask after root x_{t-j}: the layout's mask and positions are exact."""
+    from specray.training.pard import _additive, cod_layout, cod_mask
+
+    model = copy.deepcopy(tiny_pair[1]).eval()
+    tokens = torch.randint(0, 60, (24,), generator=torch.Generator().manual_seed(1))
+    copy_ids, pos = cod_layout(24, 5, 0.7, 0.3, torch.Generator().manual_seed(2))
+    assert (copy_ids == 0).sum() == 24 and 24 < len(pos) < 5 * 24
+    seen = {(int(j), int(t)) for j, t in zip(copy_ids, pos)}
+    assert all((j - 1, t - 1) in seen for j, t in seen if j > 1)  # COD: an entry's earlier masks are kept
+    ids = torch.where(copy_ids == 0, tokens[pos], torch.full_like(pos, MASK))
+    with torch.no_grad():
+        trained = model(input_ids=ids[None], position_ids=pos[None],
+                        attention_mask=_additive(cod_mask(copy_ids, pos))).logits[0]
+        for n, (j, t) in enumerate(zip(copy_ids.tolist(), pos.tolist())):
+            fed = torch.cat([tokens[: t - j + 1], torch.full((j,), MASK)])
+            want = model(input_ids=fed[None]).logits[0, -1]
+            torch.testing.assert_close(trained[n], want, atol=1e-4, rtol=1e-4)
+
+
+def test_training_learns_and_saves_the_published_keys(tmp_path):
+    """A short COD run on a tiny target's greedy continuations: the loss falls, the second
+    position (the first mask) gets better, and the saved model is a PARD checkpoint that serves
+    losslessly."""
+    from specray.training import pard as T
+    from tests.test_medusa import random_prompts
+
+    target = tiny_llama(layers=2, seed=0)
+    target.save_pretrained(tmp_path / "target")
+    tiny_llama(layers=1, seed=1).save_pretrained(tmp_path / "draft")
+    common = dict(batch_size=8, width=32, sequences=64, gen_len=24, copies=4, mask_token=MASK,
+                  prompts=random_prompts)
+    first = T.train_pard(str(tmp_path / "target"), str(tmp_path / "draft"), str(tmp_path / "p1"), steps=1, **common)
+    last = T.train_pard(str(tmp_path / "target"), str(tmp_path / "draft"), str(tmp_path / "p2"), steps=120,
+                        lr=1e-2, **common)
+    assert last["final_loss"] < first["final_loss"] - 0.3, (first, last)
+    acc = last["held_out_accuracy_per_position"]
+    assert len(acc) == 4 and acc[1] > last["held_out_accuracy_per_position_before"][1], last
+    raw = json.loads((tmp_path / "p2" / "config.json").read_text())
+    assert raw["pard_token"] == MASK and raw["pard_max_tokens"] == 4 and raw["spd_type"] == "pard"
+    engine = LLMEngine(EngineConfig(target="x", checkpoints={"pard": str(tmp_path / "p2")}, max_num_seqs=4),
+                       target_model=copy.deepcopy(target))
+    outs = engine.generate(ragged_prompts(3), GREEDY, SpeculationParams(method="pard", num_speculative_tokens=4))
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(3)]
+    assert engine.totals.num_accepted_tokens > 0

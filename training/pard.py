@@ -1,0 +1,187 @@
+"""``specray train pard``: a parallel draft model (PARD) adapted from a draft model by
+conditional drop-token (COD) training.
+
+PARD (An et al., ICLR 2026) teaches a small causal LM to read k - 1 mask tokens after the
+committed ones and predict, at each, the token one place further on. A training window of L
+tokens becomes K copies in one sequence: copy 0 is the window itself (next-token prediction,
+as before), copy j holds mask tokens, and its entry at position t predicts x_{t+1} seeing the
+real tokens up to t - j and copy i's entry at t - (j - i) for 0 < i < j — exactly the j-th
+mask after root x_{t-j} at inference (``policies/pard.py``). Position ids are the window's, so
+every copy sits where it will at inference. Plain masked training keeps all K copies (K x the
+tokens); COD keeps copy j's entries at a random share max(r^j, r_min) of the positions, only
+where copy j - 1 kept the position before (an entry's masks before it must exist): about 3.5L
+tokens for K = 8, r = 0.7, r_min = 0.2 instead of 8L (AMD's ``down_sample_ration`` and
+``down_sample_ration_min``; their default r, r_min and K = 8).
+
+Labels: the target's next-token distribution at each position (the demo target's greedy
+continuations of corpus prompts, ``training/base.py``; its final-norm features through its LM
+head): the draft then puts its mass where the target does, as the draft model's own recipe
+(``training/draft_distill.py``) teaches it; ``--hard-labels`` uses the tokens instead (AMD's
+recipe, which needs no target). The mask token defaults to the tokenizer's pad token (never
+in the text); it is saved as ``pard_token`` in config.json with ``spd_type: pard`` (AMD's keys)
+and specray's ``pard_max_tokens`` = K.
+
+Held out, every position j of every window is scored with all K copies kept: the share of
+positions where the draft's argmax is the target's own next token, per mask depth (position 1
+is the plain next-token prediction), before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from specray.training.base import SequenceSet, add_common_args, distill_data, optimise, run_recipe
+from specray.training.eagle3 import window_index
+
+
+def cod_layout(length: int, copies: int, keep: float, keep_min: float, gen: torch.Generator | None):
+    """Which (copy, position) entries a window of ``length`` keeps: copy 0 whole, copy j a random
+    ``max(keep ** j, keep_min)`` share of the positions whose entry in copy j - 1 is kept one
+    place before. Returns (copy [N], position [N]) int64, copy by copy."""
+    copy_ids, positions = [torch.zeros(length, dtype=torch.long)], [torch.arange(length)]
+    previous = torch.arange(length)
+    for j in range(1, copies):
+        allowed = previous + 1
+        allowed = allowed[allowed < length]
+        n = min(len(allowed), int(length * max(keep ** j, keep_min)))
+        if n == 0:
+            break
+        chosen = allowed[torch.randperm(len(allowed), generator=gen)[:n]].sort().values
+        copy_ids.append(torch.full((n,), j, dtype=torch.long))
+        positions.append(chosen)
+        previous = chosen
+    return torch.cat(copy_ids), torch.cat(positions)
+
+
+def cod_mask(copy: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[N, N] bool: entry (j, t) sees (0, s) for s <= t - j and (i, t - (j - i)) for 0 < i <= j."""
+    jq, tq, jk, tk = copy[:, None], pos[:, None], copy[None, :], pos[None, :]
+    return ((jk == 0) & (tk <= tq - jq)) | ((jk >= 1) & (jk <= jq) & (tk == tq - (jq - jk)))
+
+
+def _additive(mask: torch.Tensor) -> torch.Tensor:  # [N, N] bool -> [1, 1, N, N] float
+    return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[None, None]
+
+
+def pard_loss(model, data: SequenceSet, lm_head: torch.Tensor, index, layout, mask_token: int,
+              hard_labels: bool = False) -> torch.Tensor:
+    """Cross-entropy of every kept entry against its label over windows ``index``
+    (``window_index``); ``layout`` from ``cod_layout``."""
+    seq, t, valid = index  # [B], [B, W], [B, W]
+    copy, pos = layout  # [N]
+    rows = seq[:, None]
+    tokens = torch.where(copy[None] == 0, data.tokens[rows, t[:, pos]], torch.full_like(t[:, pos], mask_token))
+    attention = _additive(cod_mask(copy, pos)).expand(len(seq), -1, -1, -1)
+    logits = model(input_ids=tokens, position_ids=t[:, pos], attention_mask=attention).logits  # [B, N, V]
+    keep = valid[:, pos]  # [B, N] entries whose next token exists
+    logq = torch.log_softmax(logits[keep].float(), dim=-1)  # [P, V]
+    if hard_labels:
+        return F.nll_loss(logq, data.tokens[rows, t + 1][:, pos][keep])
+    with torch.no_grad():
+        p = torch.softmax(data.features[rows, t][:, pos][keep] @ lm_head.T, dim=-1)  # [P, V]
+    return -(p * logq).sum(-1).mean()
+
+
+@torch.no_grad()
+def position_accuracy(model, data: SequenceSet, copies: int, mask_token: int, width: int = 64,
+                      batch: int = 16) -> list[float]:
+    """Per draft position (1 = the last committed token's own prediction, j + 1 = the j-th
+    mask's), the share of held-out continuation positions where the argmax is the target's
+    next token (its greedy continuation's)."""
+    layout = cod_layout(width, copies, 1.0, 1.0, None)
+    copy, pos = layout
+    hit, total = torch.zeros(copies), torch.zeros(copies)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(max(1, len(data.lengths) // batch)):
+        seq, t, valid = window_index(data, batch, width, gen)
+        tokens = torch.where(copy[None] == 0, data.tokens[seq[:, None], t[:, pos]],
+                             torch.full_like(t[:, pos], mask_token))
+        attention = _additive(cod_mask(copy, pos)).expand(len(seq), -1, -1, -1)
+        logits = model(input_ids=tokens, position_ids=t[:, pos], attention_mask=attention).logits
+        cont = valid & (t >= (data.prompt_lens[seq] - 1)[:, None])  # positions whose next token the target chose
+        right = logits.argmax(-1) == data.tokens[seq[:, None], t + 1][:, pos]  # [B, N]
+        counted = cont[:, pos]
+        for j in range(copies):
+            at = counted & (copy[None] == j)
+            hit[j] += (right & at).sum()
+            total[j] += at.sum()
+    return [round(float(h / max(n, 1)), 3) for h, n in zip(hit, total)]
+
+
+def default_mask_token(tokenizer: str) -> int:
+    """The tokenizer's pad token (never in the text), else its last id."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    return tok.pad_token_id if tok.pad_token_id is not None else len(tok) - 1
+
+
+def train_pard(target: str, draft: str, out: str, tokenizer: str | None = None, steps: int = 600, lr: float = 3e-3,
+               batch_size: int = 16, width: int = 128, copies: int = 8, keep: float = 0.7, keep_min: float = 0.2,
+               hard_labels: bool = False, mask_token: int | None = None, sequences: int = 1024, gen_len: int = 128,
+               seed: int = 0, prompts=None) -> dict:
+    """COD-train ``draft`` into a PARD model drafting up to ``copies`` tokens; save it to ``out``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    start = time.time()
+    data = distill_data(target, tokenizer, sequences, gen_len, seed, prompts)
+    mask = mask_token if mask_token is not None else default_mask_token(tokenizer or target)
+    model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32, attn_implementation="sdpa")
+    if not 0 <= mask < model.config.vocab_size:
+        raise ValueError(f"mask token {mask} is outside the draft's vocabulary of {model.config.vocab_size}")
+    before = position_accuracy(model.eval(), data.held_out, copies, mask)
+    data_seconds = time.time() - start
+    model.train()
+    final = optimise(model.parameters(), lambda step: pard_loss(
+        model, data.train, data.lm_head, window_index(data.train, batch_size, width, gen),
+        cod_layout(width, copies, keep, keep_min, gen), mask, hard_labels), steps, lr, "pard (COD)", clip=1.0)
+    model.eval()
+    after = position_accuracy(model, data.held_out, copies, mask)
+    model.config.pard_token, model.config.spd_type, model.config.pard_max_tokens = mask, "pard", copies
+    model.save_pretrained(out)
+    return {"pard_dir": out, "steps": steps, "copies": copies, "keep": keep, "keep_min": keep_min,
+            "mask_token": mask, "final_loss": round(final, 4), "held_out_accuracy_per_position_before": before,
+            "held_out_accuracy_per_position": after, "data_seconds": round(data_seconds, 1),
+            "seconds": round(time.time() - start, 1)}
+
+
+EVAL_SPECS = {"k=4": {"num_speculative_tokens": 4}, "k=6": {"num_speculative_tokens": 6},
+              "self-tuned": {}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="specray train pard", description=__doc__.split("\n\n")[0])
+    add_common_args(p, steps=600, lr=3e-3)
+    p.add_argument("--draft", default=None, help="the draft model to adapt (default: the demo draft)")
+    p.add_argument("--batch-size", type=int, default=16, help="windows per step")
+    p.add_argument("--width", type=int, default=128, help="tokens per window (L)")
+    p.add_argument("--copies", type=int, default=8, help="K: the most tokens the model will draft per forward")
+    p.add_argument("--keep", type=float, default=0.7, help="COD: copy j keeps max(keep^j, keep-min) of the positions")
+    p.add_argument("--keep-min", type=float, default=0.2)
+    p.add_argument("--hard-labels", action="store_true", help="the tokens as labels (AMD's recipe), not the target's "
+                                                              "distribution")
+    p.add_argument("--mask-token", type=int, default=None, help="the mask token id (default: the tokenizer's pad)")
+
+    def train(a, target, tokenizer):
+        draft = a.draft
+        if draft is None:
+            from specray.demo import load_or_build_demo_pair
+
+            draft = load_or_build_demo_pair().draft
+        return train_pard(target, draft, a.out, tokenizer, steps=a.steps, lr=a.lr, batch_size=a.batch_size,
+                          width=a.width, copies=a.copies, keep=a.keep, keep_min=a.keep_min, hard_labels=a.hard_labels,
+                          mask_token=a.mask_token, sequences=a.sequences, gen_len=a.gen_len, seed=a.seed)
+
+    return run_recipe(argv, p, "pard", train, EVAL_SPECS)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
