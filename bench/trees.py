@@ -77,20 +77,22 @@ def packing_counts(engine) -> dict:
 
 
 class Timers:
-    """Wall time in, and calls of, the executor's prefill/propose/verify (where the time goes)."""
+    """Time in (by ``clock``: wall seconds by default), and calls of, the executor's
+    prefill/propose/verify (where the time goes)."""
 
-    def __init__(self, executor):
+    def __init__(self, executor, clock=time.perf_counter):
+        self.clock = clock
         self.seconds, self.calls = defaultdict(float), defaultdict(int)
         for name in ("prefill", "propose", "verify"):
             setattr(executor, name, self._timed(name, getattr(executor, name)))
 
     def _timed(self, name, fn):
         async def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return await fn(*args, **kwargs)
             finally:
-                self.seconds[name] += time.perf_counter() - start
+                self.seconds[name] += self.clock() - start
                 self.calls[name] += 1
 
         return timed
@@ -101,10 +103,55 @@ class Timers:
         return out
 
 
-def run(engine, prompts, sampling, spec):
-    start = time.perf_counter()
-    outs = engine.generate(prompts, sampling, spec)
-    return time.perf_counter() - start, outs
+def measure(engine, specs: dict, prompts, sampling, repeats: int, batch: int, clock=time.perf_counter) -> list[dict]:
+    """Each named speculation of ``specs`` run on ``prompts`` as one continuous batch, interleaved
+    and repeated, each keeping its fastest run by ``clock`` (wall seconds by default; CPU seconds
+    are less disturbed by other work on shared cores). The first is the baseline (plain)."""
+    from specray.engine import SamplingParams
+
+    timers = Timers(engine.executor, clock)
+    for spec in specs.values():  # warm-up
+        engine.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0), spec)
+    best = {c: float("inf") for c in specs}
+    result = {}
+    for _ in range(repeats):
+        for name, spec in specs.items():
+            before, packed_before = engine.totals.to_dict(), packing_counts(engine)
+            timers.take()
+            start = clock()
+            outs = engine.generate(prompts, sampling, spec)
+            seconds = clock() - start
+            split = timers.take()
+            if seconds < best[name]:
+                after, packed_after = engine.totals.to_dict(), packing_counts(engine)
+                best[name] = seconds
+                m = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+                m.update({f"pack_{k}": packed_after[k] - packed_before[k] for k in packed_after})
+                result[name] = (outs, m, split)
+    baseline = next(iter(specs))
+    plain_tokens = [o.token_ids for o in result[baseline][0]]
+    plain_tps, rows = None, []
+    for name in specs:
+        outs, m, (split, calls) = result[name]
+        total = sum(len(o.token_ids) for o in outs)
+        steps = calls.get("verify", 0) + calls.get("prefill", 0)  # engine steps (target forwards)
+        tps = total / best[name]
+        plain_tps = plain_tps or tps
+        rows.append({
+            "batch": batch,
+            "config": name,
+            "tokens_per_s": round(tps, 1),
+            "x_plain": round(tps / plain_tps, 3),
+            "mean_accepted_length": round(1 + m["num_accepted_tokens"] / m["num_drafts"], 3) if m["num_drafts"] else 1.0,
+            "tokens_verified_per_step": round(1 + m["num_draft_tokens"] / m["num_drafts"], 2) if m["num_drafts"] else 1.0,
+            # ReDrafter: the same beams verified without the packing (each beam with its root)
+            "unpacked_tokens_per_step": round(m["pack_unpacked"] / m["pack_rows"], 2) if m.get("pack_rows") else None,
+            "ms_per_step": round(1000 * best[name] / steps, 3),
+            "draft_ms_per_step": round(1000 * split.get("propose", 0.0) / steps, 3),
+            "verify_ms_per_step": round(1000 * split.get("verify", 0.0) / steps, 3),
+            "mismatches_vs_plain": sum(a != b for a, b in zip((o.token_ids for o in outs), plain_tokens)),
+        })
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,48 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     for batch in [int(b) for b in args.batch.split(",")]:
         engine = LLMEngine(EngineConfig(target=pair.target, draft=pair.draft, tokenizer=pair.tokenizer,
                                         medusa=args.medusa, checkpoints=checkpoints, max_num_seqs=batch))
-        timers = Timers(engine.executor)
         prompts = [engine.tokenizer.encode(t, add_special_tokens=False)
                    for t in held_out_prompts(max(args.prompts, batch), pair.tokenizer)]
-        specs = configs(args, engine)
-        for spec in specs.values():  # warm-up
-            engine.generate(prompts[:batch], SamplingParams(max_tokens=8, temperature=0), spec)
-        best = {c: float("inf") for c in specs}
-        result = {}
-        for _ in range(args.repeats):
-            for name, spec in specs.items():
-                before, packed_before = engine.totals.to_dict(), packing_counts(engine)
-                timers.take()
-                seconds, outs = run(engine, prompts, sampling, spec)
-                split = timers.take()
-                if seconds < best[name]:
-                    after, packed_after = engine.totals.to_dict(), packing_counts(engine)
-                    best[name] = seconds
-                    m = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-                    m.update({f"pack_{k}": packed_after[k] - packed_before[k] for k in packed_after})
-                    result[name] = (outs, m, split)
-        plain_tokens = [o.token_ids for o in result["plain"][0]]
-        plain_tps = None
-        for name in specs:
-            outs, m, (split, calls) = result[name]
-            total = sum(len(o.token_ids) for o in outs)
-            steps = calls.get("verify", 0) + calls.get("prefill", 0)  # engine steps (target forwards)
-            tps = total / best[name]
-            plain_tps = plain_tps or tps
-            rows.append({
-                "batch": batch,
-                "config": name,
-                "tokens_per_s": round(tps, 1),
-                "x_plain": round(tps / plain_tps, 3),
-                "mean_accepted_length": round(1 + m["num_accepted_tokens"] / m["num_drafts"], 3) if m["num_drafts"] else 1.0,
-                "tokens_verified_per_step": round(1 + m["num_draft_tokens"] / m["num_drafts"], 2) if m["num_drafts"] else 1.0,
-                # ReDrafter: the same beams verified without the packing (each beam with its root)
-                "unpacked_tokens_per_step": round(m["pack_unpacked"] / m["pack_rows"], 2) if m.get("pack_rows") else None,
-                "ms_per_step": round(1000 * best[name] / steps, 3),
-                "draft_ms_per_step": round(1000 * split.get("propose", 0.0) / steps, 3),
-                "verify_ms_per_step": round(1000 * split.get("verify", 0.0) / steps, 3),
-                "mismatches_vs_plain": sum(a != b for a, b in zip((o.token_ids for o in outs), plain_tokens)),
-            })
+        rows += measure(engine, configs(args, engine), prompts, sampling, args.repeats, batch)
     _report(rows, pathlib.Path(args.out), command)
     return 0 if all(r["mismatches_vs_plain"] == 0 for r in rows) else 1
 

@@ -3,8 +3,8 @@
     specray serve [--target DIR] [--once PROMPT]  # OpenAI-compatible HTTP on Ray Serve (vLLM's flags)
     specray generate --prompt "def fib(n):"       # one completion in this process
     specray jobs --input in.jsonl --output out.jsonl   # a batch file (local Ray unless --address)
-    specray train medusa|eagle|redrafter --out DIR
-    specray bench speed|load|actors|trees|lookahead|penalties
+    specray train draft|pard|medusa|eagle|eagle3|dflash|redrafter --out DIR
+    specray bench speed|load|actors|trees|block|lookahead|penalties
     specray env                                   # versions, devices, dtype, attention kernel
     specray demo-models                           # build or find the demo pair
 """
@@ -27,6 +27,7 @@ BENCHMARKS = {
     "load": "the HTTP server under concurrent streams: plain vs speculative decoding",
     "actors": "per-step cost of the Ray actor layouts against the in-process engine",
     "trees": "tree methods (EAGLE-1/2/3, Medusa, ReDrafter) against plain and draft-model speculation",
+    "block": "block drafters: PARD against the draft model, DFlash against EAGLE/EAGLE-2/EAGLE-3, each at its best",
     "lookahead": "lookahead decoding against plain decoding and prompt lookup",
     "suffix": "suffix decoding against plain decoding and prompt lookup, on repetitive and non-repetitive work",
     "online": "online learning on a shifted workload: accepted length over served requests, learning on vs off",

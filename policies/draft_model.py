@@ -179,15 +179,19 @@ class DraftModelProposer:
         whether that came true. Returns slot -> (the assumed tokens, the next draft)."""
         capacity = self.runner.capacity
         # After this step at best: the tokens so far, the whole draft and the guess; the next
-        # draft of k nodes then holds k - 1 more in the cache, which must fit the context.
-        live = [(r, d) for r, d in zip(rows, drafts.rows) if d.size and r.slot in self._base
-                and self.runner.lengths[r.slot] == self._base[r.slot] + d.size - 1
-                and len(r.token_ids) + d.size + 1 < capacity]
+        # draft's room is cut to what is left of the context.
+        live = []
+        for r, d in zip(rows, drafts.rows):
+            if d.size and r.slot in self._base and len(r.token_ids) + d.size + 1 < capacity:
+                unfed = self._unfed(r, d)
+                if unfed is not None:
+                    live.append((r, d, unfed))
         if not live:
             return {}
-        saved = {r.slot: (self._base[r.slot], self._k[r.slot]) for r, _ in live}
-        # The cache holds all but the last draft token: feeding it gives the guess.
-        logits = self._fit_vocab(self.runner.forward([r.slot for r, _ in live], [d.tokens[-1:] for _, d in live]).logits[:, 0])
+        saved = {r.slot: (self._base[r.slot], self._k[r.slot]) for r, _, _ in live}
+        # Feeding the draft's tokens the cache lacks gives the guess at the last one.
+        logits = self._fit_vocab(self.runner.forward([r.slot for r, _, _ in live], [u for _, _, u in live]).logits[:, 0])
+        live = [(r, d) for r, d, _ in live]
         guesses = logits.argmax(dim=-1).tolist()
         sampled = [n for n, (r, _) in enumerate(live) if not r.sampling.greedy]
         if sampled:
@@ -210,6 +214,16 @@ class DraftModelProposer:
             out[r.slot] = (assumed, nxt)
         return out
 
+    def _unfed(self, row: ProposalRow, draft: DraftRow) -> list[int] | None:
+        """The draft's tokens its cache lacks (``propose`` fed all but the last), or None when
+        the cache is not as ``propose`` left it."""
+        return draft.tokens[-1:] if self.runner.lengths[row.slot] == self._base[row.slot] + draft.size - 1 else None
+
+    def _rollback(self, row: CommitRow, base: int, k: int, ahead) -> int | None:
+        """The cache length to keep after a step that drafted k from ``base`` (None: as it is):
+        the committed prefix it holds — all but the last draft token were fed."""
+        return base + min(row.num_accepted, k - 1)
+
     def commit(self, rows: Sequence[CommitRow]) -> None:
         for row in rows:
             ahead = self._ahead.pop(row.slot, None)
@@ -220,7 +234,9 @@ class DraftModelProposer:
             if ahead is not None and list(row.tokens) == ahead[0]:  # the guess came true:
                 self._base[row.slot], self._k[row.slot] = ahead[1], ahead[2]  # the next draft is made
             else:
-                self.runner.set_length(row.slot, base + min(row.num_accepted, k - 1))
+                length = self._rollback(row, base, k, ahead)
+                if length is not None:
+                    self.runner.set_length(row.slot, length)
 
     def release(self, slot: int) -> None:
         self.runner.reset(slot)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-from dataclasses import replace
 from typing import Literal, Sequence
 
 import torch
@@ -157,43 +156,17 @@ class PardProposer(DraftModelProposer):
         self._done(rows, ks)
         return DeviceDraft([DraftRow([0] * k) for k in ks], tokens, probs)
 
-    def propose_ahead(self, rows: Sequence[ProposalRow], drafts: Draft) -> dict[int, tuple[list[int], DraftRow]]:
-        """Overlapped drafting (see ``DraftModelProposer.propose_ahead``): the draft's tokens are
-        fed (their last output is the guess of the bonus token), then the next draft is made
-        from the assumed tokens as ``propose`` would make it."""
-        capacity = self.runner.capacity
-        live = [(r, d) for r, d in zip(rows, drafts.rows) if d.size and r.slot in self._base
-                and self.runner.lengths[r.slot] == self._base[r.slot] == len(r.token_ids)
-                and len(r.token_ids) + 2 * d.size + 1 < capacity]
-        if not live:
-            return {}
-        saved = {r.slot: (self._base[r.slot], self._k[r.slot]) for r, _ in live}
-        logits = self._fit_vocab(self.runner.forward([r.slot for r, _ in live], [d.tokens for _, d in live]).logits[:, 0])
-        guesses, _ = draw_block([r for r, _ in live], [1] * len(live), logits[:, None])
-        ahead_rows = []
-        for (r, d), g in zip(live, guesses[:, 0].tolist()):
-            tokens = list(r.token_ids) + d.tokens + [g]
-            ahead_rows.append(replace(r, token_ids=tokens, num_tokens=min(r.num_tokens, capacity - len(tokens) + 1)))
-        following = self.propose(ahead_rows)
-        out = {}
-        for (r, d), a, nxt in zip(live, ahead_rows, following.rows):
-            assumed = list(a.token_ids[len(r.token_ids):])
-            self._ahead[r.slot] = (assumed, self._base[r.slot], self._k[r.slot])
-            self._base[r.slot], self._k[r.slot] = saved[r.slot]
-            out[r.slot] = (assumed, nxt)
-        return out
+    def _unfed(self, row: ProposalRow, draft: DraftRow) -> list[int] | None:
+        """Overlapped drafting (``DraftModelProposer.propose_ahead``) feeds the whole draft (its
+        cache holds the committed tokens only) to guess the bonus token, then drafts from the
+        assumed tokens as ``propose`` does."""
+        fresh = self.runner.lengths[row.slot] == self._base[row.slot] == len(row.token_ids)
+        return list(draft.tokens) if fresh else None
 
-    def commit(self, rows: Sequence[CommitRow]) -> None:
-        for row in rows:
-            ahead = self._ahead.pop(row.slot, None)
-            base = self._base.pop(row.slot, None)
-            self._k.pop(row.slot, None)
-            if base is None or ahead is None:  # the cache holds committed tokens only: nothing to undo
-                continue
-            if list(row.tokens) == ahead[0]:  # the guess came true: the next draft is made
-                self._base[row.slot], self._k[row.slot] = ahead[1], ahead[2]
-            else:  # the draft's tokens were fed ahead: keep the accepted ones
-                self.runner.set_length(row.slot, base + row.num_accepted)
+    def _rollback(self, row: CommitRow, base: int, k: int, ahead) -> int | None:
+        """Nothing to undo (the masks' KV was never kept), unless the draft was fed ahead: keep its
+        accepted tokens."""
+        return None if ahead is None else base + min(row.num_accepted, k)
 
 
 # -- checkpoints ------------------------------------------------------------------------------------

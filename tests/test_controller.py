@@ -16,13 +16,15 @@ from tests.conftest import hf_greedy
 from tests.test_engine import ragged_prompts
 
 
-def simulate(acceptance: float, steps: int = 300, batch: int = 1, draft_cost: float = 0.2) -> int:
-    """A step costs 1 + draft_cost * k (ms); each draft position is accepted with ``acceptance``."""
+def simulate(acceptance: float, steps: int = 300, batch: int = 1, draft_cost: float = 0.2, block: float | None = None,
+             verify_cost: float = 0.0) -> int:
+    """A step costs 1 + draft_cost * k (ms) — or, for a block drafter, 1 + block + verify_cost * k
+    whenever it drafts (one forward whatever k); each draft position is accepted with ``acceptance``."""
     import random
 
     rng = random.Random(0)
     c = AdaptiveSpeculation()
-    rows = [RowView(f"r{i}", "m") for i in range(batch)]
+    rows = [RowView(f"r{i}", "m", block=block is not None) for i in range(batch)]
     for _ in range(steps):
         ks = c.caps(rows)
         accepted = []
@@ -31,7 +33,9 @@ def simulate(acceptance: float, steps: int = 300, batch: int = 1, draft_cost: fl
             while n < k and rng.random() < acceptance:
                 n += 1
             accepted.append(n)
-        c.observe(rows, ks, accepted, 0.001 * (1 + draft_cost * max(ks)))
+        k = max(ks)
+        cost = 1 + draft_cost * k if block is None else 1 + (block + verify_cost * k if k else 0)
+        c.observe(rows, ks, accepted, 0.001 * cost)
     c._steps = 1  # decide without an exploration step
     return c.caps(rows)[0]
 
@@ -47,6 +51,16 @@ def test_controller_drafts_long_when_everything_is_accepted():
 def test_controller_in_between():
     mid = simulate(0.7)
     assert 1 <= mid <= 6 and simulate(0.7, draft_cost=2.0) < mid  # costlier drafts: shorter
+
+
+def test_a_block_drafter_is_priced_as_one_forward_per_block():
+    """Drafting costs a block drafter one forward whatever k: at the same acceptance it drafts
+    longer than a drafter paying per token whose total cost at k = 4 is the same, and it is
+    still switched off when nothing is accepted."""
+    per_token = simulate(0.7, draft_cost=0.25)
+    block = simulate(0.7, block=0.9, verify_cost=0.025)
+    assert block > per_token and block >= 5, (block, per_token)
+    assert simulate(0.0, block=0.9, verify_cost=0.025) == 0
 
 
 def test_fixed_requests_keep_their_k():

@@ -17,6 +17,7 @@ from specray.engine.config import EngineConfig
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.engine.runner import ModelRunner
+from specray.policies.base import ProposalRow
 from specray.policies.pard import PardOptions, PardProposer, mask_token_of
 from specray.policies.registry import parse_speculation
 from specray.policies.spec_length import SpeculationLengthPolicy
@@ -102,6 +103,37 @@ def test_one_forward_per_step_and_the_masks_kv_discarded(tiny_pair, references):
     assert [o.token_ids for o in outs] == references and len(checked) > 5
     totals = engine.totals
     assert totals.num_accepted_tokens >= totals.num_drafts, (totals.num_accepted_tokens, totals.num_drafts)
+
+
+@pytest.mark.parametrize("guess", ["came true", "missed"])
+def test_drafting_ahead_equals_drafting_afresh(tiny_pair, guess):
+    """Overlapped drafting in one process: the draft made ahead (the whole draft fed, the bonus
+    guessed) equals a fresh model's draft for the assumed tokens; when the guess misses, the
+    cache keeps the accepted tokens only and the next draft equals a fresh one again."""
+    from specray.engine.runner import ModelRunner
+    from specray.policies.base import CommitRow
+
+    model = pard_model(tiny_pair[0])  # the target drafting for itself: its first position is right
+
+    def fresh(tokens, k=3):
+        return PardProposer(ModelRunner(copy.deepcopy(model), 1, 64)).propose([ProposalRow(0, tokens, k)]).rows[0]
+
+    proposer = PardProposer(ModelRunner(copy.deepcopy(model), 1, 64))
+    tokens = ragged_prompts(1)[0] + [7]
+    draft = proposer.propose([ProposalRow(0, tokens, 3)])
+    assert draft.rows[0].tokens == fresh(tokens).tokens
+    (assumed, following), = proposer.propose_ahead([ProposalRow(0, tokens, 3)], draft).values()
+    assert assumed[:3] == draft.rows[0].tokens and following.tokens == fresh(tokens + assumed).tokens
+    if guess == "came true":
+        proposer.commit([CommitRow(0, assumed, [0, 1, 2, 3])])
+        assert proposer.runner.lengths[0] == len(tokens + assumed)
+        nxt = tokens + assumed
+    else:
+        emitted = [draft.rows[0].tokens[0], (draft.rows[0].tokens[1] + 1) % 60]  # one accepted, then another token
+        proposer.commit([CommitRow(0, emitted, [0, 1])])
+        assert proposer.runner.lengths[0] == len(tokens) + 1  # the accepted draft token's KV kept
+        nxt = tokens + emitted
+    assert proposer.propose([ProposalRow(0, nxt, 3)]).rows[0].tokens == fresh(nxt).tokens
 
 
 def test_pard_mixes_with_other_methods_in_one_batch(tiny_pair, references):
