@@ -215,3 +215,161 @@ def test_training_learns_and_saves_the_published_layout(tmp_path):
     outs = engine.generate(ragged_prompts(3), GREEDY, SpeculationParams(method="dflash"))
     assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(3)]
     assert engine.totals.num_accepted_tokens > 0
+
+
+def published_checkpoint(target, path, **options) -> dict:
+    """A drafter written by hand in z-lab's layout (names and config keys as vLLM and SGLang read
+    them), from a random drafter's tensors; returns them."""
+    from safetensors.torch import save_file
+
+    drafter = random_drafter(target, **options)
+    state = {k: v.clone() for k, v in drafter.state_dict().items()}
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_hidden_layers": 2,
+           "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 256, "vocab_size": 64,
+           "num_target_layers": 2, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+           "block_size": drafter.block_size,
+           "dflash_config": {"mask_token_id": drafter.mask_token_id, "target_layer_ids": list(drafter.target_layer_ids)}}
+    (path / "config.json").write_text(json.dumps(cfg))
+    shipped = {f"model.{k}": v for k, v in state.items()}  # some trainers save under model.
+    shipped["embed_tokens.weight"] = torch.zeros(64, 32)  # the target's, not read
+    save_file(shipped, str(path / "model.safetensors"))
+    return state
+
+
+def test_a_hand_written_published_checkpoint_loads_and_serves(tiny_pair, tmp_path):
+    target = tiny_pair[0]
+    state = published_checkpoint(target, tmp_path / "d")
+    loaded = DFlashDrafter.load(tmp_path / "d", hidden_size=32, num_layers=2)
+    assert loaded.block_size == 6 and loaded.mask_token_id == MASK and loaded.layer_ids == (1, 1)
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, state[k])
+    engine = LLMEngine(EngineConfig(target="x", checkpoints={"dflash": str(tmp_path / "d")}, max_num_seqs=2),
+                       target_model=copy.deepcopy(target))
+    outs = engine.generate(ragged_prompts(2), GREEDY, SpeculationParams(method="dflash"))
+    assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(2)]
+    saved = tmp_path / "saved"  # and specray's own save reads back the same
+    loaded.save(saved, num_target_layers=2)
+    again = DFlashDrafter.load(saved, hidden_size=32, num_layers=2)
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in again.state_dict().items())
+
+
+def test_bad_drafter_files_are_refused_before_anything_starts(tiny_pair, tmp_path):
+    from specray.engine.checkpoints import checkpoint_problems
+
+    target = tiny_pair[0]
+    target_dir = tmp_path / "target"
+    target.save_pretrained(target_dir)
+
+    def problems(edit=None, drop=None) -> str:
+        path = tmp_path / f"d{len(list(tmp_path.iterdir()))}"
+        published_checkpoint(target, path)
+        if edit:
+            cfg = json.loads((path / "config.json").read_text())
+            edit(cfg)
+            (path / "config.json").write_text(json.dumps(cfg))
+        if drop:
+            from safetensors.torch import load_file, save_file
+
+            state = load_file(str(path / "model.safetensors"))
+            save_file({k: v for k, v in state.items() if drop not in k}, str(path / "model.safetensors"))
+        found = checkpoint_problems(EngineConfig(target=str(target_dir), checkpoints={"dflash": str(path)}))
+        return " | ".join(p.message for p in found)
+
+    assert problems() == ""
+    assert "DFlash-2" in problems(lambda c: c.update(architectures=["DFlash2DraftModel"]))
+    assert "sliding-window" in problems(lambda c: c.update(layer_types=["sliding_attention"] * 2))
+    assert "target_layer_ids" in problems(lambda c: c["dflash_config"].pop("target_layer_ids"))
+    assert "last" in problems(lambda c: c["dflash_config"].update(target_layer_ids=[0, 1]))
+    assert "hidden size" in problems(lambda c: c.update(hidden_size=48))
+    assert "mask token" in problems(lambda c: c["dflash_config"].update(mask_token_id=99))
+    assert "k_norm" in problems(drop="k_norm")
+
+
+# -- every entry point ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_pair, tmp_path_factory):
+    path = tmp_path_factory.mktemp("dflash")
+    random_drafter(tiny_pair[0]).save(path, num_target_layers=2)
+    return str(path)
+
+
+@pytest.mark.parametrize("mode", ["separate", "colocated"])
+def test_dflash_through_the_coordinator(ray_session, tiny_checkpoints, tiny_pair, drafter_dir, mode):
+    from specray.actors.coordinator import Coordinator
+    from tests.test_actors import GREEDY as GREEDY_DICT, PROMPTS, shutdown
+
+    c = Coordinator.remote({**tiny_checkpoints, "checkpoints": {"dflash": drafter_dir}, "max_num_seqs": 3,
+                            "placement": {"mode": mode}})
+    try:
+        specs = [{"method": "dflash", **({"num_speculative_tokens": 3} if i % 2 else {})} for i in range(len(PROMPTS))]
+        refs = [c.generate.remote([p], GREEDY_DICT, s) for p, s in zip(PROMPTS, specs)]
+        outs = [ray.get(r)[0] for r in refs]
+        assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_pair[0], p, GREEDY_DICT["max_tokens"]) for p in PROMPTS]
+        assert sum(o["metrics"]["num_drafts"] for o in outs) > 0
+        with pytest.raises(ValueError, match="block of 6"):
+            ray.get(c.generate.remote([[1, 2]], GREEDY_DICT, {"method": "dflash", "num_speculative_tokens": 9}))
+    finally:
+        shutdown(c)
+
+
+def test_dflash_batch_job_and_cli(ray_session, tiny_checkpoints, tiny_pair, drafter_dir, tmp_path, capsys):
+    from specray.entrypoints import jobs
+    from specray.entrypoints.cli import main
+    from tests.test_serve import ALPHABET, save_char_tokenizer
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text(f"target: {tiny_checkpoints['target']}\ncheckpoints:\n  dflash: {drafter_dir}\nmax_num_seqs: 2\n"
+                      f"placement:\n  timeout_s: 60\n")
+    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4]]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt": p, "sampling": {"max_tokens": 16, "temperature": 0},
+                                       "speculation": {"method": "dflash"}}) + "\n" for p in prompts))
+    out = tmp_path / "out.jsonl"
+    assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [o["token_ids"] for o in lines] == [hf_greedy(tiny_pair[0], p, 16) for p in prompts]
+    assert sum(o["metrics"]["num_drafts"] for o in lines) > 0
+
+    target_dir = tmp_path / "target"
+    tiny_pair[0].save_pretrained(target_dir)
+    save_char_tokenizer(target_dir)
+    common = ["generate", "--prompt", "dbdbfjcg", "--target", str(target_dir), "--max-tokens", "12", "--json"]
+    want = hf_greedy(tiny_pair[0], [ALPHABET.index(c) for c in "dbdbfjcg"], 12)
+    assert main([*common, "--method", "dflash", "--dflash", drafter_dir, "--num-speculative-tokens", "4"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want and got["method"] == "dflash" and got["metrics"]["num_drafts"] > 0
+    assert main([*common, "--speculative-config", json.dumps({"method": "dflash", "model": drafter_dir})]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
+    assert main([*common, "--method", "dflash"]) == 2
+    assert "--method dflash needs --dflash DIR" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_dflash_over_http(server, tiny_checkpoints, tiny_pair, drafter_dir, tmp_path_factory):
+    import httpx
+    from ray import serve
+
+    from specray.entrypoints.app import build_app
+    from tests.test_serve import cpu_placement, decode, save_char_tokenizer, wait_until_serving
+
+    tok = tmp_path_factory.mktemp("dflash-tok")
+    save_char_tokenizer(tok)
+    cfg = {"model_name": "df", "engine": {**tiny_checkpoints, "tokenizer": str(tok), "max_num_seqs": 2,
+                                          "checkpoints": {"dflash": drafter_dir}, "placement": cpu_placement("separate")}}
+    serve.run(build_app(cfg), name="df", route_prefix="/df")
+    try:
+        url = f"{server}/df"
+        wait_until_serving(url, "df")
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+        body = {"model": "df", "prompt": prompt, "max_tokens": 20, "temperature": 0,
+                "speculation": {"method": "dflash", "num_speculative_tokens": 5}}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert r["choices"][0]["text"] == decode(hf_greedy(tiny_pair[0], prompt, 20))
+        assert r["speculation_metrics"][0]["num_drafts"] > 0
+        body["speculation"] = {"method": "dflash", "num_speculative_tokens": 6}
+        bad = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert bad.status_code == 400 and "num_speculative_tokens" in bad.text
+    finally:
+        serve.delete("df")

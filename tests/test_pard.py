@@ -332,13 +332,15 @@ def test_pard_over_http(server, tiny_checkpoints, tiny_pair, pard_dir, tmp_path_
 # -- training ------------------------------------------------------------------------------------------
 def test_cod_training_entries_equal_the_masks_drafted_at_inference(tiny_pair):
     """Each kept entry (j, t) of a COD sequence computes what the model computes at inference
-    for the j-th mask after root x_{t-j}: the layout's mask and positions are exact."""
-    from specray.training.pard import _additive, cod_layout, cod_mask
+    for the j-th mask after root x_{t-j}, with the whole prefix before it: the layout's mask and
+    positions are exact."""
+    from specray.training.pard import _additive, cod_mask, sequence_layout
 
     model = copy.deepcopy(tiny_pair[1]).eval()
-    tokens = torch.randint(0, 60, (24,), generator=torch.Generator().manual_seed(1))
-    copy_ids, pos = cod_layout(24, 5, 0.7, 0.3, torch.Generator().manual_seed(2))
-    assert (copy_ids == 0).sum() == 24 and 24 < len(pos) < 5 * 24
+    tokens = torch.randint(0, 60, (40,), generator=torch.Generator().manual_seed(1))
+    copy_ids, pos = sequence_layout(40, 14, 20, 5, 0.7, 0.3, torch.Generator().manual_seed(2))
+    assert (copy_ids == 0).sum() == 40 and 40 < len(pos) < 40 + 4 * 20
+    assert pos[copy_ids > 0].min() >= 15 and pos[copy_ids > 0].max() < 34  # masks in the window only
     seen = {(int(j), int(t)) for j, t in zip(copy_ids, pos)}
     assert all((j - 1, t - 1) in seen for j, t in seen if j > 1)  # COD: an entry's earlier masks are kept
     ids = torch.where(copy_ids == 0, tokens[pos], torch.full_like(pos, MASK))
@@ -361,7 +363,7 @@ def test_training_learns_and_saves_the_published_keys(tmp_path):
     target = tiny_llama(layers=2, seed=0)
     target.save_pretrained(tmp_path / "target")
     tiny_llama(layers=1, seed=1).save_pretrained(tmp_path / "draft")
-    common = dict(batch_size=8, width=32, sequences=64, gen_len=24, copies=4, mask_token=MASK,
+    common = dict(batch_size=8, width=16, sequences=64, gen_len=24, copies=4, mask_token=MASK,
                   prompts=random_prompts)
     first = T.train_pard(str(tmp_path / "target"), str(tmp_path / "draft"), str(tmp_path / "p1"), steps=1, **common)
     last = T.train_pard(str(tmp_path / "target"), str(tmp_path / "draft"), str(tmp_path / "p2"), steps=120,
@@ -376,3 +378,33 @@ def test_training_learns_and_saves_the_published_keys(tmp_path):
     outs = engine.generate(ragged_prompts(3), GREEDY, SpeculationParams(method="pard", num_speculative_tokens=4))
     assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(3)]
     assert engine.totals.num_accepted_tokens > 0
+
+
+def test_corpus_data_is_shared_through_the_disk_cache(tmp_path, monkeypatch):
+    """``--data-cache DIR``: a second process (here: a cleared in-process cache) asking for the same
+    corpus data reads it from disk instead of generating it again; other arguments, another file."""
+    from specray.training import base
+
+    made = []
+
+    def fake(target, tokenizer, sequences, gen_len, seed, prompts, context):
+        made.append(sequences)
+        s = base.SequenceSet(torch.full((2, 3), sequences), torch.zeros(2, 3, 4), torch.tensor([3, 3]),
+                             torch.tensor([1, 1]))
+        return base.DistillData(s, s, torch.zeros(5, 4), torch.zeros(5, 4), 0.0)
+
+    monkeypatch.setattr(base, "_distill_data", fake)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"x")
+    base.use_data_cache(str(tmp_path / "cache"))
+    try:
+        first = base.distill_data(str(target), None, 8, 4)
+        base._DATA.clear()
+        again = base.distill_data(str(target), None, 8, 4)
+        other = base.distill_data(str(target), None, 16, 4)
+    finally:
+        base.use_data_cache(None)
+        base._DATA.clear()
+    assert made == [8, 16] and torch.equal(first.train.tokens, again.train.tokens)
+    assert other.train.tokens[0, 0] == 16 and len(list((tmp_path / "cache").glob("distill-*.pt"))) == 2

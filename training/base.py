@@ -14,9 +14,13 @@ its rank measurement and its checkpoint.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import heapq
 import json
 import logging
+import os
+import pathlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -127,20 +131,49 @@ def target_layer_inputs(target: str, data: SequenceSet, layers: tuple[int, ...],
 
 
 _DATA: dict[tuple, DistillData] = {}  # one process training several heads builds the data once
+_DISK: list[str | None] = [None]  # a directory where processes share it (``--data-cache``), or None
+
+
+def use_data_cache(directory: str | None) -> None:
+    """Keep the corpus data on disk in ``directory`` too: another ``specray train`` with the same
+    target, tokenizer, sequences, generation length and seed reads it instead of generating it
+    again (the target's greedy continuations are deterministic)."""
+    _DISK[0] = directory
 
 
 def distill_data(target: str, tokenizer: str | None = None, sequences: int = 1024, gen_len: int = 128,
                  seed: int = 0, prompts: PromptSource | None = None, context: int = 512) -> DistillData:
     """Greedy continuations of ``sequences`` training prompts and ``sequences // 8`` held-out
     ones (another seed), with the target's features cached (per process, for the corpus
-    prompts)."""
+    prompts; on disk too with ``use_data_cache``)."""
     key = (target, tokenizer, sequences, gen_len, seed, context)
     if prompts is None and key in _DATA:
         return _DATA[key]
-    data = _distill_data(target, tokenizer, sequences, gen_len, seed, prompts, context)
+    disk = _disk_path(key) if prompts is None and _DISK[0] else None
+    if disk is not None and disk.is_file():
+        log.info("corpus data from %s", disk)
+        data = torch.load(disk, weights_only=False)
+    else:
+        data = _distill_data(target, tokenizer, sequences, gen_len, seed, prompts, context)
+        if disk is not None:
+            partial = disk.with_name(f".{disk.name}.{os.getpid()}.partial")  # written aside: a reader sees it whole
+            torch.save(dataclasses.replace(data, train=dataclasses.replace(data.train, taps={}),
+                                           held_out=dataclasses.replace(data.held_out, taps={})), partial)
+            partial.replace(disk)
     if prompts is None:
         _DATA[key] = data
     return data
+
+
+def _disk_path(key: tuple) -> pathlib.Path:
+    """The cache file of ``key``: named by its arguments and the target's weights' size and time."""
+    target = pathlib.Path(key[0])
+    stamp = [(f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in sorted(target.glob("*.safetensors"))
+             + sorted(target.glob("*.bin"))] if target.is_dir() else []
+    digest = hashlib.sha256(repr((str(target.resolve()), *key[1:], stamp)).encode()).hexdigest()[:16]
+    folder = pathlib.Path(_DISK[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"distill-{key[2]}x{key[3]}-{digest}.pt"
 
 
 def _distill_data(target, tokenizer, sequences, gen_len, seed, prompts, context) -> DistillData:
@@ -260,6 +293,9 @@ def add_common_args(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-eval", action="store_true", help="skip measuring the mean accepted length")
+    p.add_argument("--data-cache", default=os.environ.get("SPECRAY_DISTILL_CACHE"), metavar="DIR",
+                   help="keep the target's continuations and features in DIR, and read them from there when a "
+                        "recipe asks for the same data again (default: $SPECRAY_DISTILL_CACHE, else none)")
 
 
 def measure_accepted_length(target: str, tokenizer: str | None, method: str, head_dir: str, specs: dict[str, dict],
@@ -336,6 +372,7 @@ def run_recipe(argv: list[str] | None, parser: argparse.ArgumentParser, method: 
     with each of ``specs`` (unless --no-eval), print the report as JSON."""
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    use_data_cache(args.data_cache)
     target, tokenizer = resolve_target(args.target, args.tokenizer)
     report = train(args, target, tokenizer)
     if not args.no_eval and specs:  # (a recipe that measured its own passes none)

@@ -2,16 +2,18 @@
 conditional drop-token (COD) training.
 
 PARD (An et al., ICLR 2026) teaches a small causal LM to read k - 1 mask tokens after the
-committed ones and predict, at each, the token one place further on. A training window of L
-tokens becomes K copies in one sequence: copy 0 is the window itself (next-token prediction,
-as before), copy j holds mask tokens, and its entry at position t predicts x_{t+1} seeing the
-real tokens up to t - j and copy i's entry at t - (j - i) for 0 < i < j — exactly the j-th
-mask after root x_{t-j} at inference (``policies/pard.py``). Position ids are the window's, so
-every copy sits where it will at inference. Plain masked training keeps all K copies (K x the
-tokens); COD keeps copy j's entries at a random share max(r^j, r_min) of the positions, only
-where copy j - 1 kept the position before (an entry's masks before it must exist): about 3.5L
-tokens for K = 8, r = 0.7, r_min = 0.2 instead of 8L (AMD's ``down_sample_ration`` and
-``down_sample_ration_min``; their default r, r_min and K = 8).
+committed ones and predict, at each, the token one place further on. A window of L positions
+becomes K copies in one sequence: copy 0 is the text itself (next-token prediction, as before),
+copy j holds mask tokens, and its entry at position t predicts x_{t+1} seeing the real tokens
+up to t - j and copy i's entry at t - (j - i) for 0 < i < j — exactly the j-th mask after root
+x_{t-j} at inference (``policies/pard.py``). Copy 0 spans the whole prefix, not only the window,
+so every mask sees the context it will see at inference (a model adapted on windows cut out of
+their text forgets how to draft after a long prompt), and position ids are the sequence's own.
+Plain masked training keeps all K copies of the window (K x L entries); COD keeps copy j's at a
+random share max(r^j, r_min) of the positions, only where copy j - 1 kept the position before
+(an entry's masks before it must exist): about 2.4L mask entries for K = 8, r = 0.7,
+r_min = 0.2 instead of 7L (AMD's ``down_sample_ration`` and ``down_sample_ration_min``; their
+default r, r_min and K = 8). The loss covers the window's entries, copy 0's and the masks'.
 
 Labels: the target's next-token distribution at each position (the demo target's greedy
 continuations of corpus prompts, ``training/base.py``; its final-norm features through its LM
@@ -35,7 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from specray.training.base import SequenceSet, add_common_args, distill_data, optimise, run_recipe
-from specray.training.eagle3 import window_index
 
 
 def cod_layout(length: int, copies: int, keep: float, keep_min: float, gen: torch.Generator | None):
@@ -67,44 +68,68 @@ def _additive(mask: torch.Tensor) -> torch.Tensor:  # [N, N] bool -> [1, 1, N, N
     return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)[None, None]
 
 
-def pard_loss(model, data: SequenceSet, lm_head: torch.Tensor, index, layout, mask_token: int,
-              hard_labels: bool = False) -> torch.Tensor:
-    """Cross-entropy of every kept entry against its label over windows ``index``
-    (``window_index``); ``layout`` from ``cod_layout``."""
-    seq, t, valid = index  # [B], [B, W], [B, W]
-    copy, pos = layout  # [N]
-    rows = seq[:, None]
-    tokens = torch.where(copy[None] == 0, data.tokens[rows, t[:, pos]], torch.full_like(t[:, pos], mask_token))
+def sequence_layout(length: int, start: int, width: int, copies: int, keep: float, keep_min: float,
+                    gen: torch.Generator | None):
+    """The entries of a batch of sequences ``length`` long: copy 0 at every position (the whole
+    prefix, so that masks see the context they will see at inference), copies j >= 1 by COD over
+    the window [start, start + width). (copy [N], position [N])."""
+    copy, pos = cod_layout(width, copies, keep, keep_min, gen)
+    masks = copy > 0
+    return (torch.cat([torch.zeros(length, dtype=torch.long), copy[masks]]),
+            torch.cat([torch.arange(length), pos[masks] + start]))
+
+
+def sample_window(data: SequenceSet, batch: int, width: int, gen: torch.Generator):
+    """``batch`` sequences, their common padded length and a window start inside the continuations."""
+    seq = torch.randint(0, len(data.lengths), (batch,), generator=gen)
+    length = int(data.lengths[seq].max())
+    lo = max(int(data.prompt_lens[seq].min()) - 1, 0)
+    hi = max(lo, length - width)
+    return seq, length, lo + int(torch.randint(0, hi - lo + 1, (1,), generator=gen))
+
+
+def _forward(model, data: SequenceSet, seq, layout, mask_token: int):
+    """Logits [B, N, V] of every entry of ``layout`` over sequences ``seq`` (right-padded)."""
+    copy, pos = layout
+    tokens = data.tokens[seq][:, pos]  # [B, N]
+    ids = torch.where(copy[None] == 0, tokens, torch.full_like(tokens, mask_token))
     attention = _additive(cod_mask(copy, pos)).expand(len(seq), -1, -1, -1)
-    logits = model(input_ids=tokens, position_ids=t[:, pos], attention_mask=attention).logits  # [B, N, V]
-    keep = valid[:, pos]  # [B, N] entries whose next token exists
+    return model(input_ids=ids, position_ids=pos[None].expand(len(seq), -1), attention_mask=attention).logits
+
+
+def pard_loss(model, data: SequenceSet, lm_head: torch.Tensor, seq, layout, start: int, width: int,
+              mask_token: int, hard_labels: bool = False) -> torch.Tensor:
+    """Cross-entropy of the window's entries (copy 0 and the masks, AMD's loss) against their
+    labels: the target's distribution of x_{t+1} (or the token itself with ``hard_labels``)."""
+    copy, pos = layout
+    logits = _forward(model, data, seq, layout, mask_token)
+    n = data.lengths[seq][:, None]
+    keep = (pos[None] + 1 < n) & (pos[None] >= start) & (pos[None] < start + width)  # [B, N]
+    rows = seq[:, None].expand_as(keep)[keep]
+    at = pos[None].expand_as(keep)[keep]
     logq = torch.log_softmax(logits[keep].float(), dim=-1)  # [P, V]
     if hard_labels:
-        return F.nll_loss(logq, data.tokens[rows, t + 1][:, pos][keep])
+        return F.nll_loss(logq, data.tokens[rows, at + 1])
     with torch.no_grad():
-        p = torch.softmax(data.features[rows, t][:, pos][keep] @ lm_head.T, dim=-1)  # [P, V]
+        p = torch.softmax(data.features[rows, at] @ lm_head.T, dim=-1)  # [P, V]
     return -(p * logq).sum(-1).mean()
 
 
 @torch.no_grad()
 def position_accuracy(model, data: SequenceSet, copies: int, mask_token: int, width: int = 64,
-                      batch: int = 16) -> list[float]:
+                      batch: int = 8) -> list[float]:
     """Per draft position (1 = the last committed token's own prediction, j + 1 = the j-th
     mask's), the share of held-out continuation positions where the argmax is the target's
-    next token (its greedy continuation's)."""
-    layout = cod_layout(width, copies, 1.0, 1.0, None)
-    copy, pos = layout
+    next token (its greedy continuation's), every copy kept, each with its whole prefix."""
     hit, total = torch.zeros(copies), torch.zeros(copies)
     gen = torch.Generator().manual_seed(0)
     for _ in range(max(1, len(data.lengths) // batch)):
-        seq, t, valid = window_index(data, batch, width, gen)
-        tokens = torch.where(copy[None] == 0, data.tokens[seq[:, None], t[:, pos]],
-                             torch.full_like(t[:, pos], mask_token))
-        attention = _additive(cod_mask(copy, pos)).expand(len(seq), -1, -1, -1)
-        logits = model(input_ids=tokens, position_ids=t[:, pos], attention_mask=attention).logits
-        cont = valid & (t >= (data.prompt_lens[seq] - 1)[:, None])  # positions whose next token the target chose
-        right = logits.argmax(-1) == data.tokens[seq[:, None], t + 1][:, pos]  # [B, N]
-        counted = cont[:, pos]
+        seq, length, start = sample_window(data, batch, width, gen)
+        copy, pos = layout = sequence_layout(length, start, min(width, length - start), copies, 1.0, 1.0, None)
+        right = _forward(model, data, seq, layout, mask_token).argmax(-1) == data.tokens[seq][:, (pos + 1).clamp(
+            max=data.tokens.shape[1] - 1)]  # [B, N]
+        n, prompt = data.lengths[seq][:, None], data.prompt_lens[seq][:, None]
+        counted = (pos[None] + 1 < n) & (pos[None] >= prompt - 1) & (pos[None] >= start)
         for j in range(copies):
             at = counted & (copy[None] == j)
             hit[j] += (right & at).sum()
@@ -120,8 +145,8 @@ def default_mask_token(tokenizer: str) -> int:
     return tok.pad_token_id if tok.pad_token_id is not None else len(tok) - 1
 
 
-def train_pard(target: str, draft: str, out: str, tokenizer: str | None = None, steps: int = 600, lr: float = 3e-3,
-               batch_size: int = 16, width: int = 128, copies: int = 8, keep: float = 0.7, keep_min: float = 0.2,
+def train_pard(target: str, draft: str, out: str, tokenizer: str | None = None, steps: int = 600, lr: float = 1e-3,
+               batch_size: int = 8, width: int = 64, copies: int = 8, keep: float = 0.7, keep_min: float = 0.2,
                hard_labels: bool = False, mask_token: int | None = None, sequences: int = 1024, gen_len: int = 128,
                seed: int = 0, prompts=None) -> dict:
     """COD-train ``draft`` into a PARD model drafting up to ``copies`` tokens; save it to ``out``."""
@@ -138,9 +163,13 @@ def train_pard(target: str, draft: str, out: str, tokenizer: str | None = None, 
     before = position_accuracy(model.eval(), data.held_out, copies, mask)
     data_seconds = time.time() - start
     model.train()
-    final = optimise(model.parameters(), lambda step: pard_loss(
-        model, data.train, data.lm_head, window_index(data.train, batch_size, width, gen),
-        cod_layout(width, copies, keep, keep_min, gen), mask, hard_labels), steps, lr, "pard (COD)", clip=1.0)
+    def loss_at(step: int) -> torch.Tensor:
+        seq, length, start = sample_window(data.train, batch_size, width, gen)
+        span = min(width, length - start)
+        layout = sequence_layout(length, start, span, copies, keep, keep_min, gen)
+        return pard_loss(model, data.train, data.lm_head, seq, layout, start, span, mask, hard_labels)
+
+    final = optimise(model.parameters(), loss_at, steps, lr, "pard (COD)", clip=1.0)
     model.eval()
     after = position_accuracy(model, data.held_out, copies, mask)
     model.config.pard_token, model.config.spd_type, model.config.pard_max_tokens = mask, "pard", copies
@@ -157,10 +186,10 @@ EVAL_SPECS = {"k=4": {"num_speculative_tokens": 4}, "k=6": {"num_speculative_tok
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specray train pard", description=__doc__.split("\n\n")[0])
-    add_common_args(p, steps=600, lr=3e-3)
+    add_common_args(p, steps=600, lr=1e-3)
     p.add_argument("--draft", default=None, help="the draft model to adapt (default: the demo draft)")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per step")
-    p.add_argument("--width", type=int, default=128, help="tokens per window (L)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--width", type=int, default=64, help="positions of the window the masks cover (L)")
     p.add_argument("--copies", type=int, default=8, help="K: the most tokens the model will draft per forward")
     p.add_argument("--keep", type=float, default=0.7, help="COD: copy j keeps max(keep^j, keep-min) of the positions")
     p.add_argument("--keep-min", type=float, default=0.2)
