@@ -49,7 +49,8 @@ class EngineWorker(Placed):
 
         def proxy(method: str, options: dict):
             def make(ctx: ProposerContext) -> RemoteProposer:  # drafts over the target's vocab and context
-                self.remote[method] = RemoteProposer(method, config, options, ctx.vocab_size, ctx.capacity, overlap)
+                self.remote[method] = RemoteProposer(method, config, options, ctx.vocab_size, ctx.capacity, overlap,
+                                                    ctx.target.paging)
                 return self.remote[method]
 
             return make
