@@ -36,6 +36,11 @@ FLAT_KEYS: dict[str, tuple[str, ...]] = {
     "max_model_len": ("engine", "max_model_len"),
     "max_num_seqs": ("engine", "max_num_seqs"),
     "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),
+    "paged_kv": ("engine", "paged_kv"),
+    "block_size": ("engine", "block_size"),
+    "num_gpu_blocks_override": ("engine", "num_gpu_blocks_override"),
+    "kv_cache_memory_bytes": ("engine", "kv_cache_memory_bytes"),
+    "enable_prefix_caching": ("engine", "enable_prefix_caching"),
 }
 # vLLM's names for methods and their options in --speculative-config, as specray's.
 SPEC_METHOD_ALIASES = {"draft_model": "draft", "prompt_lookup": "ngram"}
