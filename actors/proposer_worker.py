@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from specray.engine.config import EngineConfig
-from specray.engine.drafter_versions import weights_module
+from specray.engine.drafter_versions import forget_prefixes, weights_module
 from specray.engine.kv_blocks import PagingConfig, proposer_paging
 from specray.engine.runner import ModelRunner
 from specray.policies.base import CommitRow, Draft, PrefillRow, ProposalRow
@@ -116,6 +116,7 @@ class ProposerWorker(Placed):
         (``engine/drafter_versions.py``)."""
         with torch.no_grad():
             weights_module(self.resource).load_state_dict(state)
+        forget_prefixes(self.resource, self.proposer)
         for s in list(self._tokens):
             self.proposer.release(s)
 

@@ -47,6 +47,7 @@ class LocalExecutor:
         self.taps: list = []
         self._live: dict[int, object] = {}  # slot -> its request (paged KV: tokens to publish)
         self._starts: dict[int, int] = {}  # slot -> cached prefix its last prefill started from
+        self.rebuilds_heads = False  # drafter versions (online learning) keep features from position 0
 
     async def prefill(self, reqs, sampled):
         starts = [self._attach_prefix(r) for r in reqs]
@@ -152,6 +153,8 @@ class LocalExecutor:
         scored = r.sampling.prompt_logprobs is not None and not r.output_ids
         limit = 0 if scored else len(ids) - 1  # the last token is always computed (its logits)
         head = self._head_runner(r.method)
+        if head is not None and self.rebuilds_heads:
+            limit = 0  # online learning rebuilds a head's KV from the target's features of every position
         n = self.target.cached_prefix(ids, limit) if limit > 0 else 0
         if n and head is not None:
             n = min(n, head.cached_prefix(ids, limit))

@@ -235,6 +235,11 @@ class BlockTables:
         self.rows[row] = []
         self._chains[row] = []
 
+    def forget(self) -> None:
+        """Drop every cached prefix of this pool (its model's weights changed)."""
+        self.pool.forget()
+        self._chains = [[] for _ in self.rows]
+
     # -- prefix caching ----------------------------------------------------------------------
     def keys(self, token_ids: Sequence[int], limit: int) -> list[bytes]:
         """Cache keys of the full blocks within token_ids[:limit] (and, with a shift, whose

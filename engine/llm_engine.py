@@ -124,6 +124,7 @@ class LLMEngine:
             self.capture = Capture(config.online_learning, self.versions.methods)
             self.capture.versions = self.versions.serving
             self.executor.taps += [self.versions, self.capture]
+            self.executor.rebuilds_heads = True
         self._text_sent: dict[str, int] = {}  # request id -> characters of its text in deltas so far
 
     def _runner_for(self, model, extra_capacity: int = 0, shift: int = 0) -> ModelRunner:

@@ -143,6 +143,12 @@ class ModelRunner:
         self.blocks.sync()
         return self.lengths[slot]
 
+    def forget_prefixes(self) -> None:
+        """The weights changed (a new drafter version): no cached block may be reused, and no
+        row's blocks are published again (rows are rebuilt from scratch)."""
+        if self.blocks is not None:
+            self.blocks.forget()
+
     def publish(self, slot: int, token_ids: Sequence[int]) -> None:
         """The slot's cached positions hold token_ids' entries: its full blocks may be reused
         by rows that start with the same tokens."""

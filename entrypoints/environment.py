@@ -38,4 +38,6 @@ def describe() -> str:
     lines.append(f"dtype         {resolve_dtype('auto', device)} (--dtype auto: bfloat16 on CUDA, float32 on CPU)")
     kernel, why = attention_backend(device)
     lines.append(f"attention     {kernel}: {why}")
+    lines.append(f"paged KV      each forward gathers its rows' blocks (block table on the device), then {kernel} "
+                 "attends over them (--no-paged-kv: contiguous rows, read in place)")
     return "\n".join(lines)

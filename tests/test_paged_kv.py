@@ -200,3 +200,15 @@ def test_a_prompt_that_can_never_fit_is_refused_and_a_long_one_stops_at_the_pool
         e.add_request(list(range(60)), GREEDY)
     out = e.generate([list(range(40))], SamplingParams(max_tokens=30, temperature=0.0))[0]
     assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 48
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "medusa"])
+def test_seeded_sampling_is_unchanged_by_preemption(tiny_pair, name):
+    """A preempted request keeps its generator (nothing is sampled while it waits, and its
+    recompute samples nothing): seeded sampled outputs equal the unpreempted run's."""
+    prompts = shared_prompts(8)
+    sampling = [SamplingParams(max_tokens=40, temperature=0.9, seed=100 + i) for i in range(8)]
+    reference = [o.token_ids for o in engine(tiny_pair, paged_kv=False).generate(prompts, sampling, speculation(name))]
+    small = engine(tiny_pair, num_kv_blocks=12)
+    assert [o.token_ids for o in small.generate(prompts, sampling, speculation(name))] == reference
+    assert small.stats()["preemptions"] > 0
