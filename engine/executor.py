@@ -55,6 +55,7 @@ class LocalExecutor:
         out = self.target.forward([r.slot for r in reqs], [r.prefill_ids[n:] for r, n in zip(reqs, starts)], every,
                                   **self._wants_features(reqs))
         self._last = out
+        self._publish([r.slot for r in reqs])  # the target's prompt blocks (a head's follow at its commit)
         logits, prompts = L.split_prefill(out.logits, reqs, starts) if every is not None else (out.logits, {})
         scores = TargetScores.from_logits(logits, sampled, L.wanted(reqs), processed(logits, reqs, None))
         self._tap("prefilled", reqs, logits)
@@ -159,7 +160,7 @@ class LocalExecutor:
         if n and head is not None:
             n = min(n, head.cached_prefix(ids, limit))
         n = self.target.attach(r.slot, ids, n)
-        if head is not None and n:
+        if head is not None:
             head.attach(r.slot, ids, n)
         r.metrics.num_cached_tokens += n
         self._live[r.slot] = r

@@ -24,6 +24,7 @@ are published; a row never writes below its length, so a shared block is never w
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Sequence
@@ -31,6 +32,7 @@ from typing import Sequence
 import torch
 
 DEFAULT_BLOCK_SIZE = 16
+KEYS_REMEMBERED = 64  # prompts whose block keys a BlockTables keeps (admission asks before the attach)
 
 
 class KVCacheFull(RuntimeError):
@@ -91,7 +93,7 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, start: int, stop: in
 
 
 def _pack(tokens: Sequence[int]) -> bytes:
-    return b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens)
+    return array("q", tokens).tobytes()
 
 
 def cache_key(chain: bytes, token_ids: Sequence[int], end: int, shift: int) -> bytes:
@@ -194,6 +196,7 @@ class BlockTables:
         self.rows: list[list[int]] = [[] for _ in range(rows)]
         self._chains: list[list[bytes]] = [[] for _ in range(rows)]  # hash of each published block
         self._pending: list[tuple[int, int, int]] = []  # (row, index, block) not yet on the device
+        self._memo: OrderedDict[tuple, list[bytes]] = OrderedDict()  # token prefix -> its keys
 
     def held(self, row: int) -> int:
         return len(self.rows[row])
@@ -243,10 +246,24 @@ class BlockTables:
     # -- prefix caching ----------------------------------------------------------------------
     def keys(self, token_ids: Sequence[int], limit: int) -> list[bytes]:
         """Cache keys of the full blocks within token_ids[:limit] (and, with a shift, whose
-        next ``shift`` tokens exist)."""
+        next ``shift`` tokens exist). The last few prompts' keys are remembered: admission,
+        the prefix lookup and the attach ask for the same ones."""
+        return self._hashes(token_ids, limit)[1]
+
+    def _hashes(self, token_ids: Sequence[int], limit: int) -> tuple[list[bytes], list[bytes]]:
+        """(chain hashes, cache keys) of the full blocks within token_ids[:limit]."""
         n = min(limit, len(token_ids) - self.shift) // self.block_size
+        covered = tuple(token_ids[: n * self.block_size + self.shift]) if n else ()
+        hit = self._memo.get(covered)
+        if hit is not None:
+            self._memo.move_to_end(covered)
+            return hit
         chains = chain_hashes(token_ids, self.block_size, 0, n, None)
-        return [cache_key(c, token_ids, (j + 1) * self.block_size, self.shift) for j, c in enumerate(chains)]
+        keys = [cache_key(c, token_ids, (j + 1) * self.block_size, self.shift) for j, c in enumerate(chains)]
+        self._memo[covered] = (chains, keys)
+        if len(self._memo) > KEYS_REMEMBERED:
+            self._memo.popitem(last=False)
+        return chains, keys
 
     def cached(self, token_ids: Sequence[int], limit: int) -> int:
         """How many leading full blocks of token_ids[:limit] the pool has cached."""
@@ -263,13 +280,13 @@ class BlockTables:
         most what is cached); returns the tokens they hold."""
         if self.rows[row]:
             raise RuntimeError(f"row {row} holds blocks: free it before attaching a prefix")
-        keys = self.keys(token_ids, len(token_ids))
+        chains, keys = self._hashes(token_ids, len(token_ids) - 1)  # as a prefill's lookup asks
         blocks = self.pool.lookup(keys[:num_blocks])
         self.pool.count(len(token_ids), len(blocks) * self.block_size)
         for block in blocks:
             self.pool.take(block)
             self._assign(row, block)
-        self._chains[row] = chain_hashes(token_ids, self.block_size, 0, len(blocks), None)
+        self._chains[row] = chains[: len(blocks)]
         return len(blocks) * self.block_size
 
     def publish(self, row: int, token_ids: Sequence[int], length: int) -> None:

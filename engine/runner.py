@@ -137,9 +137,10 @@ class ModelRunner:
         """Start ``slot`` afresh holding the cached blocks of token_ids' first ``tokens``
         tokens (a multiple of the block size, at most ``cached_prefix``); returns its length."""
         self.reset(slot)
-        if self.blocks is None or tokens <= 0:
+        if self.blocks is None:
             return 0
-        self.lengths[slot] = self.blocks.attach(slot, token_ids, tokens // self.blocks.block_size)
+        # (with tokens 0 too: the lookup counts as a prefix-cache query)
+        self.lengths[slot] = self.blocks.attach(slot, token_ids, max(tokens, 0) // self.blocks.block_size)
         self.blocks.sync()
         return self.lengths[slot]
 
