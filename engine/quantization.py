@@ -289,3 +289,42 @@ def describe(model: nn.Module) -> str:
                      for k in kernels)
     return (f"fp8: {len(layers)} linear layers in float8_e4m3fn, {how}; linear layers {linear / 2**20:.2f} MiB, "
             f"all weights {total / 2**20:.2f} MiB")
+
+
+def describe_plan(target: str, draft: str | None, quantization: str | None, draft_quantization: str | None,
+                  kernel: str) -> str:
+    """One line, before anything loads: how the target's and the draft's weights will be held."""
+    def plan(path: str, requested: str | None) -> str:
+        try:
+            stored = checkpoint_quantization(path)
+        except (OSError, ValueError) as exc:
+            return f"unreadable ({' '.join(str(exc).split())})"
+        if stored is not None:
+            return stored.describe()
+        return "fp8 (quantized at load, per-channel scales)" if requested else "none"
+
+    line = f"quantization: target {plan(target, quantization)}"
+    if draft is not None:
+        line += f", draft {plan(draft, draft_quantization)}"
+    if "fp8" in line.lower():
+        line += ("; FP8 layers multiply in FP8 (W8A8, torch._scaled_mm)" if kernel == "scaled_mm"
+                 else "; FP8 layers are dequantized for each matmul (W8A16)")
+    return line
+
+
+def planned_weight_bytes(path: str, dtype: str, quantization: str | None) -> int | None:
+    """The bytes a checkpoint's weights will take once loaded in FP8 — quantized at load, or as
+    stored — computed on the meta device (nothing is read but config.json); None when it is
+    neither (the caller sizes it from its files)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    stored = stored_fp8(getattr(config, "quantization_config", None))
+    if stored is None and quantization is None:
+        return None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        quantize_linears(model)  # a stored checkpoint's ignored layers are counted as FP8 too: a little low
+    return weight_bytes(model)[1]
