@@ -57,8 +57,8 @@ class ModelRunner:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.capacity = capacity
-        # The compute dtype: the embedding's (FP8 linear layers hold float8 weights beside it).
-        param = model.get_input_embeddings().weight
+        # The compute dtype: the first parameter not stored in FP8 (FP8 layers hold float8 weights).
+        param = next(p for p in model.parameters() if p.element_size() > 1)
         self.device, self.dtype = param.device, param.dtype
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         head_dim = getattr(text_config, "head_dim", None) or (
