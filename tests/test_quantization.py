@@ -428,3 +428,36 @@ def test_a_batch_job_on_ray_with_fp8_target_and_draft_workers(ray_session, tiny_
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [o["token_ids"] for o in lines] == refs
     assert sum(o["metrics"]["num_drafts"] for o in lines) > 0
+
+
+# -- the demo pair -----------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_quantization", ["fp8", None], ids=["fp8 draft", "float draft"])
+def test_the_demo_pair_in_fp8_is_lossless_for_every_method(demo_pair, demo_models, draft_quantization):
+    """The trained pair with --quantization fp8: every method's greedy output equals the FP8
+    target's plain decoding (and HF generate of the FP8 model); heads are random (they need not
+    be good to be lossless)."""
+    from specray.demo import held_out_prompts
+    from tests.test_eagle import random_head
+    from tests.test_eagle3 import random_head3
+    from tests.test_medusa import random_heads
+    from tests.test_redrafter import random_drafter
+
+    target = demo_models[0]
+    hidden, vocab = target.config.hidden_size, target.config.vocab_size
+    heads = {"medusa": random_heads(hidden=hidden, vocab=vocab), "eagle": random_head(target),
+             "redrafter": random_drafter(hidden=hidden, vocab=vocab), "eagle3": random_head3(target)}
+    engine = LLMEngine(EngineConfig(target=demo_pair.target, draft=demo_pair.draft, tokenizer=demo_pair.tokenizer,
+                                    max_num_seqs=4, quantization="fp8", draft_quantization=draft_quantization),
+                       resources=heads)
+    assert isinstance(engine.target.decoder.layers[0].mlp.down_proj, FP8Linear)
+    prompts = held_out_prompts(4, demo_pair.tokenizer)
+    sampling = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in engine.generate(prompts, sampling, SpeculationParams(method="none"))]
+    fp8_hf = copy.deepcopy(target)
+    quantize_linears(fp8_hf)
+    first = demo_models[2].encode(prompts[0], add_special_tokens=False)
+    assert plain[0] == hf_greedy(fp8_hf, first, 24)
+    for name, spec in SPECS.items():
+        outs = engine.generate(prompts, sampling, SpeculationParams(**spec))
+        assert [o.token_ids for o in outs] == plain, name
