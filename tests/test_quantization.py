@@ -183,6 +183,28 @@ def test_sampling_runs_through_fp8_layers(tiny_pair, fp8_pair):
     assert all(len(o.token_ids) == 12 for o in outs)
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi",
+                                  "phi3", "starcoder2", "gpt2", "gpt_bigcode", "gpt_neox", "opt"])
+def test_every_served_architecture_quantizes_and_stays_lossless(name):
+    """Each family's linear layers (GPT-2's Conv1D included) go to FP8, the LM head stays; plain and
+    draft decoding of the FP8 pair equal HF generate of the FP8 target."""
+    from tests.test_architectures import ARCHS, GREEDY as ARCH_GREEDY, PROMPTS, family
+
+    assert name in ARCHS
+    target, draft = (copy.deepcopy(m) for m in family(name)[:2])
+    assert quantize_linears(target) >= 4 * target.config.get_text_config().num_hidden_layers // 2
+    quantize_linears(draft)
+    assert not isinstance(target.get_output_embeddings(), FP8Linear)
+    assert not any(isinstance(m, torch.nn.Linear) and m is not target.get_output_embeddings()
+                   for m in target.modules())
+    refs = [hf_greedy(target, p, ARCH_GREEDY.max_tokens) for p in PROMPTS]
+    for method in ("none", "draft"):
+        engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4), target_model=copy.deepcopy(target),
+                           draft_model=copy.deepcopy(draft) if method == "draft" else None)
+        spec = SpeculationParams(method=method, **({"num_speculative_tokens": 3} if method == "draft" else {}))
+        assert [o.token_ids for o in engine.generate(PROMPTS, ARCH_GREEDY, spec)] == refs, method
+
+
 # -- checkpoints published in FP8 --------------------------------------------------------------
 IGNORED = "model.layers.1.mlp.down_proj"  # left in bf16 by the "checkpoint's makers"
 
