@@ -136,6 +136,27 @@ def test_load_model_quantizes_a_bf16_checkpoint_before_it_moves(tiny_checkpoints
     assert weight_bytes(quantized)[1] / weight_bytes(plain)[1] < 0.55
 
 
+def test_the_kv_cache_is_sized_with_the_fp8_weights(tmp_path):
+    """On a GPU the cache gets what the weights leave: FP8 weights are counted at their FP8 size,
+    computed on the meta device from config.json alone (equal to what the loaded model holds)."""
+    from specray.engine.memory import plan_for_checkpoints
+    from specray.engine.quantization import planned_weight_bytes
+
+    wide_llama(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    path = str(tmp_path / "bf16")
+    assert planned_weight_bytes(path, "bfloat16", None) is None  # unquantized: sized from its files
+    planned = planned_weight_bytes(path, "bfloat16", "fp8")
+    assert planned == weight_bytes(load_model(path, "bfloat16", quantization="fp8"))[1]
+    # free memory for the activation reserve, the bf16 weights (and their 5% share) and two sequences
+    reserve, per_sequence = 512 * 2**20, 64 * 1024  # 2 layers x 2 KV heads x 64 dims x K, V x 2 bytes x 64 tokens
+    bf16 = (tmp_path / "bf16" / "model.safetensors").stat().st_size
+    free = reserve + int(1.05 * bf16) + 2 * per_sequence + 4096
+    plain, fp8_plan = (plan_for_checkpoints([path], "bfloat16", max_model_len=64, max_num_seqs=None, utilization=1.0,
+                                            device="cuda", free_total=(free, free), quantization=[q])
+                       for q in (None, "fp8"))
+    assert plain.max_num_seqs == 2 and fp8_plan.max_num_seqs >= 18  # the ~1.2 MB FP8 leaves: 64 KiB sequences
+
+
 # -- every method stays lossless against the FP8 target's plain decoding ------------------------
 @pytest.fixture(scope="module")
 def fp8_pair(tiny_pair):
