@@ -89,6 +89,14 @@ def test_the_scaled_mm_option_is_refused_where_there_is_no_fp8_matmul(tiny_check
     assert [p.key for p in problems] == ["fp8_kernel"] and "use dequantize" in problems[0].message
 
 
+def test_specray_env_says_what_fp8_runs_here():
+    from specray.entrypoints.environment import describe as environment
+
+    line = next(x for x in environment().splitlines() if x.startswith("fp8"))
+    assert "dequantized for each matmul" in line
+    assert ("scaled_mm (W8A8): available" in line) == (fp8.scaled_mm_problem("cuda") is None)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or fp8.scaled_mm_problem("cuda") is not None,
                     reason="needs a CUDA GPU of compute capability >= 8.9")
