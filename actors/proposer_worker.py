@@ -63,7 +63,7 @@ class ProposerWorker(Placed):
         spec = method_spec(method)
 
         def runner_for(model, extra_capacity: int = 0) -> ModelRunner:
-            model = config.load_model(model) if isinstance(model, str) else model
+            model = config.load_model(model, role="draft") if isinstance(model, str) else model
             return ModelRunner(model, config.max_num_seqs, capacity + extra_capacity)
 
         ctx = ProposerContext(vocab_size=vocab_size, max_num_seqs=config.max_num_seqs, capacity=capacity,

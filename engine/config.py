@@ -76,6 +76,13 @@ class EngineConfig:
     online_learning: capture for online learning (``engine/capture.py``) and versioned
         drafters that can be swapped between steps (``engine/drafter_versions.py``); None
         (default): neither.
+    quantization: ``fp8`` quantizes the target's linear layers at load (float8_e4m3fn weights,
+        per-channel scales; ``engine/quantization.py``); None (default): as stored — a checkpoint
+        published in FP8 loads in FP8 either way.
+    draft_quantization: the same for the draft model (vLLM: ``--speculative-config``'s
+        ``quantization``); heads (Medusa, EAGLE, ReDrafter) stay in the compute dtype.
+    fp8_kernel: how FP8 layers multiply: ``dequantize`` (default; weight-only W8A16, any device)
+        or ``scaled_mm`` (W8A8 with ``torch._scaled_mm``; CUDA compute capability >= 8.9 only).
     """
 
     target: str | None = None
@@ -91,8 +98,16 @@ class EngineConfig:
     default_speculation: MethodOptions | None = None
     speculation_length: SpeculationLengthPolicy | None = None
     online_learning: CaptureConfig | None = None
+    quantization: str | None = None
+    draft_quantization: str | None = None
+    fp8_kernel: str = "dequantize"
 
     def __post_init__(self):
+        from specray.engine.quantization import check_kernel, check_method
+
+        check_method(self.quantization)
+        check_method(self.draft_quantization, "draft_quantization")
+        check_kernel(self.fp8_kernel)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -133,10 +148,13 @@ class EngineConfig:
         """The dtype name models load in here ("auto" decided for this process's device)."""
         return resolve_dtype(self.dtype, self.device)
 
-    def load_model(self, path: str):
+    def load_model(self, path: str, role: str = "target"):
+        """The checkpoint at ``path`` on this config's device and dtype, quantized as the config
+        says for its ``role`` (``target`` or ``draft``)."""
         from specray.engine.runner import load_model
 
-        return load_model(path, self.resolved_dtype, self.resolved_device)
+        quantization = self.quantization if role == "target" else self.draft_quantization
+        return load_model(path, self.resolved_dtype, self.resolved_device, quantization, self.fp8_kernel)
 
     def context_length(self, model_config) -> int:
         cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config

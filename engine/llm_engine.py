@@ -116,8 +116,8 @@ class LLMEngine:
         self._text_sent: dict[str, int] = {}  # request id -> characters of its text in deltas so far
 
     def _runner_for(self, model, extra_capacity: int = 0) -> ModelRunner:
-        if isinstance(model, str):
-            model = self.config.load_model(model)
+        if isinstance(model, str):  # a causal-LM checkpoint by path: the draft model
+            model = self.config.load_model(model, role="draft")
         return ModelRunner(model, self.config.max_num_seqs, self.capacity + extra_capacity)
 
     @property
