@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specray.actors.learner import OnlineLearningConfig
 from specray.engine.config import STEP_CHOICES, EngineConfig, resolve_dtype
 from specray.engine.memory import DEFAULT_MAX_NUM_SEQS, KVPlan, plan_for_checkpoints
 from specray.engine.params import Speculation
+from specray.engine.quantization import FP8_KERNELS, check_method
 from specray.policies.registry import method_spec, registered_methods
 from specray.policies.spec_length import SpeculationLengthPolicy
 from specray.policies.suffix_cache import SuffixCacheConfig
@@ -74,6 +75,16 @@ class SpecrayConfig(BaseModel):
     step: Literal[STEP_CHOICES] = Field(
         "auto", description="How a step runs (engine/graphs.py): auto = CUDA graphs over static shapes on CUDA, "
         "eager on CPU; eager (the reference), static, compile (torch.compile), cudagraph, graphs.")
+    quantization: str | None = Field(
+        None, description="fp8: the target's linear layers quantized at load to float8_e4m3fn with per-channel "
+        "scales (weight-only: half of bf16's bytes, dequantized for each matmul; docs/quantization.md); None: "
+        "as stored (a checkpoint published in FP8 loads in FP8 either way). vLLM's --quantization.")
+    draft_quantization: str | None = Field(
+        None, description="The same for the draft model (vLLM: --speculative-config's quantization); heads stay "
+        "in the compute dtype.")
+    fp8_kernel: Literal[FP8_KERNELS] = Field(
+        "dequantize", description="How FP8 layers multiply: dequantize (weight-only W8A16, the reference, any "
+        "device) or scaled_mm (W8A8 through torch._scaled_mm: CUDA compute capability >= 8.9 only).")
     max_num_seqs: int | None = Field(
         None, ge=1, description="Sequences batched at once (KV-cache rows); default: sized from GPU memory "
         "(gpu_memory_utilization) on CUDA, 8 on CPU.")
@@ -116,6 +127,12 @@ class SpecrayConfig(BaseModel):
         "trainer actor, gated versions swapped into every replica (docs/online-learning.md); off by default."
     )
 
+    @field_validator("quantization", "draft_quantization")
+    @classmethod
+    def _known_quantization(cls, value, info):
+        check_method(value, info.field_name)
+        return value
+
     def engine_config(self, device: str | None = None) -> EngineConfig:
         return EngineConfig(
             target=self.target,
@@ -139,6 +156,9 @@ class SpecrayConfig(BaseModel):
             num_kv_blocks=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
+            quantization=self.quantization,
+            draft_quantization=self.draft_quantization,
+            fp8_kernel=self.fp8_kernel,
         )
 
     def method_facts(self) -> dict[str, dict | None]:
@@ -194,4 +214,5 @@ class SpecrayConfig(BaseModel):
                                     max_num_seqs=self.max_num_seqs, utilization=self.gpu_memory_utilization,
                                     device=device, free_total=free_total,
                                     block_size=self.block_size if self.paged_kv else None,
-                                    num_blocks=self.num_gpu_blocks_override, kv_bytes=self.kv_cache_memory_bytes)
+                                    num_blocks=self.num_gpu_blocks_override, kv_bytes=self.kv_cache_memory_bytes,
+                                    quantization=[self.quantization, self.draft_quantization])

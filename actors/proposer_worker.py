@@ -65,7 +65,7 @@ class ProposerWorker(Placed):
         spec = method_spec(method)
 
         def runner_for(model, extra_capacity: int = 0, shift: int = 0) -> ModelRunner:
-            model = config.load_model(model) if isinstance(model, str) else model
+            model = config.load_model(model, role="draft") if isinstance(model, str) else model
             return ModelRunner(model, config.max_num_seqs, capacity + extra_capacity,
                                proposer_paging(paging, config.max_num_seqs, extra_capacity), shift)
 

@@ -85,6 +85,13 @@ class EngineConfig:
         ``max_num_seqs`` is a cap on the running batch, not the memory plan.
     enable_prefix_caching: requests that start with a cached prefix (full blocks) reuse its
         KV and prefill only the rest (paged only; default on).
+    quantization: ``fp8`` quantizes the target's linear layers at load (float8_e4m3fn weights,
+        per-channel scales; ``engine/quantization.py``); None (default): as stored — a checkpoint
+        published in FP8 loads in FP8 either way.
+    draft_quantization: the same for the draft model (vLLM: ``--speculative-config``'s
+        ``quantization``); heads (Medusa, EAGLE, ReDrafter) stay in the compute dtype.
+    fp8_kernel: how FP8 layers multiply: ``dequantize`` (default; weight-only W8A16, any device)
+        or ``scaled_mm`` (W8A8 with ``torch._scaled_mm``; CUDA compute capability >= 8.9 only).
     """
 
     target: str | None = None
@@ -105,8 +112,16 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    quantization: str | None = None
+    draft_quantization: str | None = None
+    fp8_kernel: str = "dequantize"
 
     def __post_init__(self):
+        from specray.engine.quantization import check_kernel, check_method
+
+        check_method(self.quantization)
+        check_method(self.draft_quantization, "draft_quantization")
+        check_kernel(self.fp8_kernel)
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -167,10 +182,13 @@ class EngineConfig:
         """The dtype name models load in here ("auto" decided for this process's device)."""
         return resolve_dtype(self.dtype, self.device)
 
-    def load_model(self, path: str):
+    def load_model(self, path: str, role: str = "target"):
+        """The checkpoint at ``path`` on this config's device and dtype, quantized as the config
+        says for its ``role`` (``target`` or ``draft``)."""
         from specray.engine.runner import load_model
 
-        return load_model(path, self.resolved_dtype, self.resolved_device)
+        quantization = self.quantization if role == "target" else self.draft_quantization
+        return load_model(path, self.resolved_dtype, self.resolved_device, quantization, self.fp8_kernel)
 
     def context_length(self, model_config) -> int:
         cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config

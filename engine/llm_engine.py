@@ -68,7 +68,8 @@ class LLMEngine:
                 tokenizer = load_tokenizer(config.tokenizer or config.target)
         self.tokenizer = tokenizer
         context_len = config.context_length(target_model.config)
-        self.paging = config.paging(context_len, kv_bytes_per_token(target_model.config, str(target_model.dtype).removeprefix("torch.")))
+        compute = next(p for p in target_model.parameters() if p.element_size() > 1).dtype  # FP8 weights aside
+        self.paging = config.paging(context_len, kv_bytes_per_token(target_model.config, str(compute).removeprefix("torch.")))
         self.target = ModelRunner(target_model, config.max_num_seqs, context_len, self.paging)
         # A sequence can hold at most what the target's KV pool holds (paged: a pool smaller
         # than one context caps it; a prompt that cannot fit is refused at admission).
@@ -130,8 +131,8 @@ class LLMEngine:
     def _runner_for(self, model, extra_capacity: int = 0, shift: int = 0) -> ModelRunner:
         """A runner for a proposer's model (a draft model, an EAGLE head): its cache paged like
         the target's, its pool large enough that it never runs out before the target's does."""
-        if isinstance(model, str):
-            model = self.config.load_model(model)
+        if isinstance(model, str):  # a causal-LM checkpoint by path: the draft model
+            model = self.config.load_model(model, role="draft")
         return ModelRunner(model, self.config.max_num_seqs, self.capacity + extra_capacity,
                            proposer_paging(self.paging, self.config.max_num_seqs, extra_capacity), shift)
 

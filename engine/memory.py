@@ -193,10 +193,14 @@ def plan_for_checkpoints(
     block_size: int | None = None,
     num_blocks: int | None = None,
     kv_bytes: int | None = None,
+    quantization: Sequence[str | None] = (),
 ) -> KVPlan:
     """``plan_kv_cache`` for checkpoint dirs (the target first, then a draft), reading only
     their configs and file sizes. ``free_total`` overrides the GPU's (free, total) bytes
-    (tests); on a CUDA ``device`` it is read from the driver, on CPU nothing is sized."""
+    (tests); on a CUDA ``device`` it is read from the driver, on CPU nothing is sized.
+    ``quantization``: each path's ``--quantization`` (FP8 weights take their FP8 size)."""
+    from specray.engine.quantization import planned_weight_bytes
+
     from transformers import AutoConfig
 
     configs = [AutoConfig.from_pretrained(p) for p in paths]
@@ -204,7 +208,12 @@ def plan_for_checkpoints(
     per_token = sum(kv_bytes_per_token(c, dtype) for c in configs)
     if free_total is None and device.startswith("cuda"):
         free_total = torch.cuda.mem_get_info(torch.device(device))
-    weights = sum(weight_bytes(p, c, dtype) for p, c in zip(paths, configs)) if free_total else 0
+    quantization = list(quantization) + [None] * (len(paths) - len(quantization))
+    weights = 0
+    if free_total:
+        for p, c, q in zip(paths, configs, quantization):
+            fp8 = planned_weight_bytes(p, dtype, q)
+            weights += weight_bytes(p, c, dtype) if fp8 is None else fp8
     free, total = free_total if free_total else (None, None)
     return plan_kv_cache(per_token, limit, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          free_bytes=free, total_bytes=total, weights=weights, utilization=utilization,

@@ -63,7 +63,8 @@ class ModelRunner:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.capacity = capacity
-        param = next(model.parameters())
+        # The compute dtype: the first parameter not stored in FP8 (FP8 layers hold float8 weights).
+        param = next(p for p in model.parameters() if p.element_size() > 1)
         self.device, self.dtype = param.device, param.dtype
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         head_dim = getattr(text_config, "head_dim", None) or (
@@ -342,16 +343,42 @@ class ModelRunner:
         self.static = StaticForward(self, mode, layers=layers)
 
 
-def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               quantization: str | None = None, fp8_kernel: str = "dequantize"):
     """Load a Hugging Face causal LM checkpoint directory (or hub id, if online).
 
-    An architecture specray cannot serve exactly is refused before its weights load.
+    An architecture specray cannot serve exactly is refused before its weights load. A checkpoint
+    published in FP8 loads as stored; ``quantization="fp8"`` quantizes any other one's linear
+    layers at load (``engine/quantization.py``), on the CPU before the model moves to ``device``,
+    so the device only ever holds the FP8 weights.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    check_architecture(AutoConfig.from_pretrained(path))
+    from specray.engine import quantization as Q
+    from specray.kernels.fp8 import scaled_mm_problem
+
+    Q.check_method(quantization)
+    if fp8_kernel == "scaled_mm" and (problem := scaled_mm_problem(device)):
+        raise Q.UnsupportedQuantizationError(f"fp8_kernel scaled_mm: {problem}; use fp8_kernel dequantize")
+    config = AutoConfig.from_pretrained(path)
+    check_architecture(config)
+    stored = Q.stored_fp8(getattr(config, "quantization_config", None))
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype, attn_implementation=attention.register()
-    )
-    return model.to(device)
+    if stored is not None:  # transformers' own FP8 loaders want a GPU (and fbgemm): load the values, then swap
+        del config.quantization_config
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the scales are "unexpected keys" to transformers: read below
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype,
+                                                         attn_implementation=attention.register())
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        Q.load_stored_fp8(model, path, stored, fp8_kernel)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attention.register())
+        if quantization == "fp8":
+            Q.quantize_linears(model, fp8_kernel)
+    model = model.to(device)
+    log.info("%s: %s", path, Q.describe(model) if stored is None else f"{stored.describe()}; {Q.describe(model)}")
+    return model

@@ -73,6 +73,7 @@ def _http(url: str, body: dict | None = None, headers: dict | None = None, timeo
 def startup_lines(cfg, plan) -> list[str]:
     """What runs: device, dtype, attention kernel, KV cache and the methods available."""
     from specray.engine.params import best_speculation
+    from specray.engine.quantization import describe_plan
     from specray.kernels.backends import attention_backend
 
     engine = cfg.engine.engine_config()
@@ -86,6 +87,7 @@ def startup_lines(cfg, plan) -> list[str]:
         f"model {cfg.model_name!r}: target {cfg.engine.target}" + (f", draft {cfg.engine.draft}" if cfg.engine.draft else ""),
         f"device {device}, dtype {dtype}" + (" (auto)" if cfg.engine.dtype == "auto" else ""),
         f"attention {kernel}: {why}",
+        describe_plan(engine.target, engine.draft, engine.quantization, engine.draft_quantization, engine.fp8_kernel),
         f"KV cache: {plan.describe()}",
         f"methods: {', '.join(methods)}; requests without `speculation` use {how}",
     ]

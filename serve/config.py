@@ -41,17 +41,21 @@ FLAT_KEYS: dict[str, tuple[str, ...]] = {
     "num_gpu_blocks_override": ("engine", "num_gpu_blocks_override"),
     "kv_cache_memory_bytes": ("engine", "kv_cache_memory_bytes"),
     "enable_prefix_caching": ("engine", "enable_prefix_caching"),
+    "quantization": ("engine", "quantization"),
+    "draft_quantization": ("engine", "draft_quantization"),
+    "fp8_kernel": ("engine", "fp8_kernel"),
 }
 # vLLM's names for methods and their options in --speculative-config, as specray's.
 SPEC_METHOD_ALIASES = {"draft_model": "draft", "prompt_lookup": "ngram"}
 SPEC_KEY_ALIASES = {"prompt_lookup_max": "max_matching_ngram_size"}
 
 
-def speculative_config(value: Any) -> tuple[dict, str | None, str | None]:
+def speculative_config(value: Any) -> tuple[dict, str | None, str | None, str | None]:
     """vLLM's ``--speculative-config`` (a JSON object or its text): ``method``,
-    ``num_speculative_tokens``, ``model`` (the method's weights dir) and the method's own
-    options -> (the server's default speculation, checkpoint key, weights dir). Only the keys
-    given are set, so a length left out stays with the self-tuning controller."""
+    ``num_speculative_tokens``, ``model`` (the method's weights dir), ``quantization`` (the draft
+    model's, as vLLM's) and the method's own options -> (the server's default speculation,
+    checkpoint key, weights dir, draft quantization). Only the keys given are set, so a length
+    left out stays with the self-tuning controller."""
     flag = "--speculative-config"
     if isinstance(value, str):
         try:
@@ -63,6 +67,7 @@ def speculative_config(value: Any) -> tuple[dict, str | None, str | None]:
         raise ValueError(f"{flag}: must be a JSON object with a 'method', got {type(value).__name__}")
     fields = {SPEC_KEY_ALIASES.get(k, k): v for k, v in value.items()}
     model = fields.pop("model", None)
+    quantization = fields.pop("quantization", None)
     method = fields.pop("method", None) or ("draft" if model else None)
     if method is None:
         raise ValueError(f"{flag}: give a 'method' (e.g. draft, ngram, medusa, eagle)")
@@ -76,7 +81,9 @@ def speculative_config(value: Any) -> tuple[dict, str | None, str | None]:
         errors = getattr(exc, "errors", lambda: [])()
         lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors] or [str(exc)]
         raise ValueError(f"{flag}: " + "; ".join(lines)) from None
-    return options.model_dump(exclude_unset=True) | {"method": method}, spec.checkpoint, model
+    if quantization is not None and method != "draft":
+        raise ValueError(f"{flag}: 'quantization' is the draft model's (method draft); method {method!r} has none")
+    return options.model_dump(exclude_unset=True) | {"method": method}, spec.checkpoint, model, quantization
 
 
 def flat_to_nested(data: dict) -> dict:
@@ -103,8 +110,10 @@ def flat_to_nested(data: dict) -> dict:
         elif name == "speculative_config":
             if value is None:
                 continue
-            options, key_, model = speculative_config(value)
+            options, key_, model, quantization = speculative_config(value)
             engine["default_speculation"] = options
+            if quantization is not None:
+                engine["draft_quantization"] = quantization
             if model is not None:
                 if key_ in ("draft", "medusa"):
                     engine[key_] = model
