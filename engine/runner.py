@@ -84,7 +84,7 @@ class ModelRunner:
         else:
             bs = paging.block_size
             num_blocks = paging.blocks_for(num_slots, capacity)
-            shape = (num_blocks + 1, kv_heads, bs, head_dim)  # +1 block: scratch
+            shape = (num_blocks + 1, bs, kv_heads, head_dim)  # +1 block: scratch
             # Each row's table reaches its scratch position (capacity); the last row is the
             # padding rows' (all scratch).
             table = torch.full((num_slots + 1, capacity // bs + 1), num_blocks, dtype=torch.long, device=self.device)
