@@ -49,7 +49,8 @@ class EngineWorker(Placed):
 
         def proxy(method: str, options: dict):
             def make(ctx: ProposerContext) -> RemoteProposer:  # drafts over the target's vocab and context
-                self.remote[method] = RemoteProposer(method, config, options, ctx.vocab_size, ctx.capacity, overlap)
+                self.remote[method] = RemoteProposer(method, config, options, ctx.vocab_size, ctx.capacity, overlap,
+                                                    ctx.target.paging)
                 return self.remote[method]
 
             return make
@@ -108,13 +109,14 @@ class EngineWorker(Placed):
         """What the steps produced since the last poll (waits until there is something):
         ``outputs`` (``StepDelta`` dicts, in step order; a failed request's last one has
         finish reason 'error'), ``progress`` (per request still running: its metrics and the
-        generator state of a seeded sampled one, see ``LLMEngine.progress``)."""
+        generator state of a seeded sampled one, see ``LLMEngine.progress``), ``kv`` (the target's
+        KV pool: blocks, usage, prefix-cache queries and hits)."""
         while not self._outbox:
             self._wake.clear()
             await self._wake.wait()
         deltas, self._outbox = self._outbox, []
         progress = self.engine.progress({d.request_id for d in deltas if not d.finished})
-        return {"outputs": [d.to_dict() for d in deltas], "progress": progress}
+        return {"outputs": [d.to_dict() for d in deltas], "progress": progress, "kv": self.engine.executor.kv_stats()}
 
     async def abort(self, request_id: str) -> bool:
         async with self._lock:  # never between a step's verify and its commit

@@ -105,7 +105,7 @@ def serve_main(args) -> int:
     engine = with_demo_pair(cfg.engine)  # the demo pair when no target is given (built once)
     check_weights(engine, args, file_data)  # before Ray starts: one line naming the flag
     plan = engine.kv_plan()  # the KV cache's size: given, sized from GPU memory, or the CPU default
-    engine = engine.model_copy(update={"max_num_seqs": plan.max_num_seqs, "max_model_len": plan.max_model_len})
+    engine = engine.with_plan(plan)
     cfg = cfg.model_copy(update={"engine": engine})
     for line in startup_lines(cfg, plan):
         print(f"specray: {line}", flush=True)
