@@ -52,15 +52,23 @@ class LayerCache:
     def scratch(self) -> int:
         return self.keys[0].shape[2] - 1
 
-    def write(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        """rows [B] cache rows; pos [B, q] positions; key/value [B, H_kv, q, D]."""
+    def plan(self, rows: torch.Tensor, pos: torch.Tensor, kv_len: int, contiguous: bool):
+        """What every layer's write and read of one forward share (computed once per forward):
+        rows [B] cache rows, pos [B, q] the new tokens' positions, kv_len keys read per row,
+        contiguous: rows are 0..B-1 (reads are views)."""
+        return rows, pos, kv_len, contiguous
+
+    def write(self, layer: int, plan, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key/value [B, H_kv, q, D] into the plan's positions."""
+        rows, pos, _, _ = plan
         # Advanced indices (rows, positions) around a slice put their dims first:
         # buf[rows[:, None], :, pos] has shape [B, q, H_kv, D].
         self.keys[layer][rows[:, None], :, pos] = key.transpose(1, 2)
         self.values[layer][rows[:, None], :, pos] = value.transpose(1, 2)
 
-    def read(self, layer: int, rows: torch.Tensor, kv_len: int, contiguous: bool):
+    def read(self, layer: int, plan):
         """Keys and values of positions 0..kv_len-1 of each row: [B, H_kv, kv_len, D] each."""
+        rows, _, kv_len, contiguous = plan
         k_buf, v_buf = self.keys[layer], self.values[layer]
         if contiguous:  # rows 0..B-1: views, no gather
             batch = rows.shape[0]
@@ -115,19 +123,25 @@ class PagedCache:
         bs = self.block_size
         return self.table[rows[:, None], torch.div(pos, bs, rounding_mode="floor")], pos % bs
 
-    def write(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    def plan(self, rows: torch.Tensor, pos: torch.Tensor, kv_len: int, contiguous: bool):
+        """The new tokens' (blocks, offsets) [B, q] and the blocks every row reads, laid end to
+        end ([B * n], n = blocks covering kv_len): the same for every layer of a forward."""
+        bs = self.block_size
+        n = (kv_len + bs - 1) // bs
         blocks, offsets = self._where(rows, pos)
+        return blocks, offsets, self.table[rows, :n].reshape(-1), rows.shape[0], n, kv_len
+
+    def write(self, layer: int, plan, key: torch.Tensor, value: torch.Tensor) -> None:
+        blocks, offsets = plan[0], plan[1]
         self.keys[layer][blocks, offsets] = key.transpose(1, 2)  # [B, q, H_kv, D]
         self.values[layer][blocks, offsets] = value.transpose(1, 2)
 
-    def read(self, layer: int, rows: torch.Tensor, kv_len: int, contiguous: bool):
+    def read(self, layer: int, plan):
+        _, _, gathered, batch, n, kv_len = plan
         bs = self.block_size
-        n = (kv_len + bs - 1) // bs
-        blocks = self.table[rows, :n].reshape(-1)  # [B * n]
-        batch = rows.shape[0]
 
         def gather(buf):  # [B * n, bs, H_kv, D] -> [B, H_kv, kv_len, D] (a view)
-            g = buf.index_select(0, blocks)
+            g = buf.index_select(0, gathered)
             return g.view(batch, n * bs, g.shape[2], g.shape[3])[:, :kv_len].transpose(1, 2)
 
         return gather(self.keys[layer]), gather(self.values[layer])
@@ -165,6 +179,7 @@ class AttentionBatch:
     positions: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _plan: object = field(default=None, repr=False)
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The mask of a layer that sees only keys within ``window`` positions (None: all).
@@ -193,8 +208,10 @@ class AttentionBatch:
 
     def update_and_read(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Write this forward's key/value [B, H_kv, q, D]; return cached [B, H_kv, kv_len, D]."""
-        self.cache.write(layer, self.rows, self.write_pos, key, value)
-        return self.cache.read(layer, self.rows, self.kv_len, self.contiguous)
+        if self._plan is None:  # where to write and what to read: once per forward, not per layer
+            self._plan = self.cache.plan(self.rows, self.write_pos, self.kv_len, self.contiguous)
+        self.cache.write(layer, self._plan, key, value)
+        return self.cache.read(layer, self._plan)
 
 
 def causal_batch_mask(

@@ -212,3 +212,19 @@ def test_seeded_sampling_is_unchanged_by_preemption(tiny_pair, name):
     small = engine(tiny_pair, num_kv_blocks=12)
     assert [o.token_ids for o in small.generate(prompts, sampling, speculation(name))] == reference
     assert small.stats()["preemptions"] > 0
+
+
+def test_prompt_scores_are_computed_whatever_is_cached(tiny_pair):
+    """A request that asks for its prompt's log-probabilities runs its whole prompt even when
+    its prefix is cached (as vLLM does), and gets the scores an uncached engine gives."""
+    prompt = shared_prompts(2)[1]
+    scored = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)
+    plain = engine(tiny_pair, paged_kv=False).generate([prompt], scored)[0]
+    e = engine(tiny_pair)
+    e.generate([prompt], GREEDY)  # caches the prompt's blocks
+    before = e.stats()["kv"]["prefix_hits"]
+    out = e.generate([prompt], scored)[0]
+    assert e.stats()["kv"]["prefix_hits"] == before  # nothing taken from the cache
+    assert out.token_ids == plain.token_ids
+    for a, b in zip(out.prompt_logprobs, plain.prompt_logprobs):
+        assert (a is None and b is None) or (a["id"] == b["id"] and abs(a["logprob"] - b["logprob"]) < 1e-4)
