@@ -27,6 +27,7 @@ from specray.engine.runner import ModelRunner
 from specray.policies.spec_length import SpeculationLengthPolicy
 from tests.conftest import tiny_llama
 from tests.test_eagle import random_head
+from tests.test_eagle3 import random_head3
 from tests.test_medusa import random_heads
 from tests.test_redrafter import random_drafter
 from tests.test_static_step import SPECS, speculation
@@ -126,8 +127,17 @@ def engine(models, step="eager", max_num_seqs=8, **kw) -> LLMEngine:
         EngineConfig(target="x", max_num_seqs=max_num_seqs, step=step, speculation_length=SpeculationLengthPolicy(),
                      max_model_len=128, **kw),
         target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft), medusa_heads=random_heads(),
-        resources={"eagle": random_head(target), "redrafter": random_drafter()},
+        resources={"eagle": random_head(target), "eagle3": random_head3(target), "redrafter": random_drafter()},
     )
+
+
+ALL = {**SPECS, "eagle3": {}, "suffix": {}}  # every method (the static-step table lacks these two)
+
+
+def spec_of(name: str):
+    from specray.engine.params import SpeculationParams
+
+    return speculation(name) if name in SPECS else SpeculationParams(method=name, **ALL[name])
 
 
 def shared_prompts(n: int) -> list[list[int]]:
@@ -142,11 +152,11 @@ def run(e: LLMEngine, prompts, name: str, waves: int = 2) -> list[list[int]]:
     out = []
     size = -(-len(prompts) // waves)
     for w in range(waves):
-        out += [o.token_ids for o in e.generate(prompts[w * size:(w + 1) * size], GREEDY, speculation(name))]
+        out += [o.token_ids for o in e.generate(prompts[w * size:(w + 1) * size], GREEDY, spec_of(name))]
     return out
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", list(ALL))
 @pytest.mark.parametrize("batch", [1, 8])
 def test_greedy_identical_paged_or_not_cached_or_not(tiny_pair, name, batch):
     prompts = shared_prompts(8 if batch == 8 else 3)
@@ -158,15 +168,15 @@ def test_greedy_identical_paged_or_not_cached_or_not(tiny_pair, name, batch):
     assert run(engine(tiny_pair, max_num_seqs=batch, enable_prefix_caching=False), prompts, name, waves) == reference
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", list(ALL))
 def test_preempted_requests_resume_exactly(tiny_pair, name):
     """A pool of 12 blocks of 16 tokens for 8 requests of up to 84 tokens each: requests are
     preempted and recomputed, and every output equals the unpaged engine's."""
     prompts = shared_prompts(8)
     sampling = SamplingParams(max_tokens=40, temperature=0.0)
-    reference = [o.token_ids for o in engine(tiny_pair, paged_kv=False).generate(prompts, sampling, speculation(name))]
+    reference = [o.token_ids for o in engine(tiny_pair, paged_kv=False).generate(prompts, sampling, spec_of(name))]
     small = engine(tiny_pair, num_kv_blocks=12)
-    assert [o.token_ids for o in small.generate(prompts, sampling, speculation(name))] == reference
+    assert [o.token_ids for o in small.generate(prompts, sampling, spec_of(name))] == reference
     assert small.stats()["preemptions"] > 0
 
 
