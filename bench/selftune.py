@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", choices=("readme", "quick"), default="readme",
                    help="how the heads are trained (training/recipes.py): the README's recipes (about 15 CPU "
                         "minutes the first time) or the tests' short ones")
+    p.add_argument("--heads", default=None, metavar="DIR",
+                   help="where the trained heads are cached (default: beside the demo pair, in $SPECRAY_CACHE)")
     p.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
 
@@ -68,7 +70,8 @@ def _run(args) -> int:
 
     pair = load_or_build_demo_pair()
     methods = [m for m in args.methods.split(",") if m]
-    root = default_cache_dir() / f"{args.recipe}-heads-{HEADS_VERSION}-{pathlib.Path(pair.target).parent.name}"
+    name = f"{args.recipe}-heads-{HEADS_VERSION}-{pathlib.Path(pair.target).parent.name}"
+    root = pathlib.Path(args.heads) / name if args.heads else default_cache_dir() / name
     heads = cached_heads(pair.target, pair.tokenizer, str(root), [m for m in methods if m != "draft"], args.recipe)
     engine = LLMEngine(EngineConfig(target=pair.target, draft=pair.draft, tokenizer=pair.tokenizer,
                                     medusa=heads.get("medusa"),
