@@ -1,6 +1,6 @@
 """The self-tuning speculation length against explicit settings, one-shot, on the demo pair.
 
-    python -m specray.bench.selftune [--prompts 6] [--max-tokens 64] [--batch 8] [--out bench/results]
+    specray bench selftune [--prompts 6] [--max-tokens 64] [--batch 8] [--heads DIR] [--out DIR]
 
 What a user gets who names a method and no length (``{"method": "eagle"}``), against what
 the same weights do with an explicit setting — draft k=4, EAGLE's default static tree,
@@ -16,7 +16,7 @@ The heads are trained by short recipes (``QUICK_RECIPES``: those of
 pair's cache directory; like ``specray train``, each saves the acceptance it measured, which
 the controller starts from. Every config's tokens are checked against plain decoding's.
 Times are this process's CPU seconds (one torch thread; the machine may be shared).
-Writes selftune.{txt,json} to --out.
+Writes selftune.{txt,json,png} to --out.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import json
 import pathlib
 import sys
 import time
+
+from specray.bench import DEFAULT_OUT, announce
 
 EXPLICIT = {
     "draft": {"num_speculative_tokens": 4},
@@ -49,20 +51,20 @@ def main(argv: list[str] | None = None) -> int:
                         "minutes the first time) or the tests' short ones")
     p.add_argument("--heads", default=None, metavar="DIR",
                    help="where the trained heads are cached (default: beside the demo pair, in $SPECRAY_CACHE)")
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     args = p.parse_args(argv)
 
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    command = announce("selftune", argv)
     try:
-        return _run(args)
+        return _run(args, command)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(args) -> int:
+def _run(args, command: str) -> int:
     from specray.demo import held_out_prompts, load_or_build_demo_pair
     from specray.demo.pair import default_cache_dir
     from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
@@ -130,13 +132,37 @@ def _run(args) -> int:
         for r in batch_rows:
             lines.append(f"{r['method']:10s} default {r['default_tok_s']:6d}  plain {r['plain_tok_s']:6d}  "
                          f"x plain {r['x_plain']:.2f}")
-    text = "\n".join(lines)
+    text = "\n".join([f"command: {command}", *lines])
     print(text)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "selftune.txt").write_text(text + "\n")
-    (out / "selftune.json").write_text(json.dumps({"one_shot": rows, "batch": batch_rows}, indent=1))
+    (out / "selftune.json").write_text(json.dumps({"command": command, "one_shot": rows, "batch": batch_rows},
+                                                  indent=1))
+    plot(rows, out / "selftune.png")
     return 0 if ok else 1
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    """Tokens per target forward, self-tuned against explicit, per method (batch 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["explicit_tpf"] for r in rows], 0.4, label="explicit setting")
+    ax.bar([i + 0.2 for i in x], [r["default_tpf"] for r in rows], 0.4, label="self-tuned (no length given)")
+    ax.scatter([i + 0.2 for i in x], [GOAL * r["explicit_tpf"] for r in rows], marker="_", s=300, color="black",
+               label=f"goal: {GOAL}x explicit", zorder=3)
+    ax.set_xticks(list(x), [r["method"] for r in rows])
+    ax.set_ylabel("tokens per target forward")
+    ax.set_title("one-shot requests at batch 1, demo pair")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

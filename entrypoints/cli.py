@@ -3,8 +3,8 @@
     specray serve [--target DIR] [--once PROMPT]  # OpenAI-compatible HTTP on Ray Serve (vLLM's flags)
     specray generate --prompt "def fib(n):"       # one completion in this process
     specray jobs --input in.jsonl --output out.jsonl   # a batch file (local Ray unless --address)
-    specray train medusa|eagle|redrafter --out DIR
-    specray bench speed|load|actors|trees|lookahead|penalties
+    specray train draft|medusa|eagle|eagle3|redrafter --out DIR
+    specray bench speed|load|actors|trees|lookahead|penalties|selftune
     specray env                                   # versions, devices, dtype, attention kernel
     specray demo-models                           # build or find the demo pair
 """
@@ -32,6 +32,7 @@ BENCHMARKS = {
     "online": "online learning on a shifted workload: accepted length over served requests, learning on vs off",
     "gpu": "the step against the memory-bandwidth bound on a GPU (a synthetic 8B-shaped pair; --device cpu: demo)",
     "penalties": "what repetition/presence/frequency penalties cost plain and draft-model decoding",
+    "selftune": "the self-tuning speculation length against explicit settings, one-shot and batched",
 }
 
 

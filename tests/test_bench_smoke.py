@@ -68,3 +68,17 @@ def test_penalties_benchmark(tmp_path):
                          "--repeats", "1", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "penalties.json").read_text())["rows"]
     assert rc == 0 and len(rows) == 8 and all(r["mismatches_vs_plain"] == 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_selftune_benchmark(tmp_path):
+    """bench.selftune runs (the draft model only: no heads to train) and writes its table,
+    every config's output token-identical to plain decoding (it asserts that itself)."""
+    from specray.bench import selftune
+
+    selftune.main(["--methods", "draft", "--prompts", "2", "--max-tokens", "16", "--batch", "2",
+                   "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "selftune.json").read_text())
+    (row,) = report["one_shot"]
+    assert row["method"] == "draft" and row["default_tpf"] > 1 and row["explicit_tpf"] > 1
+    assert [r["method"] for r in report["batch"]] == ["draft"] and (tmp_path / "selftune.png").stat().st_size > 0
