@@ -350,9 +350,9 @@ def _connect(address: str | None) -> bool:
     if address:
         log.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address)
-    else:  # never "auto" by default: it may find someone else's cluster on this machine
+    else:  # never "auto" (nor ray.init()'s default, which joins the cluster `ray start` last left here)
         log.info("no Ray address given: starting a local Ray")
-        ray.init()
+        ray.init(address="local")
     return True
 
 

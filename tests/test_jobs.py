@@ -526,3 +526,16 @@ def test_openai_batch_bad_lines_are_rejected_up_front(batch_config, tmp_path, ca
     assert all(word in reported[17] for word in ("method", "body.stream", "body.max_tokens")), reported[17]
     assert "context length is 256" in reported[13] and "303" in reported[13]
     assert not out.exists()
+
+
+def test_without_an_address_a_job_starts_a_ray_of_its_own(monkeypatch):
+    """Not ray.init()'s default, which joins whatever cluster `ray start` last left on this
+    machine (/tmp/ray/ray_current_cluster), perhaps someone else's or a dead one."""
+    import ray
+
+    calls = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    assert jobs._connect(None) and calls == [{"address": "local"}]
+    assert jobs._connect("10.0.0.1:6379") and calls[-1] == {"address": "10.0.0.1:6379"}
