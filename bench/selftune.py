@@ -8,8 +8,10 @@ EAGLE-3's dynamic tree, Medusa's ``wide`` tree, ReDrafter with 4 beams. Each req
 as a one-shot ``specray generate`` does: a fresh self-tuning controller (nothing learned
 from the requests before it), batch 1, greedy, ``--max-tokens`` tokens (EOS ignored, so
 every config makes the same number). The goal (issue 25): the default's tokens per target
-forward at least 0.8x the explicit setting's. Then ``--batch`` prompts together, one fresh
-controller: the default's tokens per CPU second against plain decoding's (goal: not below).
+forward at least 0.8x the explicit setting's. Then ``--batch`` prompts together, a fresh
+controller each run: the default's tokens per CPU second against plain decoding's (goal: not
+below), and the explicit setting's beside them (where a tree costs more than it returns, the
+default should turn it off). Exit code 1 where a goal is missed.
 
 The heads are trained by short recipes (``QUICK_RECIPES``: those of
 ``tests/test_trained_heads.py``; a few CPU minutes the first time) and cached under the demo
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=6, help="one-shot requests per config (batch 1)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="prompts run together in the batch comparison (0: skip)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each batch config (the best counts)")
     p.add_argument("--methods", default=",".join(EXPLICIT), help="comma-separated subset of " + ",".join(EXPLICIT))
     p.add_argument("--recipe", choices=("readme", "quick"), default="readme",
                    help="how the heads are trained (training/recipes.py): the README's recipes (about 15 CPU "
@@ -111,14 +114,30 @@ def _run(args, command: str) -> int:
         rows.append(row)
     batch_rows = []
     if args.batch > 1:
+        # Interleaved repeats, each config's least CPU time: a shared machine's noise only adds.
         group = prompts[:args.batch]
-        base = run(group, {"method": "none"})
+        configs = {"plain": {"method": "none"}, **{m: {"method": m} for m in methods},
+                   **{f"{m} explicit": {"method": m, **EXPLICIT[m]} for m in methods}}
+        best: dict[str, dict] = {}
+        for _ in range(args.repeats):
+            for name, spec in configs.items():
+                r = run(group, spec)
+                if name in best:
+                    assert r["ids"] == best[name]["ids"]
+                if name not in best or r["seconds"] < best[name]["seconds"]:
+                    best[name] = r
+        base = best["plain"]
+        for name in configs:
+            assert best[name]["ids"] == base["ids"], f"{name}: batch output differs from plain decoding"
+
+        def rate(name: str) -> float:
+            return best[name]["tokens"] / best[name]["seconds"]
+
         for m in methods:
-            r = run(group, {"method": m})
-            assert r["ids"] == base["ids"], f"{m}: batch output differs from plain decoding"
-            ratio = (r["tokens"] / r["seconds"]) / (base["tokens"] / base["seconds"])
-            batch_rows.append({"method": m, "default_tok_s": round(r["tokens"] / r["seconds"]),
-                               "plain_tok_s": round(base["tokens"] / base["seconds"]), "x_plain": round(ratio, 2)})
+            x_plain, x_explicit = rate(m) / rate("plain"), rate(f"{m} explicit") / rate("plain")
+            batch_rows.append({"method": m, "default_tok_s": round(rate(m)), "explicit_tok_s": round(rate(f"{m} explicit")),
+                               "plain_tok_s": round(rate("plain")), "x_plain": round(x_plain, 2),
+                               "explicit_x_plain": round(x_explicit, 2), "goal_met": x_plain >= 1.0})
     lines = [f"self-tuned (no length given) vs explicit settings, demo pair, one-shot requests at batch 1: "
              f"{args.prompts} prompts x {args.max_tokens} tokens, greedy, a fresh controller each "
              f"(tokens per target forward; goal: default >= {GOAL}x explicit)",
@@ -128,18 +147,22 @@ def _run(args, command: str) -> int:
                      f"{r['ratio']:6.2f}  {'met' if r['goal_met'] else 'MISSED'}")
     lines.append(f"plain decoding: {plain['tokens'] / plain['forwards']:.2f} tokens per target forward")
     if batch_rows:
-        lines.append(f"\nbatch {args.batch} together, one fresh controller (tokens per CPU second; goal: default >= plain)")
+        lines += [f"\nbatch {args.batch} together, a fresh controller each run (tokens per CPU second, the best of "
+                  f"{args.repeats} interleaved runs; goal: default >= plain)",
+                  f"{'method':10s} {'default':>8s} {'explicit':>9s} {'plain':>6s} {'default/plain':>14s} "
+                  f"{'explicit/plain':>15s}  goal"]
         for r in batch_rows:
-            lines.append(f"{r['method']:10s} default {r['default_tok_s']:6d}  plain {r['plain_tok_s']:6d}  "
-                         f"x plain {r['x_plain']:.2f}")
-    text = "\n".join([f"command: {command}", *lines])
-    print(text)
+            lines.append(f"{r['method']:10s} {r['default_tok_s']:8d} {r['explicit_tok_s']:9d} {r['plain_tok_s']:6d} "
+                         f"{r['x_plain']:14.2f} {r['explicit_x_plain']:15.2f}  {'met' if r['goal_met'] else 'MISSED'}")
+    text = "\n".join(lines)
+    print(text)  # (announce printed the command)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "selftune.txt").write_text(text + "\n")
+    (out / "selftune.txt").write_text(f"command: {command}\n{text}\n")
     (out / "selftune.json").write_text(json.dumps({"command": command, "one_shot": rows, "batch": batch_rows},
                                                   indent=1))
     plot(rows, out / "selftune.png")
+    ok &= all(r["goal_met"] for r in batch_rows)
     return 0 if ok else 1
 
 

@@ -76,7 +76,7 @@ def test_selftune_benchmark(tmp_path):
     every config's output token-identical to plain decoding (it asserts that itself)."""
     from specray.bench import selftune
 
-    selftune.main(["--methods", "draft", "--prompts", "2", "--max-tokens", "16", "--batch", "2",
+    selftune.main(["--methods", "draft", "--prompts", "2", "--max-tokens", "16", "--batch", "2", "--repeats", "1",
                    "--out", str(tmp_path)])
     report = json.loads((tmp_path / "selftune.json").read_text())
     (row,) = report["one_shot"]
