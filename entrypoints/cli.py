@@ -3,8 +3,8 @@
     specray serve [--target DIR] [--once PROMPT]  # OpenAI-compatible HTTP on Ray Serve (vLLM's flags)
     specray generate --prompt "def fib(n):"       # one completion in this process
     specray jobs --input in.jsonl --output out.jsonl   # a batch file (local Ray unless --address)
-    specray train medusa|eagle|redrafter --out DIR
-    specray bench speed|load|actors|trees|lookahead|penalties
+    specray train draft|medusa|eagle|eagle3|redrafter --out DIR
+    specray bench speed|load|actors|trees|lookahead|penalties|selftune
     specray env                                   # versions, devices, dtype, attention kernel
     specray demo-models                           # build or find the demo pair
 """
@@ -33,6 +33,8 @@ BENCHMARKS = {
     "gpu": "the step against the memory-bandwidth bound on a GPU (a synthetic 8B-shaped pair; --device cpu: demo)",
     "penalties": "what repetition/presence/frequency penalties cost plain and draft-model decoding",
     "quantization": "FP8 weights on the demo pair: bytes held, decoding speed and acceptance, FP8 vs unquantized",
+    "selftune": "the self-tuning speculation length against explicit settings, one-shot and batched",
+    "kv": "paged KV: requests held and tokens/s in one KV budget, TTFT with a cached prefix, EAGLE's hit rate",
 }
 
 

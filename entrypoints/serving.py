@@ -195,7 +195,10 @@ def _start(cfg, address: str | None, local: bool) -> None:
 
     if local:
         hook = {"worker_process_setup_hook": "specray.entrypoints.serving.loopback_worker"} if cfg.host in LOOPBACK else {}
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, runtime_env=hook)
+        # address="local": ray.init() alone joins the cluster `ray start` last left on this
+        # machine (/tmp/ray/ray_current_cluster), and a stopped server would shut its Serve down
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env=hook)
     else:
         ray.init(address=address, log_to_driver=False)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its start-up lines repeat ours

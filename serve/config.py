@@ -136,6 +136,9 @@ def _is_checkpoint_key(name: str) -> bool:
     return any(method_spec(m).checkpoint == name for m in registered_methods())
 
 
+RAY_METRICS_INTERVAL_S = 10.0  # Ray Serve's default metrics_interval_s (ray.serve.config.AutoscalingConfig)
+
+
 class AutoscalingSpec(BaseModel):
     """Ray Serve's ``autoscaling_config`` keys that specray passes through, strictly."""
 
@@ -148,12 +151,20 @@ class AutoscalingSpec(BaseModel):
     upscale_delay_s: float = Field(3.0, ge=0)
     downscale_delay_s: float = Field(30.0, ge=0)
     metrics_interval_s: float | None = Field(None, gt=0, description="Deprecated by Ray; passed only if set.")
-    look_back_period_s: float = Field(5.0, gt=0)
+    look_back_period_s: float = Field(
+        15.0, gt=0, description="Seconds of load the autoscaler averages over; more than metrics_interval_s (Ray's "
+        f"default {RAY_METRICS_INTERVAL_S:g}), which Ray requires (a FutureWarning now, an error in a later Ray).")
     upscaling_factor: float | None = Field(None, gt=0)
     downscaling_factor: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _order(self):
+        # Ray only warns (FutureWarning) and will raise in a later release: say it here, once.
+        interval = self.metrics_interval_s or RAY_METRICS_INTERVAL_S
+        if self.look_back_period_s <= interval:
+            which = "" if self.metrics_interval_s else ", Ray's default"
+            raise ValueError(f"look_back_period_s ({self.look_back_period_s:g}) must be greater than "
+                             f"metrics_interval_s ({interval:g}{which})")
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:

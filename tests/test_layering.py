@@ -3,9 +3,9 @@
     kernels <- policies <- engine <- actors <- serve <- entrypoints <- bench
                             engine <- protocol  (OpenAI's shapes and the one request check:
                                                  serve and entrypoints share it)
-                            engine <- training  (a side folder: only entrypoints import it)
+                            engine <- training  (a side folder: only entrypoints and bench import it)
 
-``bench`` drives the whole stack (``specray bench NAME`` runs a benchmark by its name).
+``bench`` drives the whole stack (``specray bench NAME`` runs a benchmark by its name) and trains\nthe heads it measures (training/recipes.py).
 
 ``cluster`` (where specray meets a Ray cluster: the deployment manifests) imports nothing.
 
@@ -30,7 +30,7 @@ BELOW = {
     "serve": {"kernels", "policies", "engine", "protocol", "actors"},
     "training": {"kernels", "policies", "engine", "demo"},
     "entrypoints": {"kernels", "policies", "engine", "protocol", "actors", "serve", "training", "demo"},
-    "bench": {"kernels", "policies", "engine", "protocol", "actors", "serve", "entrypoints", "demo"},
+    "bench": {"kernels", "policies", "engine", "protocol", "actors", "serve", "entrypoints", "training", "demo"},
     "demo": set(),
     "cluster": set(),  # the deployment manifests: no code that imports specray (yet)
 }
