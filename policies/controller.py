@@ -16,13 +16,11 @@ measured while serving:
 
 Where it starts: the acceptance measured when the method's weights were trained (``priors``:
 the weights' ``specray_acceptance``, per position and, for a tree, as deep as its tree), else
-``prior_acceptance`` at every position; the cost of a step from its first measurements. A
-batch-size bucket's first step is a plain probe (``PROBE_EVERY``): the cost of a plain step
-measured, a draft node is first assumed to cost ``NODE_COST`` of it, more in bigger batches
-(verification is real compute there). Then each method explores briefly: it drafts its first
-``MIN_TRIES`` steps in the bucket unless even its priors promise clearly less than plain
-decoding (a big tree in a big batch is not tried at all), so one unlucky first draft cannot
-switch a good drafter off and the cost of drafting is measured, not assumed.
+``prior_acceptance`` at every position; the cost of a step from its first measurements. Before
+it decides anything in a batch-size bucket it explores briefly: each method drafts its first
+``MIN_TRIES`` steps there, and the bucket's second step is a plain probe (``PROBE_EVERY``), so
+one unlucky first draft cannot switch a good drafter off and the cost of drafting is measured,
+not assumed.
 
 Each step, for each method, the k over 0..max_k maximising (expected tokens of the batch) /
 (predicted step seconds) is taken, the other methods at their current choice; every few
@@ -70,22 +68,8 @@ acceptance or the load may have changed; a method that stays useless costs littl
 PROBE_EVERY = 64
 """A bucket's steps between plain probes: one step with every self-tuned row at k = 0, so the
 cost of a plain step stays measured (without it a tree's size alone could not tell its cost
-from the step's). The first probe is a bucket's first step; a bucket whose rows decode
+from the step's). The first probe is a bucket's second step; a bucket whose rows decode
 plainly anyway needs none."""
-
-NODE_COST = 0.15
-"""Before a draft node's cost is measured in a bucket: this share of a plain step at batch 1,
-times sqrt(bucket) in bigger ones (on 2 CPU cores a node cost 0.12 of a plain step at batch 1
-and 0.3 at batch 8; on a GPU far less: a tree that pays there is found by the retry every
-``PROBE_EVERY`` steps)."""
-
-ASSUMED_TREE_DEPTH = 4
-"""The draft positions of a tree neither measured nor saved with its weights (named trees run
-3-6 levels deep): what its expected tokens are counted over until a step measures them."""
-
-NODES_FORGET = 0.9
-"""A tree's size is the largest it drafted lately (a step near a request's end drafts fewer
-nodes, which must not make the tree look cheap): forgotten by this factor per step."""
 
 
 @dataclass(frozen=True)
@@ -152,18 +136,17 @@ def _bucket(batch: int) -> int:
 class _Costs:
     """Step seconds = x . theta, x = [1, k_m for each method], ridge around a prior."""
 
-    def __init__(self, methods: list[str], forget: float, prior_weight: float, bucket: int = 1):
+    def __init__(self, methods: list[str], forget: float, prior_weight: float):
         self.methods, self.forget, self.prior_weight = list(methods), forget, prior_weight
-        self.node_cost = NODE_COST * bucket ** 0.5  # a node's assumed share of a plain step (NODE_COST)
         n = len(self.methods) + 1
         self.xx, self.xy = np.zeros((n, n)), np.zeros(n)
         self.prior: np.ndarray | None = None
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
-        if self.prior is None:  # a plain step costs about this much, each draft node node_cost more
-            base = seconds / (1.0 + self.node_cost * sum(ks.values()))
-            self.prior = np.array([base] + [self.node_cost * base] * len(self.methods))
+        if self.prior is None:  # a step costs about this much, each draft token ~15% more
+            base = seconds / (1.0 + 0.15 * sum(ks.values()))
+            self.prior = np.array([base] + [0.15 * base] * len(self.methods))
         self.xx = self.forget * self.xx + np.outer(x, x)
         self.xy = self.forget * self.xy + x * seconds
 
@@ -193,7 +176,7 @@ class AdaptiveSpeculation:
         self._requests: dict[str, _Acceptance] = {}
         self._costs: dict[int, _Costs] = {}
         self._choice: dict[str, int | None] = {}
-        self._nodes: dict[str, float] = {}  # tree methods: the most nodes a tree had lately (NODES_FORGET)
+        self._nodes: dict[str, int] = {}  # tree methods: nodes a tree had lately
         self._on: set[str] = set()  # rows of the last step the controller let draft
         self._steps = 0
         self._buckets: dict[int, _Bucket] = {}  # per batch-size bucket: its exploration so far
@@ -212,9 +195,8 @@ class AdaptiveSpeculation:
         costs = self._cost_model(len(rows), methods).theta()
         bucket = self._buckets.setdefault(_bucket(len(rows)), _Bucket())
         bucket.steps += 1
-        # A plain probe: the bucket's first step (or one with a method new to it), and every
-        # PROBE_EVERY steps without a plain one.
-        probe = costs is None or bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
+        # A plain probe: the bucket has measured drafting, never a plain step (or long ago).
+        probe = costs is not None and bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
         # each row's expected tokens for every k, once per step (not once per candidate k):
         # from what was measured, and from the priors alone (what the method should do)
         expected = {r.request_id: self._expected_tokens(r) for r in rows}
@@ -228,6 +210,9 @@ class AdaptiveSpeculation:
             options = [0, None] if tree else list(range(self.max_k + 1))
             if probe:
                 choice[m] = 0
+                continue
+            if costs is None:  # no measurement yet: draft, to learn
+                choice[m] = None if tree else min(4, self.max_k)
                 continue
             # What the priors promise at this step's measured costs: while a method is new in
             # this bucket it is judged by that alone (a few drafts say little about a drafter;
@@ -278,7 +263,7 @@ class AdaptiveSpeculation:
         """A tree's draft positions so far, or as measured when it was trained (its expected
         tokens: 1 + its mean accepted length)."""
         seen = len(self._methods.get(row.method, _Acceptance()).reached)
-        return max(seen, len(self.priors.get(row.method, ()))) or ASSUMED_TREE_DEPTH
+        return max(seen, len(self.priors.get(row.method, ())), 1)
 
     def _expected_tokens(self, row: RowView, prior_only: bool = False) -> list[float]:
         """[E(0), E(1), ...]: expected tokens of a step in which the row drafts k, for every k
@@ -299,14 +284,14 @@ class AdaptiveSpeculation:
         return out
 
     def _tree_nodes(self, row: RowView) -> int:
-        return round(self._nodes.get(row.method, 8))
+        return self._nodes.get(row.method, 8)
 
     def _cost_model(self, batch: int, methods: list[str]) -> _Costs:
         bucket = _bucket(batch)
         model = self._costs.get(bucket)
         if model is None or not set(methods) <= set(model.methods):
             known = model.methods if model is not None else []
-            model = _Costs(sorted(set(known) | set(methods)), self.forget, self.prior_weight, bucket)
+            model = _Costs(sorted(set(known) | set(methods)), self.forget, self.prior_weight)
             self._costs[bucket] = model
         return model
 
@@ -328,8 +313,7 @@ class AdaptiveSpeculation:
                 d = a + 1 if a < d else d  # trees: depth positions up to the first miss were reached
             self._methods.setdefault(r.method, _Acceptance()).add(d, a, self.forget)
             self._requests.setdefault(r.request_id, _Acceptance()).add(d, a, 1.0)
-        for m, n in nodes.items():
-            self._nodes[m] = max(n, NODES_FORGET * self._nodes.get(m, 0))
+        self._nodes.update(nodes)
         methods = sorted({r.method for r in rows if r.method != "none"})
         self._cost_model(len(rows), methods).add(ks, seconds)
         bucket = self._buckets.setdefault(_bucket(len(rows)), _Bucket())
