@@ -58,15 +58,22 @@ class LLMEngine:
         resources: Mapping[str, object] | None = None,
         proposers: Mapping[str, object] | None = None,
         proposer_facts: Mapping[str, dict] | None = None,
+        runners=None,
     ):
         self.config = config = config or EngineConfig()
+        if config.tensor_parallel_size > 1 and runners is None:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs a group of ranks: serve it "
+                             "through the Ray actors (specray serve / generate start them), not the in-process engine")
+        # Where the models load and which runner holds each: here, whole (default), or split over
+        # a tensor-parallel group whose rank 0 this engine is (engine/mirror.py: ShardedRunners).
+        self.runners = runners or LocalRunners(config)
         if target_model is None:  # from checkpoints (in-memory models are for tests/embedding)
-            target_model = config.load_model(config.require_target())
+            target_model = self.runners.load("target", config.require_target())
             if tokenizer is None:
                 tokenizer = load_tokenizer(config.tokenizer or config.target)
         self.tokenizer = tokenizer
         self.capacity = config.context_length(target_model.config)
-        self.target = ModelRunner(target_model, config.max_num_seqs, self.capacity)
+        self.target = self.runners.runner("target", target_model, config.max_num_seqs, self.capacity)
         self.step_mode = config.step_mode(self.target.device)
         context = ProposerContext(
             vocab_size=self.target.vocab_size, max_num_seqs=config.max_num_seqs, capacity=self.capacity,
@@ -74,7 +81,7 @@ class LLMEngine:
         )
         given = dict(resources or {})
         if draft_model is not None:
-            given["draft"] = ModelRunner(draft_model, config.max_num_seqs, self.capacity)
+            given["draft"] = self.runners.runner("draft", draft_model, config.max_num_seqs, self.capacity)
         if medusa_heads is not None:
             given["medusa"] = medusa_heads
         proposers = dict(proposers or {})
@@ -116,8 +123,11 @@ class LLMEngine:
         self._text_sent: dict[str, int] = {}  # request id -> characters of its text in deltas so far
 
     def _runner_for(self, model, extra_capacity: int = 0) -> ModelRunner:
+        """A checkpoint path is a draft model (it follows draft_tensor_parallel_size); a module
+        (a drafter's head) runs here, beside rank 0's features."""
         if isinstance(model, str):
-            model = self.config.load_model(model)
+            return self.runners.runner("draft", self.runners.load("draft", model), self.config.max_num_seqs,
+                                       self.capacity + extra_capacity)
         return ModelRunner(model, self.config.max_num_seqs, self.capacity + extra_capacity)
 
     @property
@@ -261,6 +271,19 @@ class LLMEngine:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+class LocalRunners:
+    """Every model whole in this process, on the config's device (the default runner factory)."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+    def load(self, name: str, path: str):
+        return self.config.load_model(path)
+
+    def runner(self, name: str, model, num_slots: int, capacity: int) -> ModelRunner:
+        return ModelRunner(model, num_slots, capacity)
 
 
 def load_resources(config: EngineConfig, context: ProposerContext, given: Mapping[str, object],

@@ -64,6 +64,8 @@ class ModelRunner:
             text_config.hidden_size // text_config.num_attention_heads
         )
         kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        shard = getattr(model, "tensor_parallel", None)  # split over ranks: this rank's KV heads only
+        kv_heads = shard.kv_heads if shard is not None else kv_heads
         # +1 row: scratch for the padding rows of fixed-shape batches; +1 position: scratch
         # for padding tokens within a row.
         shape = (num_slots + 1, kv_heads, capacity + 1, head_dim)

@@ -1,6 +1,6 @@
 """The README's layering is true: nothing imports upward (module-level or inside functions).
 
-    kernels <- policies <- engine <- actors <- serve <- entrypoints <- bench
+    kernels <- policies <- engine <- cluster <- actors <- serve <- entrypoints <- bench
                             engine <- protocol  (OpenAI's shapes and the one request check:
                                                  serve and entrypoints share it)
                             engine <- training  (a side folder: only entrypoints import it)
@@ -24,11 +24,12 @@ BELOW = {
     "policies": {"kernels"},
     "engine": {"kernels", "policies"},
     "protocol": {"kernels", "policies", "engine"},
-    "actors": {"kernels", "policies", "engine"},
-    "serve": {"kernels", "policies", "engine", "protocol", "actors"},
+    "cluster": {"kernels", "policies", "engine"},
+    "actors": {"kernels", "policies", "engine", "cluster"},
+    "serve": {"kernels", "policies", "engine", "protocol", "actors", "cluster"},
     "training": {"kernels", "policies", "engine", "demo"},
-    "entrypoints": {"kernels", "policies", "engine", "protocol", "actors", "serve", "training", "demo"},
-    "bench": {"kernels", "policies", "engine", "protocol", "actors", "serve", "entrypoints", "demo"},
+    "entrypoints": {"kernels", "policies", "engine", "protocol", "actors", "cluster", "serve", "training", "demo"},
+    "bench": {"kernels", "policies", "engine", "protocol", "actors", "cluster", "serve", "entrypoints", "demo"},
     "demo": set(),
 }
 

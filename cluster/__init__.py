@@ -1,0 +1,1 @@
+"""Where specray meets a Ray cluster: placement of tensor-parallel groups, drafts and replicas."""
