@@ -155,7 +155,8 @@ class SpecrayConfig(BaseModel):
         ``free_total``: (free, total) GPU bytes to size from instead of the driver's (tests)."""
         engine = self.engine_config()
         paths = [p for p in (self.target, self.draft) if p is not None]
+        splits = [self.tensor_parallel_size, self.draft_tp][: len(paths)]
         device = "cuda" if free_total is not None else engine.resolved_device
         return plan_for_checkpoints(paths, resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
                                     max_num_seqs=self.max_num_seqs, utilization=self.gpu_memory_utilization,
-                                    device=device, free_total=free_total)
+                                    device=device, free_total=free_total, tensor_parallel=splits)

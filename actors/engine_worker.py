@@ -139,10 +139,10 @@ class EngineWorker(Placed):
         return out
 
     async def tensor_parallel(self) -> dict | None:
-        """The group's ranks (actor handles) and the control plane's cost so far; None without TP."""
+        """The group's further ranks (``actors``: their handles) and the control plane's cost so far (``rank0``, ``ranks``); None without TP."""
         if self.group is None:
             return None
-        return {"ranks": list(self.group.ranks), **await self.group.stats()}
+        return {"actors": list(self.group.ranks), **await self.group.stats()}
 
     async def abort(self, request_id: str) -> bool:
         async with self._lock:  # never between a step's verify and its commit

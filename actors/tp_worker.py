@@ -53,7 +53,8 @@ class TensorParallelRank(Placed):
 
     def stats(self) -> dict:
         """The control plane's cost on this rank, and whether it still serves."""
-        return {**self.follower.stats.to_dict(), "serving": self._thread.is_alive(), "error": self.error}
+        return {**self.follower.stats.to_dict(), "reduces": self.groups.reduces,
+                "reduce_seconds": self.groups.reduce_seconds, "serving": self._thread.is_alive(), "error": self.error}
 
 
 class TensorParallelGroup:
@@ -94,7 +95,9 @@ class TensorParallelGroup:
     async def stats(self) -> dict:
         """The control plane's cost: rank 0's (sending) and each further rank's (receiving)."""
         ranks = await asyncio.gather(*(h.stats.remote() for h in self.ranks))
-        return {"rank0": self.runners.mirror.stats.to_dict(), "ranks": ranks}
+        rank0 = {**self.runners.mirror.stats.to_dict(), "reduces": self.groups.reduces,
+                 "reduce_seconds": self.groups.reduce_seconds}
+        return {"rank0": rank0, "ranks": ranks}
 
     def close(self) -> None:
         try:

@@ -146,8 +146,10 @@ def check_feasible(layout: Layout, nodes: list[dict], tensor_parallel_size: int)
         need = sum(b.get(resource, 0) for b in bundles)
         have = sum(n.get(resource, 0) for n in nodes)
         if need > have:
+            hint = (f"; placement mode colocated holds the draft on the target's device"
+                    if "draft" in layout.roles and resource == "GPU" else "")
             raise PlacementError(f"placement needs {need:g} {resource} ({layout.describe()}) but the cluster has "
-                                 f"{have:g}")
+                                 f"{have:g}{hint}")
     if layout.tp_role is None:
         return
     ranks = layout.roles[layout.tp_role]

@@ -22,7 +22,8 @@ import datetime
 import logging
 import pickle
 import struct
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,11 @@ class Groups:
     tensors: object  # a torch ProcessGroup
     control: object
     tensors_name: str | None = None
+    device: torch.device = torch.device("cpu")  # where the tensor group's tensors live (NCCL: this rank's GPU)
+    _in_flight: list = field(default_factory=list, repr=False)  # rank 0's broadcasts not yet complete
+    # Eager all-reduces so far and the seconds spent in them (waiting for the other ranks included).
+    reduces: int = 0
+    reduce_seconds: float = 0.0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the ranks (every rank gets it)."""
@@ -67,15 +73,24 @@ class Groups:
 
             return funcol.wait_tensor(funcol.all_reduce(x, "sum", self.tensors_name))
         x = x.contiguous()
+        start = time.perf_counter()
         try:
             self.tensors.allreduce([x]).wait()
         except RuntimeError as exc:
             raise GroupLostError(f"tensor-parallel all-reduce failed on rank {self.rank}: {exc}") from exc
+        self.reduces += 1
+        self.reduce_seconds += time.perf_counter() - start
         return x
 
     # -- the control plane: rank 0 broadcasts, the others receive ----------------------------
     def send(self, message) -> int:
-        """Rank 0: broadcast ``message`` (any picklable value) to the other ranks; returns its bytes."""
+        """Rank 0: broadcast ``message`` (any picklable value) to the other ranks; returns its bytes.
+
+        It does not wait for the broadcast to complete (gloo runs it on its own threads): rank 0
+        goes on to its forward, whose first all-reduce meets the other ranks once they have the
+        message. The previous message's broadcast is waited for first, so at most one is in flight.
+        """
+        self.settle()
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         head = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
         first = data[: MESSAGE_BYTES - _LENGTH.size]
@@ -101,9 +116,22 @@ class Groups:
 
     def _broadcast(self, buf: torch.Tensor) -> None:
         try:
-            self.control.broadcast(buf, 0).wait()
+            work = self.control.broadcast(buf, 0)
+            if self.rank == 0:
+                self._in_flight.append((work, buf))  # the buffer lives until the broadcast is done
+            else:
+                work.wait()
         except RuntimeError as exc:
             raise GroupLostError(f"tensor-parallel control broadcast failed on rank {self.rank}: {exc}") from exc
+
+    def settle(self) -> None:
+        """Wait for rank 0's broadcasts in flight (their failure is a lost group)."""
+        in_flight, self._in_flight = self._in_flight, []
+        for work, _ in in_flight:
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise GroupLostError(f"tensor-parallel control broadcast failed on rank {self.rank}: {exc}") from exc
 
 
 def init_groups(address: str, rank: int, size: int, device: torch.device | str) -> Groups:
@@ -116,7 +144,7 @@ def init_groups(address: str, rank: int, size: int, device: torch.device | str) 
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     world = dist.group.WORLD
     log.info("tensor-parallel rank %d of %d joined %s (%s tensors, gloo control)", rank, size, address, backend)
-    return Groups(rank, size, world, control, tensors_name=world.group_name)
+    return Groups(rank, size, world, control, tensors_name=world.group_name, device=device)
 
 
 def local_groups(store, rank: int, size: int) -> Groups:

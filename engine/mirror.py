@@ -112,11 +112,12 @@ class Mirror:
 
     def build(self, name: str, source, num_slots: int, capacity: int, dtype: str) -> None:
         """Tell the followers to build runner ``name`` over ``source`` (a checkpoint path, or the
-        whole model itself), split as rank 0's."""
-        self._record(name, _BUILD, (source, num_slots, capacity, dtype), {}, now=True)
+        whole model itself), split as rank 0's (start-up: not counted in ``stats``)."""
+        self.groups.send([(name, _BUILD, (source, num_slots, capacity, dtype), {})])
 
     def stop(self) -> None:
-        self._record("", _STOP, (), {}, now=True)
+        self.groups.send([("", _STOP, (), {})])
+        self.groups.settle()
 
     def _wrap(self, runner, name: str, method: str) -> None:
         owner_path, _, attr = method.rpartition(".")
@@ -172,15 +173,15 @@ class Follower:
         """Repeat rank 0's calls until it says stop (or the group is lost: GroupLostError)."""
         while True:
             calls = self.groups.receive()
+            if calls and calls[0][1] in (_BUILD, _STOP):  # start-up and shutdown: sent alone, not counted
+                name, method, args, _ = calls[0]
+                if method == _STOP:
+                    return
+                self._build(name, *args)
+                continue
             start = time.perf_counter()
             self.stats.messages += 1
             for name, method, args, kwargs in calls:
-                if method == _STOP:
-                    return
-                if method == _BUILD:
-                    self._build(name, *args)
-                    start = time.perf_counter()
-                    continue
                 if method in COLLECTIVE:  # the control plane's part ends where the model's starts
                     self.stats.seconds += time.perf_counter() - start
                 self._call(name, method, args, kwargs)
@@ -198,6 +199,7 @@ class Follower:
         model = self._load(source, dtype) if isinstance(source, str) else source
         self.runners[name] = sharded_runner(model, self.groups, self.device, num_slots, capacity)
         log.info("rank %d holds %s (%s)", self.groups.rank, name, model.tensor_parallel)
+        built(self.groups)
 
 
 def sharded_runner(model, groups: Groups, device, num_slots: int, capacity: int) -> ModelRunner:
@@ -208,6 +210,12 @@ def sharded_runner(model, groups: Groups, device, num_slots: int, capacity: int)
     if groups.rank > 0:
         runner.lm_head = SkippedHead()
     return runner
+
+
+def built(groups: Groups) -> None:
+    """Every rank holds its shard of the runner just built (a barrier: start-up waits here, so
+    that a step never waits on a rank still loading)."""
+    groups.all_reduce(torch.zeros(1, device=groups.device)).cpu()
 
 
 @dataclass
@@ -239,7 +247,9 @@ class ShardedRunners:
         # Followers load the checkpoint themselves; an in-memory model (tests) travels whole.
         source = self._paths.get(id(model)) or _on_cpu(model)
         self.mirror.build(name, source, num_slots, capacity, self.dtype)
-        return self.mirror.install(sharded_runner(model, self.groups, self.device, num_slots, capacity), name)
+        runner = sharded_runner(model, self.groups, self.device, num_slots, capacity)
+        built(self.groups)
+        return self.mirror.install(runner, name)
 
     def stop(self) -> None:
         """Followers leave their loop (their process or thread ends)."""

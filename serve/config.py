@@ -36,17 +36,21 @@ FLAT_KEYS: dict[str, tuple[str, ...]] = {
     "max_model_len": ("engine", "max_model_len"),
     "max_num_seqs": ("engine", "max_num_seqs"),
     "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),
+    "tensor_parallel_size": ("engine", "tensor_parallel_size"),
+    "draft_tensor_parallel_size": ("engine", "draft_tensor_parallel_size"),
 }
 # vLLM's names for methods and their options in --speculative-config, as specray's.
 SPEC_METHOD_ALIASES = {"draft_model": "draft", "prompt_lookup": "ngram"}
 SPEC_KEY_ALIASES = {"prompt_lookup_max": "max_matching_ngram_size"}
+SPEC_ENGINE_KEYS = ("draft_tensor_parallel_size",)
 
 
-def speculative_config(value: Any) -> tuple[dict, str | None, str | None]:
+def speculative_config(value: Any) -> tuple[dict, str | None, str | None, dict]:
     """vLLM's ``--speculative-config`` (a JSON object or its text): ``method``,
-    ``num_speculative_tokens``, ``model`` (the method's weights dir) and the method's own
-    options -> (the server's default speculation, checkpoint key, weights dir). Only the keys
-    given are set, so a length left out stays with the self-tuning controller."""
+    ``num_speculative_tokens``, ``model`` (the method's weights dir), ``draft_tensor_parallel_size``
+    and the method's own options -> (the server's default speculation, checkpoint key, weights
+    dir, engine settings). Only the keys given are set, so a length left out stays with the
+    self-tuning controller."""
     flag = "--speculative-config"
     if isinstance(value, str):
         try:
@@ -58,6 +62,8 @@ def speculative_config(value: Any) -> tuple[dict, str | None, str | None]:
         raise ValueError(f"{flag}: must be a JSON object with a 'method', got {type(value).__name__}")
     fields = {SPEC_KEY_ALIASES.get(k, k): v for k, v in value.items()}
     model = fields.pop("model", None)
+    # A deployment setting, not a request's: where the draft model runs (1, or the target's size).
+    engine = {k: fields.pop(k) for k in SPEC_ENGINE_KEYS if k in fields}
     method = fields.pop("method", None) or ("draft" if model else None)
     if method is None:
         raise ValueError(f"{flag}: give a 'method' (e.g. draft, ngram, medusa, eagle)")
@@ -71,7 +77,7 @@ def speculative_config(value: Any) -> tuple[dict, str | None, str | None]:
         errors = getattr(exc, "errors", lambda: [])()
         lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors] or [str(exc)]
         raise ValueError(f"{flag}: " + "; ".join(lines)) from None
-    return options.model_dump(exclude_unset=True) | {"method": method}, spec.checkpoint, model
+    return options.model_dump(exclude_unset=True) | {"method": method}, spec.checkpoint, model, engine
 
 
 def flat_to_nested(data: dict) -> dict:
@@ -98,8 +104,9 @@ def flat_to_nested(data: dict) -> dict:
         elif name == "speculative_config":
             if value is None:
                 continue
-            options, key_, model = speculative_config(value)
+            options, key_, model, settings = speculative_config(value)
             engine["default_speculation"] = options
+            engine.update(settings)
             if model is not None:
                 if key_ in ("draft", "medusa"):
                     engine[key_] = model

@@ -231,3 +231,31 @@ def test_sampling_at_tp2_keeps_the_target_distribution(method):
         assert t.num_drafts > N // 2 and 0 < t.num_accepted_tokens < t.num_draft_tokens
     pvals = check(np.array([o.token_ids for o in outs]), exact_joint(target))
     assert min(pvals) > 1e-3, pvals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["eager", "static"])
+def test_the_demo_pair_at_tp2_equals_tp1(demo_models, step):
+    """The trained demo pair (12 layers, 2 KV heads: one per rank), every method its weights
+    allow with a random EAGLE head on its features, at batch 4 (ragged held-out prompts) and 1."""
+    from specray.demo import held_out_prompts
+    from specray.demo import load_or_build_demo_pair
+
+    target, draft, tok = demo_models
+    prompts = [tok(p)["input_ids"] for p in held_out_prompts(4, load_or_build_demo_pair().tokenizer,
+                                                                 min_tokens=16, max_tokens=96)]
+    names = ["none", "draft", "ngram", "eagle", "eagle-2", "lookahead", "suffix"]
+
+    def make(tp, runners=None):
+        return LLMEngine(EngineConfig(target="x", max_num_seqs=4, step=step, tensor_parallel_size=tp,
+                                      speculation_length=SpeculationLengthPolicy()),
+                         target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft), tokenizer=tok,
+                         resources={"eagle": random_head(target)}, runners=runners)
+
+    whole = make(1)
+    refs = {n: tokens(whole, prompts, n, GREEDY) for n in names}
+    with thread_group(2) as runners:
+        e = make(2, runners)
+        for n in names:
+            assert tokens(e, prompts, n, GREEDY) == refs[n], n
+            assert tokens(e, prompts[1:2], n, GREEDY) == refs[n][1:2], n
