@@ -99,15 +99,6 @@ class TensorParallelGroup:
                  "reduce_seconds": self.groups.reduce_seconds}
         return {"rank0": rank0, "ranks": ranks}
 
-    def close(self) -> None:
-        try:
-            self.runners.stop()
-        except Exception:  # noqa: BLE001 - the group is gone already
-            pass
-        for handle in self.ranks:
-            ray.kill(handle, no_restart=True)
-        leave_groups()
-
 
 def _free_port() -> int:
     """A TCP port free now on this node, for rank 0's rendezvous store."""

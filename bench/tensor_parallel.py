@@ -1,6 +1,7 @@
 """A tensor-parallel target against TP 1: ms per step, and what the control plane costs.
 
     python -m specray.bench.tensor_parallel [--tp 1,2] [--batch 1,8] [--method none,draft] [--out DIR]
+    python -m specray.bench.tensor_parallel --layout llama-3-70b:4,llama-3.2-1b:1   # what each rank holds
 
 Runs the same greedy workload (held-out demo prompts) through a colocated coordinator (the
 draft, when the method has one, whole in rank 0) at each tensor-parallel size, and reports
@@ -36,6 +37,60 @@ import time
 from specray.bench import DEFAULT_OUT, announce
 
 log = logging.getLogger("specray.bench.tensor_parallel")
+
+# Published shapes (their config.json values) for --layout: nothing is downloaded, the models
+# are built on the meta device and split as specray splits them.
+SHAPES = {
+    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+}
+
+
+def layout(spec: str, dtype_bytes: int = 2) -> list[dict]:
+    """What each rank holds for ``spec`` = "shape:ranks,shape:ranks" (the target first): its
+    parameters (the split layers' share, the embedding, rank 0's whole LM head), their bytes,
+    its query and KV heads, and its KV cache bytes per token."""
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specray.engine.collectives import Groups
+    from specray.engine.tensor_parallel import check_tensor_parallel, shard_model
+
+    rows = []
+    for role, item in zip(("target", "draft"), spec.split(",")):
+        name, _, ranks = item.partition(":")
+        size = int(ranks or 1)
+        cfg = LlamaConfig(**SHAPES[name])
+        with torch.device("meta"):
+            whole = LlamaForCausalLM(cfg)
+        for rank in range(size):
+            model = copy.deepcopy(whole)
+            info = check_tensor_parallel(cfg, size)
+            if size > 1:
+                info = shard_model(model, Groups(rank, size, tensors=None, control=None))
+            held = {id(p): p.numel() for p in model.model.parameters()}
+            if rank == 0:  # the LM head: rank 0 computes the logits (tied: the embedding itself)
+                held[id(model.lm_head.weight)] = model.lm_head.weight.numel()
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            rows.append({"role": role, "shape": name, "rank": rank, "ranks": size,
+                         "params_b": sum(held.values()) / 1e9, "weights_gib": sum(held.values()) * dtype_bytes / 2**30,
+                         "q_heads": info.q_heads, "kv_heads": info.kv_heads,
+                         "kv_kib_per_token": 2 * cfg.num_hidden_layers * info.kv_heads * head_dim * dtype_bytes / 1024})
+    return rows
+
+
+def print_layout(rows: list[dict]) -> None:
+    print(f"{'role':<7} {'shape':<13} {'rank':>4} {'params (B)':>10} {'bf16 GiB':>9} {'q heads':>7} {'kv heads':>8} "
+          f"{'KV KiB/token':>12}")
+    for r in rows:
+        print(f"{r['role']:<7} {r['shape']:<13} {r['rank']:>2}/{r['ranks']:<1} {r['params_b']:>10.2f} "
+              f"{r['weights_gib']:>9.1f} {r['q_heads']:>7} {r['kv_heads']:>8} {r['kv_kib_per_token']:>12.0f}")
 
 
 def _run(cfg, prompts, sampling, spec, repeats: int) -> dict:
@@ -90,10 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default=None, help="draft checkpoint (default: the demo pair's)")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
+    parser.add_argument("--layout", metavar="SHAPE:N[,SHAPE:N]", default=None,
+                        help=f"only print what each rank holds (shapes: {', '.join(SHAPES)}), e.g. "
+                             "llama-3-70b:4,llama-3.2-1b:1; nothing runs")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("SPECRAY_WORKER_THREADS", "1")
     command = announce("tensor_parallel", argv)
+    if args.layout:
+        print_layout(layout(args.layout))
+        return 0
 
     import ray
 
@@ -134,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                         "messages_per_step": t["messages"] / steps, "bytes_per_message": t["bytes"] / max(t["messages"], 1),
                         "identical_to_tp1": res["tokens"] == reference,
                     })
+                    log.info("%s batch %d tp %d: %.2f ms/step, control %.3f ms (%.1f%%)", method, batch, tp, step_ms,
+                             control_ms, 100 * control_ms / step_ms)
     finally:
         ray.shutdown()
     _report(rows, pathlib.Path(args.out), command, args.device)

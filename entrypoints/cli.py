@@ -33,6 +33,8 @@ BENCHMARKS = {
     "online": "online learning on a shifted workload: accepted length over served requests, learning on vs off",
     "gpu": "the step against the memory-bandwidth bound on a GPU (a synthetic 8B-shaped pair; --device cpu: demo)",
     "penalties": "what repetition/presence/frequency penalties cost plain and draft-model decoding",
+    "tensor_parallel": "a tensor-parallel target against TP 1: ms/step and the control plane's share (--layout: "
+                       "what each rank holds)",
 }
 
 

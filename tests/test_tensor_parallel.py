@@ -259,3 +259,16 @@ def test_the_demo_pair_at_tp2_equals_tp1(demo_models, step):
         for n in names:
             assert tokens(e, prompts, n, GREEDY) == refs[n], n
             assert tokens(e, prompts[1:2], n, GREEDY) == refs[n][1:2], n
+
+
+def test_the_documented_layout_is_what_the_split_gives(capsys):
+    """docs/tensor-parallel.md's 70B + 1B table is this command's output (meta-device models,
+    split as specray splits them)."""
+    import pathlib
+
+    from specray.bench import tensor_parallel as bench
+
+    assert bench.main(["--layout", "llama-3-70b:4,llama-3.2-1b:1"]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("role", "target", "draft"))]
+    doc = (pathlib.Path(__file__).parents[1] / "docs" / "tensor-parallel.md").read_text()
+    assert len(printed) == 6 and all(line in doc for line in printed)
