@@ -6,7 +6,7 @@ import pytest
 import ray
 
 from specray.actors.coordinator import Coordinator
-from specray.actors.placement import PlacementError
+from specray.cluster.placement import PlacementError
 from tests.test_actors import GREEDY, PROMPTS, references, shutdown  # noqa: F401
 
 

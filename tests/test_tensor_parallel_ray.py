@@ -65,6 +65,36 @@ def every_method(c, references) -> None:
         assert out["token_ids"] == references[3][:12], spec
 
 
+# Serve's proxy starts first, on a quiet cluster (it must be ready within Serve's own timeouts).
+def test_http_at_tp2_with_the_draft_split_too(server, tiny_tok, tiny_pair):
+    """draft_tensor_parallel_size 2 (from --speculative-config's key): the draft split over the
+    target's ranks, driven by rank 0; no draft actor."""
+    from ray import serve
+
+    from specray.entrypoints.app import build_app
+    from tests.conftest import decode, encode
+
+    small = {"num_gpus": 0, "num_cpus": 0.25}
+    cfg = {"model_name": "tp2", **TP2, "speculative-config": {"method": "draft", "draft_tensor_parallel_size": 2},
+           "engine": {**tiny_tok, "max_num_seqs": 2, "placement": {"target": small}}}
+    serve.run(build_app(cfg), name="tp2", route_prefix="/tp2")
+    try:
+        prompt = "abcdefabcdef"
+        deadline = time.monotonic() + 300
+        while True:
+            r = httpx.post(f"{server}/tp2/v1/completions", timeout=120, json={
+                "model": "tp2", "prompt": prompt, "max_tokens": 10, "temperature": 0})
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == decode(hf_greedy(tiny_pair[0], encode(prompt), 10))
+        (metrics,) = r.json()["speculation_metrics"]
+        assert metrics["method"] == "draft" and metrics["num_drafts"] > 0
+    finally:
+        serve.delete("tp2")
+
+
 def test_colocated_tp2_every_method(ray_session, tiny_checkpoints, heads, references):
     c = Coordinator.remote({**tiny_checkpoints, **heads, **TP2, "max_num_seqs": 3, "placement": {"mode": "colocated"}})
     try:
@@ -195,35 +225,6 @@ def test_batch_job_at_tp2_with_the_draft_in_its_own_actor(ray_session, tiny_chec
     assert sum(o["metrics"]["num_drafts"] for o in lines if o["method"] == "draft") > 0
 
 
-def test_http_at_tp2_with_the_draft_split_too(server, tiny_tok, tiny_pair):
-    """draft_tensor_parallel_size 2 (from --speculative-config's key): the draft split over the
-    target's ranks, driven by rank 0; no draft actor."""
-    from ray import serve
-
-    from specray.entrypoints.app import build_app
-    from tests.conftest import decode, encode
-
-    small = {"num_gpus": 0, "num_cpus": 0.25}
-    cfg = {"model_name": "tp2", **TP2, "speculative-config": {"method": "draft", "draft_tensor_parallel_size": 2},
-           "engine": {**tiny_tok, "max_num_seqs": 2, "placement": {"target": small}}}
-    serve.run(build_app(cfg), name="tp2", route_prefix="/tp2")
-    try:
-        prompt = "abcdefabcdef"
-        deadline = time.monotonic() + 300
-        while True:
-            r = httpx.post(f"{server}/tp2/v1/completions", timeout=120, json={
-                "model": "tp2", "prompt": prompt, "max_tokens": 10, "temperature": 0})
-            if r.status_code == 200 or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == decode(hf_greedy(tiny_pair[0], encode(prompt), 10))
-        (metrics,) = r.json()["speculation_metrics"]
-        assert metrics["method"] == "draft" and metrics["num_drafts"] > 0
-    finally:
-        serve.delete("tp2")
-
-
 @pytest.mark.slow  # a Ray of its own, as tests/test_serve_cli.py's
 @pytest.mark.timeout(900)
 def test_serve_once_with_tensor_parallel_size(tiny_tok, tiny_pair):
@@ -231,8 +232,8 @@ def test_serve_once_with_tensor_parallel_size(tiny_tok, tiny_pair):
     from tests.conftest import decode, encode
 
     port = free_port()
-    env = {**os.environ, "SPECRAY_WORKER_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)
+    # A Ray of its own, whatever other clusters this machine runs ("local": never join one).
+    env = {**os.environ, "SPECRAY_WORKER_THREADS": "1", "RAY_ADDRESS": "local"}
     done = subprocess.run([sys.executable, "-m", "specray.entrypoints.cli", "serve", "--target", tiny_tok["target"],
                            "--tokenizer", tiny_tok["tokenizer"], "--tensor-parallel-size", "2", "--port", str(port),
                            "--once", "abcabc"], capture_output=True, text=True, timeout=800, env=env)
