@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specray.actors.learner import OnlineLearningConfig
 from specray.cluster.placement import PlacementConfig
 from specray.engine.config import STEP_CHOICES, EngineConfig, resolve_dtype
 from specray.engine.memory import DEFAULT_MAX_NUM_SEQS, KVPlan, plan_for_checkpoints
 from specray.engine.params import Speculation
+from specray.engine.quantization import FP8_KERNELS, check_method
 from specray.policies.registry import method_spec, registered_methods
 from specray.policies.spec_length import SpeculationLengthPolicy
 from specray.policies.suffix_cache import SuffixCacheConfig
@@ -41,6 +42,16 @@ class SpecrayConfig(BaseModel):
     step: Literal[STEP_CHOICES] = Field(
         "auto", description="How a step runs (engine/graphs.py): auto = CUDA graphs over static shapes on CUDA, "
         "eager on CPU; eager (the reference), static, compile (torch.compile), cudagraph, graphs.")
+    quantization: str | None = Field(
+        None, description="fp8: the target's linear layers quantized at load to float8_e4m3fn with per-channel "
+        "scales (weight-only: half of bf16's bytes, dequantized for each matmul; docs/quantization.md); None: "
+        "as stored (a checkpoint published in FP8 loads in FP8 either way). vLLM's --quantization.")
+    draft_quantization: str | None = Field(
+        None, description="The same for the draft model (vLLM: --speculative-config's quantization); heads stay "
+        "in the compute dtype.")
+    fp8_kernel: Literal[FP8_KERNELS] = Field(
+        "dequantize", description="How FP8 layers multiply: dequantize (weight-only W8A16, the reference, any "
+        "device) or scaled_mm (W8A8 through torch._scaled_mm: CUDA compute capability >= 8.9 only).")
     max_num_seqs: int | None = Field(
         None, ge=1, description="Sequences batched at once (KV-cache rows); default: sized from GPU memory "
         "(gpu_memory_utilization) on CUDA, 8 on CPU.")
@@ -49,6 +60,17 @@ class SpecrayConfig(BaseModel):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Share of the GPU's memory this server may use: weights, activations and "
         "the KV cache, which gets the rest (used only when max_num_seqs is not given).")
+    paged_kv: bool = Field(
+        True, description="Keep every model's KV in blocks taken from a pool as sequences grow (prefix caching, "
+        "preemption; engine/kv_blocks.py); false: each of max_num_seqs rows holds a whole max_model_len context.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block (paged).")
+    num_gpu_blocks_override: int | None = Field(
+        None, ge=1, description="The target's KV pool in blocks (paged), whatever memory says (vLLM's name).")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="The KV pool in bytes (paged; vLLM's name): on CPU the way to size it; on CUDA "
+        "instead of gpu_memory_utilization's share. Default: max_num_seqs contexts on CPU, sized from GPU memory.")
+    enable_prefix_caching: bool = Field(
+        True, description="Requests that start with a cached prefix reuse its KV blocks and prefill only the rest.")
     default_speculation: Speculation | None = Field(
         None, description="Speculation for requests that give none; default: the best method loaded (draft, "
         "then EAGLE/ReDrafter/Medusa heads, then prompt lookup) under the self-tuning speculation length.")
@@ -78,6 +100,12 @@ class SpecrayConfig(BaseModel):
         "trainer actor, gated versions swapped into every replica (docs/online-learning.md); off by default."
     )
 
+    @field_validator("quantization", "draft_quantization")
+    @classmethod
+    def _known_quantization(cls, value, info):
+        check_method(value, info.field_name)
+        return value
+
     def engine_config(self, device: str | None = None) -> EngineConfig:
         return EngineConfig(
             target=self.target,
@@ -96,6 +124,14 @@ class SpecrayConfig(BaseModel):
                 self.speculation_off_above_batch, tuple(tuple(p) for p in self.speculation_k_caps)
             ) if self.speculation_off_above_batch is not None or self.speculation_k_caps else None,
             online_learning=self.online_learning.capture() if self.online_learning.enabled else None,
+            paged_kv=self.paged_kv,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_gpu_blocks_override,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_prefix_caching=self.enable_prefix_caching,
+            quantization=self.quantization,
+            draft_quantization=self.draft_quantization,
+            fp8_kernel=self.fp8_kernel,
             tensor_parallel_size=self.tensor_parallel_size,
             draft_tensor_parallel_size=self.draft_tp,
         )
@@ -141,13 +177,21 @@ class SpecrayConfig(BaseModel):
             raise ValueError("no target checkpoint: set target (the entry points default to the demo pair: "
                              "specray.entrypoints.defaults.with_demo_pair(config))")
         cfg = self
-        if cfg.max_num_seqs is None:
-            if free_total is not None or cfg.engine_config().resolved_device.startswith("cuda"):
-                plan = cfg.kv_plan(free_total)
-                cfg = cfg.model_copy(update={"max_num_seqs": plan.max_num_seqs, "max_model_len": plan.max_model_len})
+        cuda = free_total is not None or cfg.engine_config().resolved_device.startswith("cuda")
+        pool_unsized = cfg.paged_kv and cfg.num_gpu_blocks_override is None
+        if cfg.max_num_seqs is None or (cuda and pool_unsized) or (pool_unsized and cfg.kv_cache_memory_bytes):
+            if cuda or cfg.kv_cache_memory_bytes:
+                cfg = cfg.with_plan(cfg.kv_plan(free_total))
             else:  # nothing to size from: the CPU default (the context is the model's, read where it loads)
                 cfg = cfg.model_copy(update={"max_num_seqs": DEFAULT_MAX_NUM_SEQS})
         return cfg
+
+    def with_plan(self, plan: KVPlan) -> "SpecrayConfig":
+        """This config with a KV plan's numbers (the pool's blocks too, when paged)."""
+        update = {"max_num_seqs": plan.max_num_seqs, "max_model_len": plan.max_model_len}
+        if plan.num_blocks is not None:  # the pool as planned (its bytes are every model's, target + draft)
+            update["num_gpu_blocks_override"] = plan.num_blocks
+        return self.model_copy(update=update)
 
     def kv_plan(self, free_total: tuple[int, int] | None = None) -> KVPlan:
         """The KV cache's rows and context for these checkpoints on this process's device
@@ -159,4 +203,7 @@ class SpecrayConfig(BaseModel):
         device = "cuda" if free_total is not None else engine.resolved_device
         return plan_for_checkpoints(paths, resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
                                     max_num_seqs=self.max_num_seqs, utilization=self.gpu_memory_utilization,
-                                    device=device, free_total=free_total, tensor_parallel=splits)
+                                    device=device, free_total=free_total,
+                                    block_size=self.block_size if self.paged_kv else None,
+                                    num_blocks=self.num_gpu_blocks_override, kv_bytes=self.kv_cache_memory_bytes,
+                                    quantization=[self.quantization, self.draft_quantization], tensor_parallel=splits)

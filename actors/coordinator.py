@@ -88,6 +88,7 @@ class CoordinatorCore:
         self._errors: dict[str, str] = {}
         self._tracked: dict[str, _Tracked] = {}
         self.totals = SpecMetrics()
+        self.kv: dict = {}  # the engine worker's KV pool (paged): blocks, usage, prefix-cache counts
         self._loop_task: asyncio.Task | None = None
         self._started = False
         self._start_error: str | None = None
@@ -330,6 +331,7 @@ class CoordinatorCore:
                 for rid in list(self._tracked):
                     self._fail(rid, f"internal error: {exc}")
                 continue
+            self.kv = batch.get("kv") or self.kv  # the engine worker's KV pool, as of its last step
             for delta in batch["outputs"]:
                 self._deliver(delta)
             for rid, progress in batch["progress"].items():

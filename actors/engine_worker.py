@@ -58,7 +58,8 @@ class EngineWorker(Placed):
 
         def proxy(method: str, options: dict):
             def make(ctx: ProposerContext) -> RemoteProposer:  # drafts over the target's vocab and context
-                self.remote[method] = RemoteProposer(method, config, options, ctx.vocab_size, ctx.capacity, overlap)
+                self.remote[method] = RemoteProposer(method, config, options, ctx.vocab_size, ctx.capacity, overlap,
+                                                    ctx.target.paging)
                 return self.remote[method]
 
             return make
@@ -127,19 +128,22 @@ class EngineWorker(Placed):
         """What the steps produced since the last poll (waits until there is something):
         ``outputs`` (``StepDelta`` dicts, in step order; a failed request's last one has
         finish reason 'error'), ``progress`` (per request still running: its metrics and the
-        generator state of a seeded sampled one, see ``LLMEngine.progress``)."""
+        generator state of a seeded sampled one, see ``LLMEngine.progress``), ``kv`` (the target's
+        KV pool: blocks, usage, prefix-cache queries and hits), ``lost`` (a tensor-parallel rank
+        was lost: this worker serves no more)."""
         while not self._outbox and self._lost is None:
             self._wake.clear()
             await self._wake.wait()
         deltas, self._outbox = self._outbox, []
         progress = self.engine.progress({d.request_id for d in deltas if not d.finished})
-        out = {"outputs": [d.to_dict() for d in deltas], "progress": progress}
+        out = {"outputs": [d.to_dict() for d in deltas], "progress": progress, "kv": self.engine.executor.kv_stats()}
         if self._lost is not None:  # the coordinator replaces this worker and replays its requests
             out["lost"] = self._lost
         return out
 
     async def tensor_parallel(self) -> dict | None:
-        """The group's further ranks (``actors``: their handles) and the control plane's cost so far (``rank0``, ``ranks``); None without TP."""
+        """The group's further ranks (``actors``: their handles) and the control plane's cost so
+        far (``rank0``, ``ranks``); None without TP."""
         if self.group is None:
             return None
         return {"actors": list(self.group.ranks), **await self.group.stats()}

@@ -74,8 +74,7 @@ class TensorParallelGroup:
         cls = ray.remote(TensorParallelRank)
         self.ranks = [cls.options(**opts).remote(address, r, size, config) for r, opts in enumerate(rank_options, 1)]
         self.groups = init_groups(address, 0, size, config.resolved_device)
-        self.runners = ShardedRunners(self.groups, config.resolved_device, config.resolved_dtype,
-                                      draft_sharded=config.draft_tensor_parallel_size > 1)
+        self.runners = ShardedRunners(self.groups, config)
 
     async def lost(self, error: BaseException | None = None) -> str | None:
         """After a failed step: which rank was lost (named), or None if every rank still serves

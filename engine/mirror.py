@@ -8,8 +8,10 @@ same call on its own shard. The ranks' runners therefore hold the same lengths a
 layout, and their forwards meet in the same all-reduces. Nothing is returned: rank 0 alone
 computes logits and runs acceptance, proposers and bookkeeping.
 
-    MIRRORED   the runner calls followers repeat, in order (``MIRRORED`` below; a new
-               state-changing runner method — paged KV's block calls — is one more name)
+    MIRRORED   the runner calls followers repeat, in order (``MIRRORED`` below: lengths,
+               compaction, paged KV's block reservations and prefix cache; a new
+               state-changing runner method is one more name). Each rank's block pool then
+               makes the same choices: its tables are rank 0's.
     COLLECTIVE those that run the model: sent at once, with every call queued before them;
                the others (lengths, compaction) wait for the next one, so a step costs one
                message (two with a prefill)
@@ -26,7 +28,6 @@ import logging
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -36,7 +37,8 @@ from specray.engine.tensor_parallel import SkippedHead, shard_model
 
 log = logging.getLogger(__name__)
 
-MIRRORED = ("forward", "set_length", "reset", "keep", "compact", "compact_paths", "enable_static", "static.run")
+MIRRORED = ("forward", "set_length", "reset", "keep", "compact", "compact_paths", "enable_static", "static.run",
+            "reserve", "attach", "publish", "forget_prefixes")  # the last four: paged KV's blocks
 COLLECTIVE = frozenset({"forward", "static.run"})
 _BUILD, _STOP = "__build__", "__stop__"
 
@@ -110,10 +112,11 @@ class Mirror:
             self._wrap(runner, name, method)
         return runner
 
-    def build(self, name: str, source, num_slots: int, capacity: int, dtype: str) -> None:
-        """Tell the followers to build runner ``name`` over ``source`` (a checkpoint path, or the
-        whole model itself), split as rank 0's (start-up: not counted in ``stats``)."""
-        self.groups.send([(name, _BUILD, (source, num_slots, capacity, dtype), {})])
+    def build(self, name: str, source, load: dict, runner: dict) -> None:
+        """Tell the followers to build runner ``name`` over ``source`` (a checkpoint path, loaded
+        with ``load``'s arguments, or the whole model itself) with ``runner``'s arguments, split
+        as rank 0's (start-up: not counted in ``stats``)."""
+        self.groups.send([(name, _BUILD, (source, load, runner), {})])
 
     def stop(self) -> None:
         self.groups.send([("", _STOP, (), {})])
@@ -157,17 +160,14 @@ class Follower:
     """A rank > 0: builds the runners rank 0 asks for over its own shard and repeats rank 0's
     mirrored calls on them, until rank 0 sends stop (``serve``).
 
-    device: where this rank's shard lives; load: path -> whole model on the CPU (default:
-    ``runner.load_model``).
+    device: where this rank's shard lives.
     """
 
-    def __init__(self, groups: Groups, device: str | torch.device = "cpu",
-                 load: Callable[[str, str], torch.nn.Module] | None = None):
+    def __init__(self, groups: Groups, device: str | torch.device = "cpu"):
         self.groups = groups
         self.device = torch.device(device)
         self.runners: dict[str, ModelRunner] = {}
         self.stats = ControlStats()
-        self._load = load or (lambda path, dtype: load_model(path, dtype, "cpu"))
 
     def serve(self) -> None:
         """Repeat rank 0's calls until it says stop (or the group is lost: GroupLostError)."""
@@ -195,18 +195,19 @@ class Follower:
         except Exception:  # noqa: BLE001 - rank 0 raised the same (same state, same checks) and serves on
             log.debug("mirrored %s.%s raised (as rank 0 did)", name, method, exc_info=True)
 
-    def _build(self, name: str, source, num_slots: int, capacity: int, dtype: str) -> None:
-        model = self._load(source, dtype) if isinstance(source, str) else source
-        self.runners[name] = sharded_runner(model, self.groups, self.device, num_slots, capacity)
+    def _build(self, name: str, source, load: dict, runner: dict) -> None:
+        model = load_model(source, device="cpu", **load) if isinstance(source, str) else source
+        self.runners[name] = sharded_runner(model, self.groups, self.device, **runner)
         log.info("rank %d holds %s (%s)", self.groups.rank, name, model.tensor_parallel)
         built(self.groups)
 
 
-def sharded_runner(model, groups: Groups, device, num_slots: int, capacity: int) -> ModelRunner:
+def sharded_runner(model, groups: Groups, device, num_slots: int, capacity: int, paging=None,
+                   shift: int = 0) -> ModelRunner:
     """``model`` (whole, on the CPU) cut to this rank's share, moved to ``device``, in a runner;
     ranks > 0 skip the LM head (rank 0 computes the logits)."""
     shard_model(model, groups)
-    runner = ModelRunner(model.to(device), num_slots, capacity)
+    runner = ModelRunner(model.to(device), num_slots, capacity, paging, shift)
     if groups.rank > 0:
         runner.lm_head = SkippedHead()
     return runner
@@ -223,31 +224,41 @@ class ShardedRunners:
     """The runner factory of rank 0 (``LLMEngine(runners=...)``): the target, and the draft
     model when ``draft_sharded``, split over the group and mirrored; anything else local.
 
-    Models load whole on the CPU (``load``), are split, and only the shard moves to ``device``.
+    Models load whole on the CPU (``load``: the config's dtype, and its quantization for the
+    role), are split, and only the shard moves to ``device``.
     """
 
     groups: Groups
-    device: str
-    dtype: str
-    draft_sharded: bool = False
+    config: object  # the EngineConfig (resolved for this rank's device)
     mirror: Mirror = field(init=False)
     _paths: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self):
         self.mirror = Mirror(self.groups)
+        self.device = self.config.resolved_device
+
+    @property
+    def draft_sharded(self) -> bool:
+        return self.config.draft_tensor_parallel_size > 1
+
+    def load_args(self, name: str) -> dict:
+        cfg = self.config
+        return {"dtype": cfg.resolved_dtype, "fp8_kernel": cfg.fp8_kernel,
+                "quantization": cfg.quantization if name == "target" else cfg.draft_quantization}
 
     def load(self, name: str, path: str):
-        model = load_model(path, self.dtype, "cpu" if self._sharded(name) else self.device)
+        model = load_model(path, device="cpu" if self._sharded(name) else self.device, **self.load_args(name))
         self._paths[id(model)] = path
         return model
 
-    def runner(self, name: str, model, num_slots: int, capacity: int) -> ModelRunner:
+    def runner(self, name: str, model, num_slots: int, capacity: int, paging=None, shift: int = 0) -> ModelRunner:
         if not self._sharded(name):
-            return ModelRunner(model.to(self.device), num_slots, capacity)
+            return ModelRunner(model.to(self.device), num_slots, capacity, paging, shift)
         # Followers load the checkpoint themselves; an in-memory model (tests) travels whole.
         source = self._paths.get(id(model)) or _on_cpu(model)
-        self.mirror.build(name, source, num_slots, capacity, self.dtype)
-        runner = sharded_runner(model, self.groups, self.device, num_slots, capacity)
+        args = {"num_slots": num_slots, "capacity": capacity, "paging": paging, "shift": shift}
+        self.mirror.build(name, source, self.load_args(name), args)
+        runner = sharded_runner(model, self.groups, self.device, **args)
         built(self.groups)
         return self.mirror.install(runner, name)
 

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from specray.engine.collectives import Groups
+from specray.engine.quantization import FP8Linear
 
 
 class TensorParallelError(ValueError):
@@ -239,9 +240,27 @@ def _is_conv1d(module) -> bool:  # GPT-2's Conv1D: weight [in, out], x @ W + b
     return type(module).__name__ == "Conv1D"
 
 
+def _is_projection(module) -> bool:
+    return isinstance(module, (nn.Linear, FP8Linear)) or _is_conv1d(module)
+
+
+def _fp8_scale(module: FP8Linear, idx: torch.Tensor | None) -> torch.Tensor:
+    """An FP8 layer's scale for this rank's output rows ``idx`` (None: all rows). Per-tensor and
+    per-channel scales split with the rows; block scales would need the split on tile bounds."""
+    scale = module.weight_scale.detach()
+    if module.block is not None:
+        raise TensorParallelError("FP8 weights with block scales (weight_block_size) are not split over ranks yet; "
+                                  "per-tensor and per-channel scales are (--quantization fp8 gives per-channel)")
+    return scale if idx is None or scale.numel() == 1 else scale[idx]
+
+
 def _split_column(module: nn.Module, idx: torch.Tensor) -> None:
     with torch.no_grad():
-        if _is_conv1d(module):
+        if isinstance(module, FP8Linear):
+            module.weight_scale = nn.Parameter(_fp8_scale(module, idx).contiguous(), requires_grad=False)
+            module.weight = nn.Parameter(module.weight[idx].contiguous(), requires_grad=False)
+            module.out_features = len(idx)
+        elif _is_conv1d(module):
             module.weight = nn.Parameter(module.weight[:, idx].contiguous(), requires_grad=False)
             module.nf = len(idx)
         else:
@@ -252,20 +271,29 @@ def _split_column(module: nn.Module, idx: torch.Tensor) -> None:
 
 
 class RowParallel(nn.Module):
-    """A row-parallel projection: this rank's input columns, then the sum over the ranks, then
-    the bias (once). Replaces an ``nn.Linear`` or GPT-2 ``Conv1D`` in its parent."""
+    """A row-parallel projection: this rank's input columns (``part``, bias-less), then the sum
+    over the ranks, then the bias (once). Replaces an ``nn.Linear``, GPT-2 ``Conv1D`` or
+    ``FP8Linear`` in its parent."""
 
     def __init__(self, module: nn.Module, idx: torch.Tensor, groups: Groups):
         super().__init__()
-        conv = _is_conv1d(module)
-        weight = module.weight[idx] if conv else module.weight[:, idx]
-        self.weight = nn.Parameter((weight.t() if conv else weight).contiguous(), requires_grad=False)  # [out, in/N]
+        with torch.no_grad():
+            if isinstance(module, FP8Linear):  # this rank's input columns, every output row's scale
+                self.part = FP8Linear(module.weight[:, idx].contiguous(), _fp8_scale(module, None), None,
+                                      kernel=module.kernel)
+            else:
+                conv = _is_conv1d(module)
+                weight = module.weight[idx] if conv else module.weight[:, idx]
+                self.part = nn.Linear(len(idx), weight.shape[1] if conv else weight.shape[0], bias=False,
+                                      device=weight.device, dtype=weight.dtype)
+                self.part.weight = nn.Parameter((weight.t() if conv else weight).contiguous(),  # [out, in/N]
+                                                requires_grad=False)
         bias = getattr(module, "bias", None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.groups = groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in/N] -> [..., out]
-        y = self.groups.all_reduce(nn.functional.linear(x, self.weight))
+        y = self.groups.all_reduce(self.part(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -282,8 +310,7 @@ def shard_model(model: nn.Module, groups: Groups) -> ShardInfo:
     layers = getattr(decoder, "layers", None)
     layers = layers if layers is not None else decoder.h
     for k, layer in enumerate(layers):
-        unplanned = [n for n, m in layer.named_modules() if (isinstance(m, nn.Linear) or _is_conv1d(m))
-                     and n not in plan.rules]
+        unplanned = [n for n, m in layer.named_modules() if _is_projection(m) and n not in plan.rules]
         if unplanned:
             raise TensorParallelError(f"{text.model_type}: layer {k} has projections no split rule covers: "
                                       f"{', '.join(unplanned)}")

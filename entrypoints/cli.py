@@ -33,6 +33,7 @@ BENCHMARKS = {
     "online": "online learning on a shifted workload: accepted length over served requests, learning on vs off",
     "gpu": "the step against the memory-bandwidth bound on a GPU (a synthetic 8B-shaped pair; --device cpu: demo)",
     "penalties": "what repetition/presence/frequency penalties cost plain and draft-model decoding",
+    "quantization": "FP8 weights on the demo pair: bytes held, decoding speed and acceptance, FP8 vs unquantized",
     "tensor_parallel": "a tensor-parallel target against TP 1: ms/step and the control plane's share (--layout: "
                        "what each rank holds)",
 }

@@ -36,6 +36,14 @@ FLAT_KEYS: dict[str, tuple[str, ...]] = {
     "max_model_len": ("engine", "max_model_len"),
     "max_num_seqs": ("engine", "max_num_seqs"),
     "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),
+    "paged_kv": ("engine", "paged_kv"),
+    "block_size": ("engine", "block_size"),
+    "num_gpu_blocks_override": ("engine", "num_gpu_blocks_override"),
+    "kv_cache_memory_bytes": ("engine", "kv_cache_memory_bytes"),
+    "enable_prefix_caching": ("engine", "enable_prefix_caching"),
+    "quantization": ("engine", "quantization"),
+    "draft_quantization": ("engine", "draft_quantization"),
+    "fp8_kernel": ("engine", "fp8_kernel"),
     "tensor_parallel_size": ("engine", "tensor_parallel_size"),
     "draft_tensor_parallel_size": ("engine", "draft_tensor_parallel_size"),
 }
@@ -47,10 +55,11 @@ SPEC_ENGINE_KEYS = ("draft_tensor_parallel_size",)
 
 def speculative_config(value: Any) -> tuple[dict, str | None, str | None, dict]:
     """vLLM's ``--speculative-config`` (a JSON object or its text): ``method``,
-    ``num_speculative_tokens``, ``model`` (the method's weights dir), ``draft_tensor_parallel_size``
-    and the method's own options -> (the server's default speculation, checkpoint key, weights
-    dir, engine settings). Only the keys given are set, so a length left out stays with the
-    self-tuning controller."""
+    ``num_speculative_tokens``, ``model`` (the method's weights dir), ``quantization`` (the draft
+    model's, as vLLM's), ``draft_tensor_parallel_size`` and the method's own options -> (the
+    server's default speculation, checkpoint key, weights dir, engine settings: the draft's
+    quantization and tensor-parallel size). Only the keys given are set, so a length left out
+    stays with the self-tuning controller."""
     flag = "--speculative-config"
     if isinstance(value, str):
         try:
@@ -62,6 +71,7 @@ def speculative_config(value: Any) -> tuple[dict, str | None, str | None, dict]:
         raise ValueError(f"{flag}: must be a JSON object with a 'method', got {type(value).__name__}")
     fields = {SPEC_KEY_ALIASES.get(k, k): v for k, v in value.items()}
     model = fields.pop("model", None)
+    quantization = fields.pop("quantization", None)
     # A deployment setting, not a request's: where the draft model runs (1, or the target's size).
     engine = {k: fields.pop(k) for k in SPEC_ENGINE_KEYS if k in fields}
     method = fields.pop("method", None) or ("draft" if model else None)
@@ -77,6 +87,10 @@ def speculative_config(value: Any) -> tuple[dict, str | None, str | None, dict]:
         errors = getattr(exc, "errors", lambda: [])()
         lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors] or [str(exc)]
         raise ValueError(f"{flag}: " + "; ".join(lines)) from None
+    if quantization is not None and method != "draft":
+        raise ValueError(f"{flag}: 'quantization' is the draft model's (method draft); method {method!r} has none")
+    if quantization is not None:
+        engine["draft_quantization"] = quantization
     return options.model_dump(exclude_unset=True) | {"method": method}, spec.checkpoint, model, engine
 
 

@@ -7,6 +7,8 @@
 
 ``bench`` drives the whole stack (``specray bench NAME`` runs a benchmark by its name).
 
+``cluster`` (where specray meets a Ray cluster: the deployment manifests) imports nothing.
+
 ``demo`` (the built-in model pair) imports no other specray package, and only entrypoints
 (the demo-pair default), bench and training use it: actors and the engine never build models.
 Each package may import the ones listed for it and itself, nothing else.

@@ -1060,3 +1060,38 @@ def test_drafter_versions_over_http(server, tiny_tok, main_url):
         from specray.actors.learner import OnlineLearningConfig, drop_learner
 
         drop_learner(OnlineLearningConfig(name="test-online-http"), "")
+
+
+def test_a_small_kv_pool_refuses_what_never_fits_and_finishes_a_burst(server, tiny_tok, target_model):
+    """Paged KV over HTTP: a pool of 8 blocks of 4 tokens (32 tokens). A prompt that can
+    never fit is a 400 naming the numbers; a burst of 16 requests needing ~5 blocks each (10x
+    the pool) all finish, 200, each equal to the target's greedy output (requests are
+    preempted and recomputed, never failed); the metrics count preemptions."""
+    name = "tiny-paged"
+    cfg = {"model_name": name, "engine": {**tiny_tok, "max_num_seqs": 8, "block_size": 4, "num_gpu_blocks_override": 8,
+                                          "placement": cpu_placement("colocated")},
+           "max_ongoing_requests": 32}
+    serve.run(build_app(cfg), name="paged", route_prefix="/paged")
+    url = f"{server}/paged"
+    try:
+        wait_until_serving(url, name)
+        r = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": [1] * 40, "max_tokens": 4}, timeout=60)
+        assert_openai_error(r, 400, "40 tokens", "32 tokens")
+        prompts = [[(i + j) % 60 + 1 for j in range(6 + i % 5)] for i in range(16)]
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=300) as c:
+                return await asyncio.gather(*(c.post(f"{url}/v1/completions", json={
+                    "model": name, "prompt": p, "max_tokens": 12, "temperature": 0,
+                    "speculation": {"method": "draft", "num_speculative_tokens": 3}}) for p in prompts))
+
+        replies = asyncio.run(burst())
+        assert [r.status_code for r in replies] == [200] * 16, [r.text for r in replies if r.status_code != 200]
+        for p, r in zip(prompts, replies):
+            assert r.json()["choices"][0]["text"] == greedy_text(target_model, p, 12)
+        deadline = time.monotonic() + 30
+        while "specray_num_preemptions_total" not in httpx.get(f"{url}/metrics", timeout=30).text:
+            assert time.monotonic() < deadline, "no preemption counted"
+            time.sleep(1)
+    finally:
+        serve.delete("paged")

@@ -44,7 +44,7 @@ SHORT = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 @contextlib.contextmanager
-def thread_group(size: int = 2, draft_sharded: bool = False):
+def thread_group(size: int = 2, draft_sharded: bool = False, **config):
     """Ranks 1.. as threads serving rank 0's calls; yields rank 0's runner factory."""
     store = dist.HashStore()
     followers: list[Follower] = []
@@ -61,7 +61,9 @@ def thread_group(size: int = 2, draft_sharded: bool = False):
     threads = [threading.Thread(target=follow, args=(r,), daemon=True) for r in range(1, size)]
     for t in threads:
         t.start()
-    runners = ShardedRunners(local_groups(store, 0, size), "cpu", "float32", draft_sharded=draft_sharded)
+    config = EngineConfig(target="x", device="cpu", dtype="float32", tensor_parallel_size=size,
+                          draft_tensor_parallel_size=size if draft_sharded else 1, **config)
+    runners = ShardedRunners(local_groups(store, 0, size), config)
     runners.followers = followers
     try:
         yield runners
@@ -272,3 +274,19 @@ def test_the_documented_layout_is_what_the_split_gives(capsys):
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("role", "target", "draft"))]
     doc = (pathlib.Path(__file__).parents[1] / "docs" / "tensor-parallel.md").read_text()
     assert len(printed) == 6 and all(line in doc for line in printed)
+
+
+def test_fp8_weights_split_too(tiny_pair):
+    """An FP8 target (per-channel scales, as --quantization fp8 makes) at TP 2 decodes as the same
+    FP8 target at TP 1: the FP8 rows and scales split with the weights."""
+    from specray.engine.quantization import FP8Linear, quantize_linears
+
+    target = copy.deepcopy(tiny_pair[0])
+    quantize_linears(target)
+    prompts = ragged_prompts(4)
+    whole = engine(target, tiny_pair[1], max_num_seqs=4)
+    with thread_group(2) as runners:
+        e = engine(target, tiny_pair[1], tp=2, runners=runners, max_num_seqs=4)
+        assert isinstance(e.target.decoder.layers[0].self_attn.q_proj, FP8Linear)
+        for name in ("none", "draft", "ngram"):
+            assert tokens(e, prompts, name, SHORT) == tokens(whole, prompts, name, SHORT), name
