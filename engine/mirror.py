@@ -24,6 +24,8 @@ follower (seconds between a message's arrival and the start of its work).
 
 from __future__ import annotations
 
+import copy
+import io
 import logging
 import operator
 import time
@@ -196,7 +198,7 @@ class Follower:
             log.debug("mirrored %s.%s raised (as rank 0 did)", name, method, exc_info=True)
 
     def _build(self, name: str, source, load: dict, runner: dict) -> None:
-        model = load_model(source, device="cpu", **load) if isinstance(source, str) else source
+        model = load_model(source, device="cpu", **load) if isinstance(source, str) else source.load()
         self.runners[name] = sharded_runner(model, self.groups, self.device, **runner)
         log.info("rank %d holds %s (%s)", self.groups.rank, name, model.tensor_parallel)
         built(self.groups)
@@ -270,6 +272,19 @@ class ShardedRunners:
         return name == "target" or (name == "draft" and self.draft_sharded)
 
 
-def _on_cpu(model):
+@dataclass(frozen=True)
+class _SavedModel:
+    """An in-memory model as it travels to the followers: ``torch.save``'s bytes (plain pickle
+    cannot carry FP8 tensors' storages)."""
+
+    data: bytes
+
+    def load(self):
+        return torch.load(io.BytesIO(self.data), weights_only=False)
+
+
+def _on_cpu(model) -> _SavedModel:
     param = next(model.parameters())
-    return model if param.device.type == "cpu" else model.to("cpu")
+    buf = io.BytesIO()
+    torch.save(model if param.device.type == "cpu" else copy.deepcopy(model).to("cpu"), buf)
+    return _SavedModel(buf.getvalue())

@@ -290,3 +290,20 @@ def test_fp8_weights_split_too(tiny_pair):
         assert isinstance(e.target.decoder.layers[0].self_attn.q_proj, FP8Linear)
         for name in ("none", "draft", "ngram"):
             assert tokens(e, prompts, name, SHORT) == tokens(whole, prompts, name, SHORT), name
+
+
+@pytest.mark.parametrize("name", ["draft", "eagle", "medusa"])
+def test_paged_kv_at_tp2_preempts_and_reuses_blocks_as_tp1(tiny_pair, name):
+    """A small pool at TP 2: requests are preempted and recomputed, shared prefixes come from the
+    prefix cache, and every rank's block tables are rank 0's (the mirrored reserve/attach/publish
+    calls), so the tokens equal the unpaged engine's at TP 1."""
+    from tests.test_paged_kv import shared_prompts
+
+    prompts = shared_prompts(8)
+    sampling = SamplingParams(max_tokens=40, temperature=0.0)
+    reference = tokens(engine(*tiny_pair, paged_kv=False), prompts, name, sampling)
+    with thread_group(2) as runners:
+        e = engine(*tiny_pair, tp=2, runners=runners, num_kv_blocks=12)
+        assert tokens(e, prompts, name, sampling) == reference
+        stats = e.stats()
+        assert stats["preemptions"] > 0 and stats["kv"]["prefix_hits"] > 0, stats["kv"]
