@@ -74,6 +74,11 @@ class EngineConfig:
         whatever requests ask for; None (default) = the self-tuning controller
         (``policies/controller.py``), which learns each step's k from measured acceptance
         and step costs (k = 0 when speculation does not pay).
+    tensor_parallel_size: ranks the target is split over (``engine/tensor_parallel.py``), each a
+        process on its own device; > 1 runs only under the Ray actors (rank 0 is the engine
+        worker, ``engine/mirror.py``), the in-process engine refuses it.
+    draft_tensor_parallel_size: 1 (default) = the draft model whole, on rank 0's device or a
+        worker of its own; = tensor_parallel_size = split over the same ranks as the target.
     online_learning: capture for online learning (``engine/capture.py``) and versioned
         drafters that can be swapped between steps (``engine/drafter_versions.py``); None
         (default): neither.
@@ -115,6 +120,8 @@ class EngineConfig:
     quantization: str | None = None
     draft_quantization: str | None = None
     fp8_kernel: str = "dequantize"
+    tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int = 1
 
     def __post_init__(self):
         from specray.engine.quantization import check_kernel, check_method
@@ -122,6 +129,11 @@ class EngineConfig:
         check_method(self.quantization)
         check_method(self.draft_quantization, "draft_quantization")
         check_kernel(self.fp8_kernel)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.draft_tensor_parallel_size not in (1, self.tensor_parallel_size):
+            raise ValueError(f"draft_tensor_parallel_size must be 1 or tensor_parallel_size "
+                             f"({self.tensor_parallel_size}), got {self.draft_tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -17,6 +17,7 @@ from specray.engine import step as S
 from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
 from specray.engine.accept import TargetScores, Verified, sampled_rows
+from specray.engine.collectives import GroupLostError
 from specray.kernels.sampling import sample
 from specray.policies.base import Draft, DraftRow
 from specray.policies.controller import AdaptiveSpeculation
@@ -33,7 +34,8 @@ class Executor(Protocol):
     raised one row at a time and reports the rows that still raise (``failed_rows``; they
     decode plainly this step), ``verify`` leaves the target as it was when it raises (the
     driver then verifies row by row), and ``apply`` reports the slots whose proposer
-    hooks raised."""
+    hooks raised. A lost tensor-parallel group (``GroupLostError``) is no row's failure: it
+    leaves the step, and the replica is rebuilt (``actors/engine_worker.py``)."""
 
     async def prefill(self, reqs: Sequence[Request], sampled: Sequence[int]) -> TargetScores:
         """Run the admitted prompts through the target: scores at each last prompt token."""
@@ -94,6 +96,8 @@ class StepDriver:
         sampled = [i for i in sampled_rows(reqs) if not reqs[i].output_ids]
         try:
             scores = await self.executor.prefill(reqs, sampled)
+        except GroupLostError:  # the replica is lost, not a row: its worker is replaced
+            raise
         except Exception as exc:  # noqa: BLE001 - contained: only the rows that raise alone fail
             if len(reqs) == 1:
                 return [self.fail(reqs[0], exc)]
@@ -114,6 +118,8 @@ class StepDriver:
         proposed = time.perf_counter()
         try:
             verified = await self.executor.verify(batch, drafts)
+        except GroupLostError:
+            raise
         except Exception as exc:  # noqa: BLE001 - contained: verify row by row
             outputs = await self._verify_alone(batch, drafts, exc)
         else:
@@ -176,6 +182,8 @@ class StepDriver:
         for r, d in zip(batch, drafts):
             try:
                 verified = await self.executor.verify([r], [d])
+            except GroupLostError:
+                raise
             except Exception as row_exc:  # noqa: BLE001
                 outputs.append(self.fail(r, row_exc))
                 continue

@@ -44,13 +44,26 @@ def dtype_bytes(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def kv_bytes_per_token(config, dtype: str) -> int:
-    """Bytes one token's keys and values take in every layer of a model (a HF config)."""
+def kv_bytes_per_token(config, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Bytes one token's keys and values take in every layer of a model (a HF config), on one
+    rank of ``tensor_parallel_size`` (its share of the KV heads, at least one: replicated)."""
     text = _text_config(config)
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    kv_heads = max(1, kv_heads // tensor_parallel_size)
     return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes(dtype)
+
+
+def rank_weight_bytes(weights: int, config, dtype: str, tensor_parallel_size: int = 1) -> int:
+    """Rank 0's share of a model's weights split over ``tensor_parallel_size`` ranks: the split
+    layers' 1/N, plus the embedding and LM head every rank (the head: rank 0) holds whole."""
+    if tensor_parallel_size == 1:
+        return weights
+    text = _text_config(config)
+    whole = (1 if getattr(text, "tie_word_embeddings", False) else 2) * text.vocab_size * text.hidden_size
+    whole = min(weights, whole * dtype_bytes(dtype))
+    return (weights - whole) // tensor_parallel_size + whole
 
 
 def weight_bytes(path: str, config, dtype: str) -> int:
@@ -194,26 +207,30 @@ def plan_for_checkpoints(
     num_blocks: int | None = None,
     kv_bytes: int | None = None,
     quantization: Sequence[str | None] = (),
+    tensor_parallel: Sequence[int] | None = None,
 ) -> KVPlan:
     """``plan_kv_cache`` for checkpoint dirs (the target first, then a draft), reading only
     their configs and file sizes. ``free_total`` overrides the GPU's (free, total) bytes
     (tests); on a CUDA ``device`` it is read from the driver, on CPU nothing is sized.
-    ``quantization``: each path's ``--quantization`` (FP8 weights take their FP8 size)."""
+    ``quantization``: each path's ``--quantization`` (FP8 weights take their FP8 size).
+    ``tensor_parallel``: the ranks each checkpoint is split over (default 1 each); the plan is
+    rank 0's device, which holds the most (its shards, the whole LM head, a whole draft)."""
     from specray.engine.quantization import planned_weight_bytes
 
     from transformers import AutoConfig
 
     configs = [AutoConfig.from_pretrained(p) for p in paths]
+    splits = list(tensor_parallel or [1] * len(paths))
     limit = getattr(_text_config(configs[0]), "max_position_embeddings", None) or DEFAULT_CONTEXT_CAP
-    per_token = sum(kv_bytes_per_token(c, dtype) for c in configs)
+    per_token = sum(kv_bytes_per_token(c, dtype, n) for c, n in zip(configs, splits))
     if free_total is None and device.startswith("cuda"):
         free_total = torch.cuda.mem_get_info(torch.device(device))
     quantization = list(quantization) + [None] * (len(paths) - len(quantization))
     weights = 0
     if free_total:
-        for p, c, q in zip(paths, configs, quantization):
+        for p, c, q, n in zip(paths, configs, quantization, splits):
             fp8 = planned_weight_bytes(p, dtype, q)
-            weights += weight_bytes(p, c, dtype) if fp8 is None else fp8
+            weights += rank_weight_bytes(weight_bytes(p, c, dtype) if fp8 is None else fp8, c, dtype, n)
     free, total = free_total if free_total else (None, None)
     return plan_kv_cache(per_token, limit, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          free_bytes=free, total_bytes=total, weights=weights, utilization=utilization,

@@ -71,6 +71,8 @@ class ModelRunner:
             text_config.hidden_size // text_config.num_attention_heads
         )
         kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        shard = getattr(model, "tensor_parallel", None)  # split over ranks: this rank's KV heads only
+        kv_heads = shard.kv_heads if shard is not None else kv_heads
         self.num_layers = layers = text_config.num_hidden_layers
         self.paging, self.blocks = paging, None
         if paging is None:

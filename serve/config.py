@@ -44,18 +44,22 @@ FLAT_KEYS: dict[str, tuple[str, ...]] = {
     "quantization": ("engine", "quantization"),
     "draft_quantization": ("engine", "draft_quantization"),
     "fp8_kernel": ("engine", "fp8_kernel"),
+    "tensor_parallel_size": ("engine", "tensor_parallel_size"),
+    "draft_tensor_parallel_size": ("engine", "draft_tensor_parallel_size"),
 }
 # vLLM's names for methods and their options in --speculative-config, as specray's.
 SPEC_METHOD_ALIASES = {"draft_model": "draft", "prompt_lookup": "ngram"}
 SPEC_KEY_ALIASES = {"prompt_lookup_max": "max_matching_ngram_size"}
+SPEC_ENGINE_KEYS = ("draft_tensor_parallel_size",)
 
 
-def speculative_config(value: Any) -> tuple[dict, str | None, str | None, str | None]:
+def speculative_config(value: Any) -> tuple[dict, str | None, str | None, dict]:
     """vLLM's ``--speculative-config`` (a JSON object or its text): ``method``,
     ``num_speculative_tokens``, ``model`` (the method's weights dir), ``quantization`` (the draft
-    model's, as vLLM's) and the method's own options -> (the server's default speculation,
-    checkpoint key, weights dir, draft quantization). Only the keys given are set, so a length
-    left out stays with the self-tuning controller."""
+    model's, as vLLM's), ``draft_tensor_parallel_size`` and the method's own options -> (the
+    server's default speculation, checkpoint key, weights dir, engine settings: the draft's
+    quantization and tensor-parallel size). Only the keys given are set, so a length left out
+    stays with the self-tuning controller."""
     flag = "--speculative-config"
     if isinstance(value, str):
         try:
@@ -68,6 +72,8 @@ def speculative_config(value: Any) -> tuple[dict, str | None, str | None, str | 
     fields = {SPEC_KEY_ALIASES.get(k, k): v for k, v in value.items()}
     model = fields.pop("model", None)
     quantization = fields.pop("quantization", None)
+    # A deployment setting, not a request's: where the draft model runs (1, or the target's size).
+    engine = {k: fields.pop(k) for k in SPEC_ENGINE_KEYS if k in fields}
     method = fields.pop("method", None) or ("draft" if model else None)
     if method is None:
         raise ValueError(f"{flag}: give a 'method' (e.g. draft, ngram, medusa, eagle)")
@@ -83,7 +89,9 @@ def speculative_config(value: Any) -> tuple[dict, str | None, str | None, str | 
         raise ValueError(f"{flag}: " + "; ".join(lines)) from None
     if quantization is not None and method != "draft":
         raise ValueError(f"{flag}: 'quantization' is the draft model's (method draft); method {method!r} has none")
-    return options.model_dump(exclude_unset=True) | {"method": method}, spec.checkpoint, model, quantization
+    if quantization is not None:
+        engine["draft_quantization"] = quantization
+    return options.model_dump(exclude_unset=True) | {"method": method}, spec.checkpoint, model, engine
 
 
 def flat_to_nested(data: dict) -> dict:
@@ -110,10 +118,9 @@ def flat_to_nested(data: dict) -> dict:
         elif name == "speculative_config":
             if value is None:
                 continue
-            options, key_, model, quantization = speculative_config(value)
+            options, key_, model, settings = speculative_config(value)
             engine["default_speculation"] = options
-            if quantization is not None:
-                engine["draft_quantization"] = quantization
+            engine.update(settings)
             if model is not None:
                 if key_ in ("draft", "medusa"):
                     engine[key_] = model
