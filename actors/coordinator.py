@@ -32,13 +32,14 @@ from ray.exceptions import RayActorError
 
 from specray.actors.config import SpecrayConfig
 from specray.actors.learner import hub_for
-from specray.actors.placement import reserve
 from specray.actors.proposer_proxy import Supervised
 from specray.actors.engine_worker import EngineWorker
+from specray.cluster.placement import reserve
 from specray.engine.config import load_tokenizer
 from specray.engine.delta import OutputAssembly, StepDelta
 from specray.engine.intake import RequestMaker
 from specray.engine.metrics import SpecMetrics
+from specray.engine.tensor_parallel import check_splits
 from specray.engine.params import SamplingParams
 from specray.engine.request import Request
 from specray.policies.registry import Limits, method_spec, parse_speculation, registered_methods
@@ -87,6 +88,7 @@ class CoordinatorCore:
         self._errors: dict[str, str] = {}
         self._tracked: dict[str, _Tracked] = {}
         self.totals = SpecMetrics()
+        self.kv: dict = {}  # the engine worker's KV pool (paged): blocks, usage, prefix-cache counts
         self._loop_task: asyncio.Task | None = None
         self._started = False
         self._start_error: str | None = None
@@ -111,16 +113,19 @@ class CoordinatorCore:
     async def _start_workers(self) -> None:
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.target)
-        self.placement = await reserve(cfg.placement, drafts=self._draft_models())
+        engine_cfg = cfg.engine_config()
+        check_splits(engine_cfg)  # a checkpoint that cannot be split is refused before anything is reserved
+        self.placement = await reserve(cfg.placement, drafts=self._draft_models(),
+                                       tensor_parallel_size=cfg.tensor_parallel_size)
         colocated = cfg.placement.mode == "colocated"
         self.role = "engine" if colocated else "target"
         remote = {} if colocated else self._remote_methods()
-        engine_cfg, options = cfg.engine_config(), self.placement.options(self.role)
+        options, ranks = self.placement.options(self.role), self.placement.rank_options(self.role)
         cls = ray.remote(EngineWorker)
         overlap, suffix = cfg.overlap_drafting, cfg.suffix_cache.model_dump()
         online = cfg.online_learning.model_dump() if cfg.online_learning.enabled else None
         self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote, overlap, suffix,
-                                                                                  online))
+                                                                                  online, ranks))
         limits = Limits.from_dict(await self._worker_started())
         # As OpenAI and vLLM: prompt + max_tokens beyond the context is refused (ContextLengthError).
         self.intake = RequestMaker(limits, self.tokenizer, cfg.default_speculation, strict_context=True)
@@ -131,10 +136,14 @@ class CoordinatorCore:
         return await self.worker.handle.start.remote(PROPOSER_START_TIMEOUT_S)
 
     def _draft_models(self) -> list[str]:
-        """The draft models loaded (``draft``, ``pard``): each gets a bundle of its own (its GPU)."""
-        engine = self.config.engine_config()
+        """The draft models loaded (``draft``, ``pard``) that get a bundle of their own (their GPU):
+        all of them but a draft split with the target (draft_tensor_parallel_size N lives in the
+        target's ranks)."""
+        cfg = self.config
+        engine = cfg.engine_config()
         return [m for m in registered_methods() if method_spec(m).placement == "worker"
-                and method_spec(m).checkpoint is not None and engine.checkpoint(method_spec(m).checkpoint)]
+                and method_spec(m).checkpoint is not None and engine.checkpoint(method_spec(m).checkpoint)
+                and not (method_spec(m).checkpoint == "draft" and cfg.draft_tp > 1)]
 
     def _remote_methods(self) -> dict[str, dict]:
         """Separate layout: each method placed "worker" in an actor of its own — the draft
@@ -145,6 +154,8 @@ class CoordinatorCore:
             if spec.placement != "worker" or spec.build is None:
                 continue
             if spec.checkpoint is not None and not cfg.engine_config().checkpoint(spec.checkpoint):
+                continue
+            if spec.checkpoint == "draft" and cfg.draft_tp > 1:  # split over the target's ranks, driven by rank 0
                 continue
             in_bundle = name in self.placement.roles
             remote[name] = self.placement.options(name) if in_bundle else {"num_cpus": cfg.placement.ngram_cpus}
@@ -329,12 +340,15 @@ class CoordinatorCore:
                 for rid in list(self._tracked):
                     self._fail(rid, f"internal error: {exc}")
                 continue
+            self.kv = batch.get("kv") or self.kv  # the engine worker's KV pool, as of its last step
             for delta in batch["outputs"]:
                 self._deliver(delta)
             for rid, progress in batch["progress"].items():
                 if rid in self._tracked:
                     self._tracked[rid].metrics = progress["metrics"]
                     self._tracked[rid].generator_state = progress["generator"]
+            if batch.get("lost"):  # a tensor-parallel rank: the replica's group is rebuilt
+                await self._recover(f"the {self.role} worker's {batch['lost']}")
 
     def _deliver(self, delta: dict) -> None:
         """Pass a step delta on, as it is, to its request's stream; keep its tokens (to replay)."""

@@ -200,7 +200,7 @@ def _inspect(path: str, target) -> dict:
 
 
 def _load(path: str, ctx):
-    runner = ctx.runner_for(path)
+    runner = ctx.runner_for(path, name="pard")  # whole, never split with the target (a draft model at TP 1)
     if mask_token_of(runner.config) is None:
         raise ValueError(f"{path}: its config.json names no mask token (pard_token): not a PARD model")
     return runner
