@@ -29,19 +29,22 @@ MAX_NUM_SEQS = 4
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory, tiny_pair, tiny_checkpoints):
-    """(target model in memory, a YAML config naming the saved tiny target, draft, Medusa and EAGLE heads)."""
+    """(target model in memory, a YAML config naming the saved tiny target, draft, Medusa, EAGLE and
+    DFlash heads)."""
+    from tests.test_dflash import random_drafter
     from tests.test_eagle import random_head
     from tests.test_medusa import random_heads
 
     root = tmp_path_factory.mktemp("jobs")
     random_heads().save(root / "medusa")
     random_head(tiny_pair[0]).save(root / "eagle")
+    random_drafter(tiny_pair[0]).save(root / "dflash", num_target_layers=2)
     config = root / "specray.yaml"
     config.write_text(
         f"target: {tiny_checkpoints['target']}\n"
         f"draft: {tiny_checkpoints['draft']}\n"
         f"medusa: {root / 'medusa'}\n"
-        f"checkpoints:\n  eagle: {root / 'eagle'}\n"
+        f"checkpoints:\n  eagle: {root / 'eagle'}\n  dflash: {root / 'dflash'}\n"
         f"max_num_seqs: {MAX_NUM_SEQS}\n"
         "default_speculation:\n  method: draft\n  num_speculative_tokens: 3\n"
         "placement:\n  timeout_s: 60\n"
@@ -54,7 +57,8 @@ def _records():
     methods = [None, {"method": "none"}, {"method": "draft", "num_speculative_tokens": 2},
                {"method": "ngram", "num_speculative_tokens": 3, "max_matching_ngram_size": 2},
                {"method": "medusa"}, {"method": "medusa", "tree": "wide"},
-               {"method": "eagle"}, {"method": "eagle", "dynamic_tree": True, "top_k": 3, "total_tokens": 8}]
+               {"method": "eagle"}, {"method": "eagle", "dynamic_tree": True, "top_k": 3, "total_tokens": 8},
+               {"method": "dflash", "num_speculative_tokens": 4}]
     recs = []
     for i in range(12):
         prompt = [(7 * i + 3 * j) % 64 for j in range(3 + i % 5)]
@@ -113,7 +117,7 @@ def _check_output(lines: list[dict], recs, target) -> None:
         assert o["method"] == method  # each line says which method ran
         if method == "none":
             assert o["metrics"]["num_drafts"] == 0
-        elif method in ("medusa", "eagle"):
+        elif method in ("medusa", "eagle", "dflash"):
             assert o["metrics"]["num_drafts"] > 0
         elif method == "draft":
             assert o["metrics"]["num_drafts"] > 0

@@ -169,15 +169,16 @@ def test_trained_length_caps_k(tiny_pair):
     assert engine.totals.num_draft_tokens <= 3 * engine.totals.num_drafts
 
 
-@pytest.mark.parametrize("step", ["eager", "static"])
-def test_sampling_keeps_the_target_distribution(step):
-    """Each position is drawn from the PARD model's own distribution there and carries it as q."""
+def test_sampling_keeps_the_target_distribution():
+    """Each position is drawn from the PARD model's own distribution there and carries it as q
+    (through the device acceptance of the static step; the host's rule is the draft model's,
+    tests/test_sampling_e2e.py)."""
     from tests.test_sampling_e2e import N, PARAMS, PROMPT, VOCAB, check, exact_joint
 
     target = tiny_llama(vocab=VOCAB, seed=3, init=0.25)
     # The target as its own PARD model: its first position is the target's distribution (often
     # accepted), the masked ones are not (rejections): both paths of the rule run.
-    engine = pard_engine(target, pard_model(target, mask=VOCAB - 1), max_num_seqs=64, step=step,
+    engine = pard_engine(target, pard_model(target, mask=VOCAB - 1), max_num_seqs=64, step="static",
                          speculation_length=SpeculationLengthPolicy())
     params = [SamplingParams(seed=i, **PARAMS) for i in range(N)]
     outs = engine.generate([PROMPT] * N, params, SpeculationParams(method="pard", num_speculative_tokens=3))
@@ -232,56 +233,45 @@ def test_published_checkpoint_loads_and_bad_ones_are_refused(tiny_pair, pard_dir
     assert not checkpoint_problems(EngineConfig(target=str(target_dir), checkpoints={"pard": pard_dir}))
 
 
-# -- entry points ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("overlap", [True, False])
-def test_pard_in_its_own_draft_worker(ray_session, tiny_checkpoints, tiny_pair, tmp_path, overlap):
-    """Separate layout: PARD in a ProposerWorker of its own, on its own (fake) GPU; with overlap
-    the next draft is made while the target verifies (the target as its own PARD model drafting
-    one token: its draft and its guess of the bonus token are always right)."""
+# -- entry points (HTTP: tests/test_serve.py's main app; batch jobs: tests/test_jobs.py) -----------------
+def test_block_drafters_in_the_separate_layout(ray_session, tiny_checkpoints, tiny_pair, tmp_path):
+    """Separate layout: PARD in a ProposerWorker of its own, on its own (fake) GPU, the next draft
+    made while the target verifies (the target as its own PARD model drafting one token: its draft
+    and its guess of the bonus token are always right); DFlash beside the target, in the same
+    batches; a block longer than the drafter's is refused."""
     from specray.actors.coordinator import Coordinator
     from tests.test_actors import PROMPTS, shutdown
+    from tests.test_dflash import random_drafter
     from tests.test_overlap import GREEDY as GREEDY_DICT
 
-    path = tmp_path / "self-pard"
-    pard_model(tiny_pair[0]).save_pretrained(path)
-    c = Coordinator.remote({"target": tiny_checkpoints["target"], "checkpoints": {"pard": str(path)},
-                            "max_num_seqs": 3, "overlap_drafting": overlap})
+    pard_model(tiny_pair[0]).save_pretrained(tmp_path / "self-pard")
+    random_drafter(tiny_pair[0]).save(tmp_path / "dflash", num_target_layers=2)
+    c = Coordinator.remote({"target": tiny_checkpoints["target"], "max_num_seqs": 3, "overlap_drafting": True,
+                            "checkpoints": {"pard": str(tmp_path / "self-pard"), "dflash": str(tmp_path / "dflash")}})
     try:
-        prompts = [PROMPTS[i % len(PROMPTS)] + [20 + i] for i in range(5)]
-        refs = [c.generate.remote([p], GREEDY_DICT, {"method": "draft", "parallel_drafting": True,
-                                                     "num_speculative_tokens": 1 if i % 2 else 3})
-                for i, p in enumerate(prompts)]
+        prompts = [PROMPTS[i % len(PROMPTS)] + [20 + i] for i in range(7)]
+        specs = [{"method": "draft", "parallel_drafting": True, "num_speculative_tokens": 1 if i % 2 else 3}
+                 if i % 3 else {"method": "dflash", **({"num_speculative_tokens": 3} if i % 2 else {})}
+                 for i in range(len(prompts))]
+        refs = [c.generate.remote([p], GREEDY_DICT, s) for p, s in zip(prompts, specs)]
         outs = [ray.get(r)[0] for r in refs]
         assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_pair[0], p, GREEDY_DICT["max_tokens"])
                                                   for p in prompts]
+        assert all(o["metrics"]["num_drafts"] > 0 for o in outs)
         workers = ray.get(c.workers.remote())
         assert set(workers) >= {"target", "pard"}
         assert ray.get(workers["pard"].gpu_ids.remote()) != ray.get(workers["target"].gpu_ids.remote())
         stats = ray.get(workers["target"].overlap_stats.remote())["pard"]
-        assert stats["rows"] > 0
-        assert (stats["hits"] > stats["rows"] / 3) if overlap else stats["hits"] == 0, stats
+        assert stats["rows"] > 0 and stats["hits"] > stats["rows"] / 3, stats
+        with pytest.raises(ValueError, match="block of 6"):
+            ray.get(c.generate.remote([[1, 2]], GREEDY_DICT, {"method": "dflash", "num_speculative_tokens": 9}))
     finally:
         shutdown(c)
 
 
-def test_pard_batch_job_and_cli(ray_session, tiny_checkpoints, tiny_pair, pard_dir, tmp_path, capsys):
-    from specray.entrypoints import jobs
+def test_pard_from_the_command_line(tiny_pair, pard_dir, tmp_path, capsys):
     from specray.entrypoints.cli import main
     from tests.test_serve import ALPHABET, save_char_tokenizer
-
-    config = tmp_path / "cfg.yaml"
-    config.write_text(f"target: {tiny_checkpoints['target']}\ncheckpoints:\n  pard: {pard_dir}\nmax_num_seqs: 2\n"
-                      f"placement:\n  timeout_s: 60\n")
-    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4]]
-    specs = [{"method": "draft_model", "parallel_drafting": True, "num_speculative_tokens": 3}, {"method": "pard"}]
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"prompt": p, "sampling": {"max_tokens": 16, "temperature": 0},
-                                       "speculation": s}) + "\n" for p, s in zip(prompts, specs)))
-    out = tmp_path / "out.jsonl"
-    assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 0
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [o["token_ids"] for o in lines] == [hf_greedy(tiny_pair[0], p, 16) for p in prompts]
-    assert {o["method"] for o in lines} == {"pard"} and sum(o["metrics"]["num_drafts"] for o in lines) > 0
 
     target_dir = tmp_path / "target"
     tiny_pair[0].save_pretrained(target_dir)
@@ -298,35 +288,6 @@ def test_pard_batch_job_and_cli(ray_session, tiny_checkpoints, tiny_pair, pard_d
     assert got["token_ids"] == want and got["method"] == "pard"
     assert main([*common, "--method", "pard"]) == 2
     assert "--method pard needs --pard DIR" in capsys.readouterr().err
-
-
-@pytest.mark.timeout(300)
-def test_pard_over_http(server, tiny_checkpoints, tiny_pair, pard_dir, tmp_path_factory):
-    import httpx
-    from ray import serve
-
-    from specray.entrypoints.app import build_app
-    from tests.test_serve import cpu_placement, decode, save_char_tokenizer, wait_until_serving
-
-    tok = tmp_path_factory.mktemp("pard-tok")
-    save_char_tokenizer(tok)
-    cfg = {"model_name": "pd", "engine": {**tiny_checkpoints, "tokenizer": str(tok), "max_num_seqs": 2,
-                                          "checkpoints": {"pard": pard_dir}, "placement": cpu_placement("separate")}}
-    serve.run(build_app(cfg), name="pd", route_prefix="/pd")
-    try:
-        url = f"{server}/pd"
-        wait_until_serving(url, "pd")
-        prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
-        body = {"model": "pd", "prompt": prompt, "max_tokens": 20, "temperature": 0,
-                "speculation": {"method": "draft_model", "parallel_drafting": True, "num_speculative_tokens": 4}}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
-        assert r["choices"][0]["text"] == decode(hf_greedy(tiny_pair[0], prompt, 20))
-        assert r["speculation_metrics"][0]["num_drafts"] > 0 and r["speculation_metrics"][0]["method"] == "pard"
-        body["speculation"] = {"method": "draft", "parallel_drafting": "sometimes"}
-        bad = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert bad.status_code == 400 and "parallel_drafting" in bad.text
-    finally:
-        serve.delete("pd")
 
 
 # -- training ------------------------------------------------------------------------------------------

@@ -121,12 +121,25 @@ def tiny_eagle(tmp_path_factory, target_model) -> str:
 
 
 @pytest.fixture(scope="module")
-def main_url(server, tiny_tok, tiny_heads, tiny_eagle):
-    """Separate target/draft/n-gram actors (Medusa and EAGLE heads on the target), 4 sequences, no API key."""
+def tiny_block_drafters(tmp_path_factory, tiny_pair) -> dict:
+    """A PARD model (the tiny draft with a mask token) and a random DFlash drafter for the tiny target."""
+    from tests.test_dflash import random_drafter
+    from tests.test_pard import pard_model
+
+    root = tmp_path_factory.mktemp("tiny-block")
+    pard_model(tiny_pair[1]).save_pretrained(root / "pard")
+    random_drafter(tiny_pair[0]).save(root / "dflash", num_target_layers=2)
+    return {"pard": str(root / "pard"), "dflash": str(root / "dflash")}
+
+
+@pytest.fixture(scope="module")
+def main_url(server, tiny_tok, tiny_heads, tiny_eagle, tiny_block_drafters):
+    """Separate target/draft/PARD/n-gram actors (Medusa, EAGLE and DFlash heads on the target), 4
+    sequences, no API key."""
     cfg = {
         "model_name": MAIN,
-        "engine": {**tiny_tok, "medusa": tiny_heads, "checkpoints": {"eagle": tiny_eagle}, "max_num_seqs": 4,
-                   "placement": cpu_placement("separate")},
+        "engine": {**tiny_tok, "medusa": tiny_heads, "checkpoints": {"eagle": tiny_eagle, **tiny_block_drafters},
+                   "max_num_seqs": 4, "placement": cpu_placement("separate")},
         "max_ongoing_requests": 16,
         "max_sequences_per_request": 600,
     }
@@ -295,6 +308,21 @@ def test_eagle_over_http_is_lossless_and_validated(client, main_url, target_mode
     assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400, "dynamic_tree")
     body["speculation"] = {"method": "eagle", "top_k": 0}
     assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=body, timeout=60), 400, "speculation.top_k")
+
+
+def test_block_drafters_over_http(main_url, target_model):
+    """PARD (vLLM's spelling) and DFlash draft over HTTP; their bad options are 400s."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    body = {"model": MAIN, "prompt": prompt, "max_tokens": 20, "temperature": 0}
+    for spec, method in (({"method": "draft_model", "parallel_drafting": True, "num_speculative_tokens": 4}, "pard"),
+                         ({"method": "dflash", "num_speculative_tokens": 5}, "dflash")):
+        r = httpx.post(f"{main_url}/v1/completions", json={**body, "speculation": spec}, timeout=60).json()
+        assert r["choices"][0]["text"] == greedy_text(target_model, prompt, 20), spec
+        assert r["speculation_metrics"][0]["method"] == method and r["speculation_metrics"][0]["num_drafts"] > 0
+    bad = {**body, "speculation": {"method": "draft", "parallel_drafting": "sometimes"}}
+    assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=bad, timeout=60), 400, "parallel_drafting")
+    bad["speculation"] = {"method": "dflash", "num_speculative_tokens": 6}  # the drafter's block is 6: 5 drafts
+    assert_openai_error(httpx.post(f"{main_url}/v1/completions", json=bad, timeout=60), 400, "num_speculative_tokens")
 
 
 def test_completion_text_prompt_and_default_max_tokens(client, target_model):
@@ -918,7 +946,9 @@ def test_logprobs_equal_with_and_without_speculation(main_url, target_model):
     for temperature in (0, 0.8):  # greedy and sampled (each against the target's own distribution)
         seen = {}
         for spec in ({"method": "none"}, {"method": "draft", "num_speculative_tokens": 3},
-                     {"method": "ngram"}, {"method": "medusa"}, {"method": "eagle", "dynamic_tree": True}):
+                     {"method": "ngram"}, {"method": "medusa"}, {"method": "eagle", "dynamic_tree": True},
+                     {"method": "draft_model", "parallel_drafting": True, "num_speculative_tokens": 4},  # PARD
+                     {"method": "dflash", "num_speculative_tokens": 5}):
             body = {"model": MAIN, "prompt": prompt, "max_tokens": 16, "temperature": temperature, "seed": 7,
                     "logprobs": 3, "speculation": spec}
             c = httpx.post(url, json=body, timeout=60).json()["choices"][0]
