@@ -134,7 +134,7 @@ def test_help_names_every_method_with_its_default(capsys):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "SPEC_" not in text and "--num-speculative-tokens N" in text
-    assert "draft, ngram: Draft tokens per step (k) (default: self-tuning)" in text
+    assert "dflash, draft, ngram, pard: Draft tokens per step (k) (default: self-tuning)" in text
     acceptance = text[text.index("--acceptance {exact,typical} "):text.index("--posterior-threshold X ", text.index(
         "--acceptance {exact,typical} "))]
     assert all(m in acceptance.split(":")[0] for m in ("eagle", "medusa", "redrafter"))  # every tree method
