@@ -233,6 +233,25 @@ def test_published_checkpoint_loads_and_bad_ones_are_refused(tiny_pair, pard_dir
     assert not checkpoint_problems(EngineConfig(target=str(target_dir), checkpoints={"pard": pard_dir}))
 
 
+def test_pard_has_a_bundle_and_kv_of_its_own(tiny_checkpoints, pard_dir):
+    """Separate layout: each draft model loaded (draft, PARD) reserves a bundle with the draft's
+    resources; the KV plan counts PARD's layers beside the target's and the draft's."""
+    from specray.actors.config import SpecrayConfig
+    from specray.cluster.placement import PlacementConfig, PlacementError, check_feasible, layout_for
+
+    layout = layout_for(PlacementConfig(), ["draft", "pard"], cluster_gpus=2)
+    assert layout.roles == {"target": [{"CPU": 0.5, "GPU": 1.0}], "draft": [{"CPU": 0.5, "GPU": 1.0}],
+                            "pard": [{"CPU": 0.5, "GPU": 1.0}]}
+    with pytest.raises(PlacementError, match="needs 3 GPU.*colocated"):
+        check_feasible(layout, [{"CPU": 4, "GPU": 2}], 1)
+    assert list(layout_for(PlacementConfig(mode="colocated"), ["draft", "pard"]).roles) == ["engine"]
+    free_total = (2**31, 2**32)
+    both = SpecrayConfig(target=tiny_checkpoints["target"], draft=tiny_checkpoints["draft"])
+    per_token = both.kv_plan(free_total=free_total).bytes_per_token  # target (2 layers) + draft (1)
+    with_pard = both.model_copy(update={"checkpoints": {"pard": pard_dir}}).kv_plan(free_total=free_total)
+    assert with_pard.bytes_per_token == per_token * 4 // 3  # + PARD (the tiny draft: 1 layer)
+
+
 # -- entry points (HTTP: tests/test_serve.py's main app; batch jobs: tests/test_jobs.py) -----------------
 def test_block_drafters_in_the_separate_layout(ray_session, tiny_checkpoints, tiny_pair, tmp_path):
     """Separate layout: PARD in a ProposerWorker of its own, on its own (fake) GPU, the next draft
