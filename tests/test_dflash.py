@@ -296,7 +296,7 @@ def drafter_dir(tiny_pair, tmp_path_factory):
 
 
 def test_dflash_from_the_command_line(tiny_pair, drafter_dir, tmp_path, capsys):
-    """(The separate layout: tests/test_pard.py; HTTP: tests/test_serve.py; batch jobs: tests/test_jobs.py.)"""
+    """(HTTP, separate layout: tests/test_serve.py's main app; batch jobs: tests/test_jobs.py.)"""
     from specray.entrypoints.cli import main
     from tests.test_serve import ALPHABET, save_char_tokenizer
 

@@ -10,7 +10,6 @@ import json
 
 import numpy as np
 import pytest
-import ray
 import torch
 
 from specray.engine.config import EngineConfig
@@ -252,42 +251,9 @@ def test_pard_has_a_bundle_and_kv_of_its_own(tiny_checkpoints, pard_dir):
     assert with_pard.bytes_per_token == per_token * 4 // 3  # + PARD (the tiny draft: 1 layer)
 
 
-# -- entry points (HTTP: tests/test_serve.py's main app; batch jobs: tests/test_jobs.py) -----------------
-def test_block_drafters_in_the_separate_layout(ray_session, tiny_checkpoints, tiny_pair, tmp_path):
-    """Separate layout: PARD in a ProposerWorker of its own, on its own (fake) GPU, the next draft
-    made while the target verifies (the target as its own PARD model drafting one token: its draft
-    and its guess of the bonus token are always right); DFlash beside the target, in the same
-    batches; a block longer than the drafter's is refused."""
-    from specray.actors.coordinator import Coordinator
-    from tests.test_actors import PROMPTS, shutdown
-    from tests.test_dflash import random_drafter
-    from tests.test_overlap import GREEDY as GREEDY_DICT
-
-    pard_model(tiny_pair[0]).save_pretrained(tmp_path / "self-pard")
-    random_drafter(tiny_pair[0]).save(tmp_path / "dflash", num_target_layers=2)
-    c = Coordinator.remote({"target": tiny_checkpoints["target"], "max_num_seqs": 3, "overlap_drafting": True,
-                            "checkpoints": {"pard": str(tmp_path / "self-pard"), "dflash": str(tmp_path / "dflash")}})
-    try:
-        prompts = [PROMPTS[i % len(PROMPTS)] + [20 + i] for i in range(7)]
-        specs = [{"method": "draft", "parallel_drafting": True, "num_speculative_tokens": 1 if i % 2 else 3}
-                 if i % 3 else {"method": "dflash", **({"num_speculative_tokens": 3} if i % 2 else {})}
-                 for i in range(len(prompts))]
-        refs = [c.generate.remote([p], GREEDY_DICT, s) for p, s in zip(prompts, specs)]
-        outs = [ray.get(r)[0] for r in refs]
-        assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_pair[0], p, GREEDY_DICT["max_tokens"])
-                                                  for p in prompts]
-        assert all(o["metrics"]["num_drafts"] > 0 for o in outs)
-        workers = ray.get(c.workers.remote())
-        assert set(workers) >= {"target", "pard"}
-        assert ray.get(workers["pard"].gpu_ids.remote()) != ray.get(workers["target"].gpu_ids.remote())
-        stats = ray.get(workers["target"].overlap_stats.remote())["pard"]
-        assert stats["rows"] > 0 and stats["hits"] > stats["rows"] / 3, stats
-        with pytest.raises(ValueError, match="block of 6"):
-            ray.get(c.generate.remote([[1, 2]], GREEDY_DICT, {"method": "dflash", "num_speculative_tokens": 9}))
-    finally:
-        shutdown(c)
-
-
+# -- entry points (HTTP, with PARD in a draft worker of its own drafting ahead: tests/test_serve.py's --
+# main app, separate layout, overlap on; batch jobs: tests/test_jobs.py; the draft-ahead path:
+# test_drafting_ahead_equals_drafting_afresh above) ---------------------------------------------------
 def test_pard_from_the_command_line(tiny_pair, pard_dir, tmp_path, capsys):
     from specray.entrypoints.cli import main
     from tests.test_serve import ALPHABET, save_char_tokenizer
