@@ -353,7 +353,11 @@ class DFlashProposer:
     # -- what the target tells us ------------------------------------------------------------------------
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
         for row in rows:
-            self.runner.reset(row.slot)
+            # A row that starts from a cached prefix (``row.start`` > 0; paged KV, prefix caching)
+            # was attached to the drafter's cached context of it by the engine, and its taps begin
+            # there: resetting would leave the prefix's context out of every block's attention.
+            if not row.start:
+                self.runner.reset(row.slot)
             self._pending[row.slot] = [row.features]
 
     def commit(self, rows: Sequence[CommitRow]) -> None:

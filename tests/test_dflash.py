@@ -165,6 +165,26 @@ def test_context_fed_in_pieces_equals_fed_at_once(tiny_pair):
     assert fresh.propose([ProposalRow(1, tokens[:37], 5)]).rows[0].tokens == later and len(first) == 5
 
 
+def test_a_cached_prefix_drafts_as_a_fresh_one(tiny_pair):
+    """Paged KV with prefix caching: a prompt whose blocks are cached starts from the drafter's
+    cached context of them (the target's taps begin after the prefix); its drafts equal those
+    the same prompt got when nothing was cached."""
+    target = tiny_pair[0]
+    engine = dflash_engine(target, random_drafter(target), max_num_seqs=2)
+    drafts = []
+    propose = engine.proposers.get("dflash").propose
+    engine.proposers.get("dflash").propose = lambda rows: drafts.append(propose(rows)) or drafts[-1]
+    prompts = [[(5 * i + 3) % 60 for i in range(40)], [(7 * i + 1) % 60 for i in range(37)]]
+    runs = []
+    for _ in range(2):
+        drafts.clear()
+        outs = engine.generate(prompts, GREEDY, SpeculationParams(method="dflash", num_speculative_tokens=5))
+        runs.append([[row.tokens for row in d.rows] for d in drafts])
+        assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in prompts]
+    assert sum(o.metrics["num_cached_tokens"] for o in outs) >= 64  # the second run's prompts hit the cache
+    assert runs[0] == runs[1] and runs[0]
+
+
 # -- sampling ---------------------------------------------------------------------------------------------
 def test_sampling_keeps_the_target_distribution():
     """Each block position carries the drafter's distribution as q (through the device acceptance
