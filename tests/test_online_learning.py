@@ -251,17 +251,21 @@ def test_the_switch_and_the_section_reach_the_engine_config():
 
 def test_a_new_version_restarts_the_controllers_acceptance(models):
     """The self-tuning length forgets the old version's acceptance and starts from the new one's
-    measured rates (per draft position)."""
+    measured rates (per draft position): a new row's expected tokens per k come from them."""
+    from specray.policies.controller import RowView
+
     target, draft = models
     engine = online_engine(target, draft)
     engine.generate(ragged_prompts(2), GREEDY, SpeculationParams(method="draft"))
     policy = engine.driver.length_policy
-    before = list(policy._methods["draft"].reached)
+    row = RowView("new", "draft")
+    before = policy._expected_tokens(row)
     engine.use_drafter(DrafterVersion("draft", "draft@x", snapshot(engine.proposers.resources["draft"]),
                                       {"rates": [0.9, 0.5]}))
-    acc = policy._methods["draft"]
-    assert acc.reached == [policy.pseudo] * 2 != before
-    assert [a / r for a, r in zip(acc.accepted, acc.reached)] == pytest.approx([0.9, 0.5])
+    after = policy._expected_tokens(row)
+    # 1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 ** 2 ...: beyond the measured positions, the last one's rate
+    want = [1.0] + [1.0 + sum(0.9 * 0.5 ** i for i in range(k)) for k in range(1, len(after))]
+    assert after == pytest.approx(want) and before != pytest.approx(want)
 
 
 @pytest.mark.slow
