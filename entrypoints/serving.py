@@ -105,7 +105,7 @@ def serve_main(args) -> int:
     engine = with_demo_pair(cfg.engine)  # the demo pair when no target is given (built once)
     check_weights(engine, args, file_data)  # before Ray starts: one line naming the flag
     plan = engine.kv_plan()  # the KV cache's size: given, sized from GPU memory, or the CPU default
-    engine = engine.model_copy(update={"max_num_seqs": plan.max_num_seqs, "max_model_len": plan.max_model_len})
+    engine = engine.with_plan(plan)
     cfg = cfg.model_copy(update={"engine": engine})
     for line in startup_lines(cfg, plan):
         print(f"specray: {line}", flush=True)
@@ -195,7 +195,10 @@ def _start(cfg, address: str | None, local: bool) -> None:
 
     if local:
         hook = {"worker_process_setup_hook": "specray.entrypoints.serving.loopback_worker"} if cfg.host in LOOPBACK else {}
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, runtime_env=hook)
+        # address="local": ray.init() alone joins the cluster `ray start` last left on this
+        # machine (/tmp/ray/ray_current_cluster), and a stopped server would shut its Serve down
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env=hook)
     else:
         ray.init(address=address, log_to_driver=False)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its start-up lines repeat ours

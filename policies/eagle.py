@@ -309,8 +309,12 @@ class EagleProposer:
     # -- what the target tells us ------------------------------------------------------------
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
         for row in rows:
-            self.runner.reset(row.slot)
-            self._pending[row.slot] = ([row.features], list(row.token_ids[1:]) + [row.first_token])
+            # A row that starts from a cached prefix (``row.start`` > 0) was attached to the
+            # head's cached blocks of it by the engine, which then computed the target's
+            # features from there on.
+            if not row.start:
+                self.runner.reset(row.slot)
+            self._pending[row.slot] = ([row.features], list(row.token_ids[row.start + 1 :]) + [row.first_token])
 
     def commit(self, rows: Sequence[CommitRow]) -> None:
         for row in rows:
@@ -654,7 +658,7 @@ def _bind(head: EagleHead, ctx):
 def _build(ctx) -> EagleProposer:
     head = _bind(ctx.resource, ctx)  # in-memory heads too: the target's dtype and device
     # The head's cache holds the committed pairs plus one step's expanded nodes.
-    runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256)
+    runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256, shift=1)  # entry i reads token i + 1
     return EagleProposer(head, runner, ctx.vocab_size)
 
 

@@ -341,7 +341,7 @@ def _bind(head: Eagle3Head, ctx) -> Eagle3Head:
 
 def _build(ctx) -> EagleProposer:
     head = _bind(ctx.resource, ctx)  # in-memory heads too: the target's dtype, device and depth
-    runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256)
+    runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256, shift=1)  # entry i reads token i + 1
     return EagleProposer(head, runner, ctx.vocab_size)
 
 

@@ -258,14 +258,16 @@ def test_a_new_version_restarts_the_controllers_acceptance(models):
     engine = online_engine(target, draft)
     engine.generate(ragged_prompts(2), GREEDY, SpeculationParams(method="draft"))
     policy = engine.driver.length_policy
-    row = RowView("new", "draft")
-    before = policy._expected_tokens(row)
+    before = list(policy._methods["draft"].reached)
     engine.use_drafter(DrafterVersion("draft", "draft@x", snapshot(engine.proposers.resources["draft"]),
                                       {"rates": [0.9, 0.5]}))
-    after = policy._expected_tokens(row)
+    # The old version's counts are gone; the new rates are where the estimates start, as a
+    # trained head's saved acceptance is (policies/controller.py: priors).
+    assert before and "draft" not in policy._methods and policy.priors["draft"] == [0.9, 0.5]
+    expected = policy._expected_tokens(RowView("a new request", "draft"))
     # 1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 ** 2 ...: beyond the measured positions, the last one's rate
-    want = [1.0] + [1.0 + sum(0.9 * 0.5 ** i for i in range(k)) for k in range(1, len(after))]
-    assert after == pytest.approx(want) and before != pytest.approx(want)
+    want = [1.0] + [1.0 + sum(0.9 * 0.5 ** i for i in range(k)) for k in range(1, len(expected))]
+    assert expected == pytest.approx(want)
 
 
 @pytest.mark.slow
