@@ -85,7 +85,9 @@ class CaptureConfig:
 class Trace:
     """One served request as its drafter's recipe reads it.
 
-    tokens:        [L] committed tokens (prompt + emitted)
+    tokens:        [L] committed tokens (prompt + emitted); for a feature method from the first
+                   position the target computed (a request started from a cached prefix is
+                   kept from there, its prompt cut to what follows the prefix)
     prompt_len:    P
     features:      [L - 1, F] float32 the target's hidden states at positions 0 .. L - 2 (each
                    position's state predicts the next token), feature methods; else None
@@ -234,7 +236,12 @@ class Capture:
             if t is None:
                 continue
             if isinstance(row, PrefillRow):
-                t.tokens = list(row.token_ids) + [row.first_token]
+                # From a cached prefix (paged KV; Medusa and ReDrafter, whose heads keep no KV of
+                # their own) the target computed no features before ``row.start``: the trace
+                # begins there, as a request whose prompt starts at that token.
+                cut = row.start if row.features is not None else 0
+                t.tokens = list(row.token_ids[cut:]) + [row.first_token]
+                t.prompt_len -= cut
             else:
                 t.tokens += list(row.tokens)
             if row.features is not None:
