@@ -282,6 +282,26 @@ def test_each_heads_recipe_learns_from_captured_traffic(models, other_heads, met
     assert engine.versions.serving[method] == f"{method}@1"
 
 
+def test_the_teacher_is_the_targets_top_k_at_the_requests_temperature():
+    """OSD's teacher: the top-k renormalised at the temperature the request drew at; greedy
+    requests (0) get ``greedy_temperature`` (a sharpened soft label), or the one-hot at 0."""
+    from specray.training.draft_distill import TeacherSet, teacher, teacher_temperature
+    from specray.training.online import RoundConfig, _teachers
+
+    top_lp = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5], [0.3, 0.2, -1.0]]), dim=-1)  # [2, k=3]
+    for temp in (0.5, 1.0, 2.0):
+        want = torch.softmax(top_lp / temp, dim=-1)
+        torch.testing.assert_close(teacher(top_lp, torch.full((2,), temp)), want)
+    torch.testing.assert_close(teacher(top_lp, torch.zeros(2)), torch.tensor([[1.0, 0, 0], [1.0, 0, 0]]))
+    assert teacher_temperature(0.0, 0.25) == 0.25 and teacher_temperature(0.7, 0.25) == 0.7
+    traces = [Trace("draft", [1, 2, 3, 4], 2, topk_ids=torch.tensor([[3, 5], [4, 6]]), topk_logprobs=top_lp[:, :2],
+                    temperature=t) for t in (0.0, 0.8)]
+    data = _teachers(traces, RoundConfig(greedy_temperature=0.3))
+    assert data.temperature.tolist() == pytest.approx([0.3, 0.8])
+    assert data.valid[0].tolist() == [False, True, True, False] and data.top_ids[0, 1].tolist() == [3, 5]
+    assert isinstance(data, TeacherSet)
+
+
 def test_the_switch_and_the_section_reach_the_engine_config():
     from specray.serve.config import ServeConfig
 

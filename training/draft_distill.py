@@ -123,7 +123,7 @@ def train_draft(target: str, draft: str, out: str, tokenizer: str | None = None,
     start = time.time()
     data = distill_data(target, tokenizer, sequences, gen_len, seed)
 
-    def teacher(split) -> TeacherSet:
+    def teacher_set(split) -> TeacherSet:
         rows = []
         for i in range(len(split.lengths)):
             n, p = int(split.lengths[i]), int(split.prompt_lens[i])
@@ -132,7 +132,7 @@ def train_draft(target: str, draft: str, out: str, tokenizer: str | None = None,
             rows.append((split.tokens[i, :n].tolist(), p, top_ids, top_lp))
         return TeacherSet.from_rows(rows, [teacher_temperature] * len(rows))
 
-    train, held_out = teacher(data.train), teacher(data.held_out)
+    train, held_out = teacher_set(data.train), teacher_set(data.held_out)
     model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)
     before = greedy_agreement(model.eval(), held_out)
     model.train()
