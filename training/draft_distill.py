@@ -12,8 +12,9 @@ its mass where the target does — what acceptance rewards, sampled (min(1, p/q)
 Greedy requests draw at temperature 0, whose distribution is one-hot on the target's token; the
 teacher for them is the target's distribution sharpened to ``greedy_temperature`` instead
 (default 0.25), which keeps the ranking below the top token as a soft label. On the shifted
-workload of ``python -m specray.bench.online`` it trained a better greedy drafter than the raw
-distribution (1) or the one-hot (0): ``docs/online-learning.md``.
+workload of ``python -m specray.bench.online --methods draft --greedy-temperature T`` it trained
+a better greedy drafter than the raw distribution (T = 1) or the one-hot (T = 0):
+``docs/online-learning.md``, Measured.
 
 The same loss serves online learning (``training/online.py``: traces captured from served
 requests, ``engine/capture.py``) and this command, which builds the teacher offline from the
