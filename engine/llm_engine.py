@@ -71,6 +71,7 @@ class LLMEngine:
         context = ProposerContext(
             vocab_size=self.target.vocab_size, max_num_seqs=config.max_num_seqs, capacity=self.capacity,
             device=str(self.target.device), dtype=config.resolved_dtype, target=self.target, runner_for=self._runner_for,
+            step=self.step_mode,
         )
         given = dict(resources or {})
         if draft_model is not None:

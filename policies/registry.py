@@ -172,6 +172,8 @@ class ProposerContext:
         dir (or an in-memory model with the HF decoder surface) in a ModelRunner with the
         engine's slots and context (+ extra positions) on this device (given by the engine
         core, which owns the runner).
+    step: the engine's step mode (``engine/graphs.py``): proposers that run models of their
+        own give them the same fixed-shape (and compiled) forwards as the target's.
     """
 
     vocab_size: int
@@ -182,6 +184,7 @@ class ProposerContext:
     target: Any = None
     resource: Any = None
     runner_for: Callable[..., Any] | None = None
+    step: str = "eager"
 
     def place(self, module):
         """``module`` (a head, a drafter) on the target's device and in the target's dtype:

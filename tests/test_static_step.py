@@ -122,11 +122,16 @@ def test_eagle_reads_once_per_tree_level(tiny_pair, name):
 @pytest.mark.parametrize("method, spec", [
     ("eagle", {}), ("eagle", {"tree": "chain"}), ("eagle", {"eagle_choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}),
     ("eagle3", {}), ("eagle3", {"tree": "chain"}),
-], ids=["eagle default tree", "eagle chain", "eagle explicit", "eagle3 default tree", "eagle3 chain"])
+    ("eagle", {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}),
+    ("eagle", {"dynamic_tree": True, "top_k": 3, "depth": 6, "total_tokens": 40}),
+    ("eagle3", {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}),
+], ids=["eagle default tree", "eagle chain", "eagle explicit", "eagle3 default tree", "eagle3 chain",
+        "eagle-2", "eagle-2 deep", "eagle3 dynamic"])
 def test_eagle_trees_drafted_on_the_device_equal_the_hosts(tiny_pair, references, method, spec):
-    """Static trees grown on the device draft the tokens the host path drafts: every request
-    accepts the same number of tokens at every position, under eager (host drafting) and the
-    static step (device drafting, one read per step). Losslessness alone would not show it."""
+    """Trees grown on the device (static, and EAGLE-2's dynamic ones) draft the tokens the
+    host path drafts: every request accepts the same number of tokens at every position,
+    under eager (host drafting) and the static step (device drafting, one read per step).
+    Losslessness alone would not show it."""
     from tests.test_eagle import self_head
     from tests.test_eagle3 import random_head3
 
