@@ -117,7 +117,8 @@ class StaticForward:
             # Dynamo caches compiled code per code object: give each runner (draft, target) a
             # copy of _forward's, so that each model compiles once and neither shows up as a
             # recompile of the other.
-            own = types.FunctionType(StaticForward._forward.__code__.replace(), globals(), "_forward")
+            own = types.FunctionType(StaticForward._forward.__code__.replace(), globals(), "_forward",
+                                     StaticForward._forward.__defaults__)
             fn = types.MethodType(own, self)
             # No "duck sizing": a batch of 2 must not be tied to a width of 2, or to the cache's
             # 2 kv heads, which would recompile when either changes.

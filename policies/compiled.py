@@ -1,0 +1,27 @@
+"""A proposer's own forwards compiled the way the target's fixed-shape forward is
+(``engine/graphs.py``): ``torch.compile(dynamic=True, fullgraph=True)``, one graph per
+function for every batch size, no recompiles as sizes change.
+
+Dynamo specializes sizes 0 and 1, so callers pad the dimensions that can be 1 (the batch)
+to at least 2 (``at_least_two``). Module guards are skipped, as the target's are: the
+weights are held in place (a hot swap copies into them, ``engine/drafter_versions.py``),
+so checking every parameter per call would only cost time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compile_fn(fn):
+    """``fn`` compiled with dynamic shapes into one graph."""
+    torch.fx.experimental._config.use_duck_shape = False  # no size tied to another (see graphs.py)
+    return torch.compile(fn, dynamic=True, fullgraph=True,
+                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+
+def at_least_two(x: torch.Tensor) -> torch.Tensor:
+    """x [n, ...] padded with zero rows to n >= 2 (a compiled graph never sees a batch of 1)."""
+    if x.shape[0] >= 2:
+        return x
+    return torch.cat([x, x.new_zeros(2 - x.shape[0], *x.shape[1:])])
