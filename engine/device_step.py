@@ -36,6 +36,8 @@ from specray.kernels.batch_acceptance import (
 )
 from specray.kernels.sampling import uniforms
 from specray.kernels.tree import TokenTree, device_children, device_layout
+from specray.engine.graphs import COMPILED
+from specray.policies.compiled import compile_fn
 from specray.policies.base import DeviceDraft, DraftRow
 
 
@@ -66,22 +68,25 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
             trees.append((at, anc[:, 1:, 1:], depth[:, 1:]))
             built.update({idx[n]: (t, j) for j, n in enumerate(t.rows)})
     out = static.run([r.slot for r in reqs], inputs.tokens, inputs.layout, spliced, trees=trees)
-    batch, width = len(reqs), out.ids.shape[1]
+    batch, (rows_b, width) = len(reqs), out.ids.shape
     ids, anc, depth = out.ids[:batch], out.tree[:batch], out.offsets[:batch]
     raw = out.logits[:batch]  # [B, W, V]
-    logits = processed(raw, reqs, Positions(ids, anc, depth))  # as each row samples (its history at each node)
-    best = logits.argmax(dim=-1)  # [B, W]
-    sizes = torch.tensor([d.size for d in drafts], dtype=torch.long).to(device, non_blocking=True)
-    acc = greedy_accept_batch(ids, anc, depth, sizes, best)
+    scored = out.logits  # [Bb, W, V]: the padded batch, as the compiled forward's shapes
+    if any(r.sampling.processes_logits for r in reqs):  # as each row samples (its history at each node)
+        scored = scored.clone()
+        scored[:batch] = processed(raw, reqs, Positions(ids, anc, depth))
+    sizes = torch.tensor([d.size for d in drafts] + [0] * (rows_b - batch), dtype=torch.long).to(device, non_blocking=True)
+    num, path, emitted_t, best_t, packed = _greedy(static.mode)(out.ids, out.tree, out.offsets, sizes, scored)
+    acc = BatchAcceptance(num[:batch], path[:batch], emitted_t[:batch])
+    logits = scored[:batch]
     host_rows = _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc, built)
     if any(not d.is_chain for d in drafts):
         bases = torch.tensor([r.num_tokens - 1 for r in reqs], dtype=torch.long).to(device, non_blocking=True)
         target.compact_paths(out.rows[:batch], bases, acc.path, acc.num_accepted)
-    # The one read-back of the step (with the parents of trees built on the device).
-    parts = [acc.num_accepted[:, None], acc.path, acc.emitted, best, ids]
-    if built:
-        parts.append(parent_nodes(anc, depth))
-    host = torch.cat(parts, dim=1).tolist()
+    if any(not r.sampling.greedy for r in reqs):  # rejection sampling rewrote rows of acc
+        packed = _pack(acc.num_accepted, acc.path, acc.emitted, best_t[:batch], ids, packed[:batch, 1 + 4 * width :])
+    # The one read-back of the step.
+    host = packed[:batch].tolist()
     accepted, emitted, paths, extra_best, filled = [], [], [], [], list(drafts)
     device_rows = {i for idx, _ in device_parts.values() for i in idx}
     for i, row in enumerate(host):
@@ -104,6 +109,35 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
             accepted[i], emitted[i], paths[i] = part.num_accepted[j], part.emitted[j], part.paths[j]
     logprobs = L.step_entries(reqs, raw, paths, emitted) if L.wanted(reqs) else None  # rows that asked (raw)
     return DeviceVerification(Verified(result, filled, extra_best, logprobs), out.hidden, out.layers, raw)
+
+
+def greedy_pass(ids, anc, depth, sizes, logits):
+    """Token-match acceptance of the whole padded batch and the step's read-back buffer,
+    from the verification's tensors (compiled under ``step=compile``: one graph, no host
+    work per op). ids [Bb, W], anc [Bb, W, W], depth [Bb, W], sizes [Bb], logits [Bb, W, V].
+    Returns (num_accepted [Bb], path [Bb, W], emitted [Bb, W], best [Bb, W], buffer), the
+    buffer per row: [num_accepted | path (W) | emitted (W) | target argmax (W) | verified
+    tokens (W) | parents (W)]."""
+    best = logits.argmax(dim=-1)  # [Bb, W]
+    acc = greedy_accept_batch(ids, anc, depth, sizes, best)
+    parents = parent_nodes(anc, depth)
+    return acc.num_accepted, acc.path, acc.emitted, best, _pack(acc.num_accepted, acc.path, acc.emitted, best, ids,
+                                                               parents)
+
+
+def _pack(num_accepted, path, emitted, best, ids, parents):
+    return torch.cat([num_accepted[:, None], path, emitted, best, ids, parents], dim=1)
+
+
+_GREEDY: dict[str, object] = {}
+
+
+def _greedy(mode: str):
+    """``greedy_pass`` as the step mode runs it (compiled once per process under compile)."""
+    fn = _GREEDY.get(mode)
+    if fn is None:
+        fn = _GREEDY[mode] = compile_fn(greedy_pass) if mode in COMPILED else greedy_pass
+    return fn
 
 
 def _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc: BatchAcceptance, built) -> list[int]:

@@ -10,14 +10,55 @@ so checking every parameter per call would only cost time.
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+
 import torch
 
 
+class _Clock:
+    """Seconds spent inside compiled callables while ``timing()`` is on (the benchmarks'
+    host share of a step: its wall time minus this)."""
+
+    on = False
+    seconds = 0.0
+    calls = 0
+
+
+CLOCK = _Clock()
+
+
+@contextmanager
+def timing():
+    """Count the time inside compiled callables in the block: ``with timing() as clock: ...;
+    clock.seconds``."""
+    CLOCK.on, CLOCK.seconds, CLOCK.calls = True, 0.0, 0
+    try:
+        yield CLOCK
+    finally:
+        CLOCK.on = False
+
+
+def timed(fn):
+    """``fn``, its calls counted by ``timing``."""
+    def call(*args, **kwargs):
+        if not CLOCK.on:
+            return fn(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            CLOCK.seconds += time.perf_counter() - start
+            CLOCK.calls += 1
+
+    return call
+
+
 def compile_fn(fn):
-    """``fn`` compiled with dynamic shapes into one graph."""
+    """``fn`` compiled with dynamic shapes into one graph (its calls counted by ``timing``)."""
     torch.fx.experimental._config.use_duck_shape = False  # no size tied to another (see graphs.py)
-    return torch.compile(fn, dynamic=True, fullgraph=True,
-                         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    return timed(torch.compile(fn, dynamic=True, fullgraph=True,
+                               options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}))
 
 
 def at_least_two(x: torch.Tensor) -> torch.Tensor:
