@@ -106,7 +106,7 @@ class LLMEngine:
         # wall seconds where a device or another process works for it.
         cpu_bound = self.target.device.type == "cpu" and not proposers
         self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, length,
-                                 clock=time.process_time if cpu_bound else time.perf_counter)
+                                 clock=cpu_clock() if cpu_bound else time.perf_counter)
         self.capture = self.versions = None
         if config.online_learning is not None:  # online learning: capture, versioned drafters
             self.versions = DrafterVersions(self.proposers, list(self.limits.methods), self.driver.length_policy)
@@ -301,6 +301,16 @@ def available_methods(resources: Mapping[str, object], remote_facts: Mapping[str
         elif name in resources:
             facts[name] = spec.facts(resources[name]) if spec.facts else {}
     return facts
+
+
+def cpu_clock():
+    """The CPU seconds a step costs: the thread's where torch computes in it alone (one
+    intra-op thread, as on shared CPU machines), else the process's. ``process_time`` sums
+    every thread's time in the kernel, which cost up to milliseconds per call here (a
+    compiled step's whole host budget); ``thread_time`` reads one."""
+    import torch
+
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
 
 def _per_prompt(value, n: int) -> list:

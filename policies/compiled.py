@@ -11,6 +11,7 @@ so checking every parameter per call would only cost time.
 from __future__ import annotations
 
 import time
+import types
 from contextlib import contextmanager
 
 import torch
@@ -55,8 +56,17 @@ def timed(fn):
 
 
 def compile_fn(fn):
-    """``fn`` compiled with dynamic shapes into one graph (its calls counted by ``timing``)."""
+    """``fn`` compiled with dynamic shapes into one graph (its calls counted by ``timing``).
+
+    A bound method (a module's forward) gets a code object of its own: dynamo caches graphs
+    per code object, and with module guards skipped, two instances of one class (two
+    engines' heads, of other shapes) must not share one."""
     torch.fx.experimental._config.use_duck_shape = False  # no size tied to another (see graphs.py)
+    if isinstance(fn, types.MethodType):
+        func = fn.__func__
+        own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                                 func.__closure__)
+        fn = types.MethodType(own, fn.__self__)
     return timed(torch.compile(fn, dynamic=True, fullgraph=True,
                                options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}))
 

@@ -147,8 +147,10 @@ def test_eagle_trees_drafted_on_the_device_equal_the_hosts(tiny_pair, references
 
 def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
     """torch.compile with dynamic shapes: one graph per model for every batch size and width
-    (dynamo specializes only sizes 0 and 1, which the static path pads away), none
-    recompiled as batches, widths and lengths change step after step."""
+    (dynamo specializes only sizes 0 and 1, which the static path pads away) — the target's,
+    the draft model's, the acceptance's and each head's (EAGLE, EAGLE-3, Medusa, ReDrafter's
+    beam level) — none recompiled as batches, widths, trees and lengths change step after
+    step; every method's greedy output equals HF's (batches of 1 to 4)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -156,13 +158,17 @@ def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
     counters.clear()
     engine = engine_for(tiny_pair, "compile")
     prompts = ragged_prompts(8)
-    first = engine.generate(prompts, GREEDY, [speculation(["none", "draft", "ngram", "medusa"][i % 4]) for i in range(8)])
-    assert [o.token_ids for o in first] == references  # 8 requests on 4 slots: batches of 1 to 4, widths 1 to 11
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # the target's and the draft's
+    names = list(SPECS)
+    for start in range(0, len(names), 4):  # 8 requests on 4 slots: batches of 1 to 4, mixed methods
+        first = engine.generate(prompts, GREEDY, [speculation(names[(start + i) % len(names)]) for i in range(8)])
+        assert [o.token_ids for o in first] == references, names[start : start + 4]
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 7, dict(counters["stats"])  # target, draft, acceptance, EAGLE, EAGLE-3, Medusa, ReDrafter
     long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
-    outs = engine.generate(prompts[:3], long, speculation("none"))  # 100 steps, lengths change each
-    assert counters["stats"]["unique_graphs"] == 2 and not counters["recompiles"], dict(counters["recompiles"])
-    eager = engine_for(tiny_pair, "eager").generate(prompts[:3], long, speculation("none"))
+    mixed = [speculation(n) for n in ("none", "eagle-2", "redrafter")]
+    outs = engine.generate(prompts[:3], long, mixed)  # 100 steps, lengths change each
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
+    eager = engine_for(tiny_pair, "eager").generate(prompts[:3], long, mixed)
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
 
 
