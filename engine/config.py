@@ -15,6 +15,10 @@ from specray.policies.spec_length import SpeculationLengthPolicy
 log = logging.getLogger(__name__)
 
 STEP_CHOICES = ("auto", "eager", "static", "compile", "cudagraph", "graphs")
+# What ``step: auto`` runs on a CPU for a server (which compiles while it warms up, before it
+# says ready). A one-shot run (``specray generate``) stays eager whatever this says: the
+# compile costs it more than it gains (``one_shot_step``).
+CPU_AUTO_STEP = "eager"
 
 # Without an explicit max_model_len, contexts are capped here: the KV cache is
 # preallocated for max_num_seqs x context tokens.
@@ -108,11 +112,20 @@ class EngineConfig:
     def step_mode(self, device: torch.device) -> str:
         """The step mode this config runs on ``device`` (``auto`` resolved)."""
         if self.step == "auto":
-            return "graphs" if device.type == "cuda" else "eager"
+            return "graphs" if device.type == "cuda" else CPU_AUTO_STEP
         if self.step in ("cudagraph", "graphs") and device.type != "cuda":
             raise ValueError(f"step {self.step!r} captures CUDA graphs and needs a CUDA device; on CPU use "
                              "'compile' (or 'static', or 'eager')")
         return self.step
+
+    def one_shot(self) -> "EngineConfig":
+        """This config for one short run (``specray generate``): ``auto`` on a CPU runs eager,
+        as compiling takes longer than a few hundred tokens gain."""
+        from dataclasses import replace
+
+        if self.step == "auto" and not resolve_device(self.device).startswith("cuda"):
+            return replace(self, step="eager")
+        return self
 
     def require_target(self) -> str:
         if self.target is None:

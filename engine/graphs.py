@@ -124,6 +124,10 @@ class StaticForward:
             # No "duck sizing": a batch of 2 must not be tied to a width of 2, or to the cache's
             # 2 kv heads, which would recompile when either changes.
             torch.fx.experimental._config.use_duck_shape = False
+            # The KV cache never changes shape: static, or every buffer's dims become symbols of
+            # their own (with duck sizing off), which slowed tracing and every call's guards.
+            for buf in (*getattr(runner.cache, "keys", ()), *getattr(runner.cache, "values", ())):
+                torch._dynamo.mark_static(buf)
             # The model's modules never change after start-up, so their guards are skipped:
             # checking every parameter on each call cost more than a small model's forward.
             fn = timed(torch.compile(fn, dynamic=True, fullgraph=True,

@@ -100,7 +100,7 @@ def _generate(args, option_flags: list[F.OptionFlag]) -> int:
         raise ValueError(f"--target {engine_cfg.target} has no tokenizer: give --tokenizer DIR")
     engine_cfg = resolved(engine_cfg.model_copy(update={"max_num_seqs": 1}))
     F.check_weights(engine_cfg, args, file_data)
-    engine = LLMEngine(engine_cfg.engine_config())
+    engine = LLMEngine(engine_cfg.engine_config().one_shot())
     out = engine.generate([args.prompt], sampling, speculation)[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,

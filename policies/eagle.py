@@ -522,62 +522,6 @@ class EagleProposer:
         return DraftRow(tokens, TokenTree.from_parents(parents), probs)
 
 
-@dataclass(frozen=True)
-class _Levels:
-    """A static tree's constants for growing it level by level on the device (cached).
-
-    levels:  per level l >= 1: (its nodes [n_l], their parents' columns in the level's
-             parent logits [n_l], arange(n_l), their ranks [n_l], the top-k it needs)
-    owners:  per level: (its distinct parents' columns [u_l], each node's index among them
-             [n_l]) (sampled rows draw once per parent)
-    draws:   sum of u_l: the parents that draw children
-    starts:  first node index of each level (levels[l - 1] starts at starts[l - 1])
-    parents: [T] each node's parent (root: 0)
-    columns: [T] 0 .. T-1, the fed nodes' logit columns
-    layouts: per level l >= 2, (mask [1, m, m], offsets [1, m]) over nodes 1..m above it
-    """
-
-    levels: list
-    starts: list
-    parents: torch.Tensor
-    columns: torch.Tensor
-    layouts: dict
-    owners: list
-    draws: int
-
-
-_LEVELS: dict[int, tuple[TokenTree, _Levels]] = {}  # id(tree) -> (the tree, its levels); trees are cached
-
-
-def _tree_levels(tree: TokenTree) -> _Levels:
-    hit = _LEVELS.get(id(tree))
-    if hit is None or hit[0] is not tree:
-        if len(_LEVELS) > 256:
-            _LEVELS.clear()
-        hit = _LEVELS[id(tree)] = (tree, _levels(tree))
-    return hit[1]
-
-
-def _levels(tree: TokenTree) -> _Levels:
-    depth = tree.depth.numpy()
-    parents = tree.parents.clamp(min=0)
-    starts, levels, layouts, owners = [], [], {}, []
-    for level in range(1, tree.max_depth + 1):
-        nodes = np.flatnonzero(depth == level)
-        starts.append(int(nodes[0]))
-        par = parents[nodes]
-        # the parents' columns: the root's logits alone at level 1, else the fed nodes 1..m
-        cols = par * 0 if level == 1 else par - 1
-        distinct, which = np.unique(cols.numpy(), return_inverse=True)
-        owners.append((torch.from_numpy(distinct), torch.from_numpy(which.reshape(-1))))
-        ranks = torch.tensor([tree.choices[n - 1][-1] for n in nodes])
-        levels.append((torch.from_numpy(nodes), cols, torch.arange(len(nodes)), ranks, tree.topk[level - 1]))
-        if level > 1:
-            m = starts[-1] - 1
-            layouts[level - 1] = (tree.mask[1 : m + 1, 1 : m + 1][None], (tree.depth[1 : m + 1] - 1)[None])
-    return _Levels(levels, starts, parents, torch.arange(tree.size), layouts, owners, sum(len(o) for o, _ in owners))
-
-
 def _read_topk(jobs) -> "Iterator[tuple[list, list]]":
     """Each job's (logp [P, V], width) top-``width`` (indices, values) per row, as lists: one
     read-back for all of them (a level of every row's tree), not two per row."""
