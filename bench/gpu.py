@@ -398,6 +398,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(_progress(rows[-1]), flush=True)
 
     alpha = c = None
+    compile_s = {}  # step mode -> the engine's warm-up (compile) seconds
     for mode in args.mode_list:
         from specray.engine import EngineConfig, LLMEngine
 
@@ -406,6 +407,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         max_model_len=longest + max(args.max_tokens, 24 * args.profile_steps + 16) + 8,
                                         step=mode, dtype=args.dtype, device=device),
                            target_model=target, draft_model=draft)
+        if engine.warmup_seconds is not None:
+            print(f"  {mode}: the engine compiled its step in {engine.warmup_seconds:.1f} s (warm-up)", flush=True)
+            compile_s[mode] = engine.warmup_seconds
         if c is None:
             c = forward_ms(engine.resources["draft"], device) / forward_ms(engine.target, device)
         for b in args.batches:
@@ -435,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _finish(rows, alpha, c)
     summary = {"pair": label, "device": _device_name(device), "dtype": args.dtype, "bandwidth_GBps": bw / 1e9,
                "weights_GB": weight_bytes(target) / 1e9, "bound_ms_per_token": bound_ms, "alpha": alpha, "c": c,
-               "command": command, "host": platform.node()}
+               "command": command, "host": platform.node(), "compile_s": compile_s, "load": _load()}
     _write(Path(args.out), rows, summary)
     return 0
 
@@ -489,6 +493,16 @@ def _progress(r: dict) -> str:
     return f"  {r['config']:<18} {r['mode']:<8} batch {r['batch']:>3}: {r['tok_s']:8.1f} tok/s, {r['ms_per_token']:.2f} ms/token"
 
 
+def _load() -> str:
+    """The machine's load average over 1, 5, 15 minutes (shared CPU machines)."""
+    import os
+
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
 def _device_name(device: str) -> str:
     return torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu"
 
@@ -502,7 +516,10 @@ def _write(out: Path, rows: list[dict], summary: dict) -> None:
     head = [f"{summary['pair']} on {summary['device']}, {summary['dtype']}",
             f"bound: {summary['weights_GB']:.2f} GB of weights / {summary['bandwidth_GBps']:.0f} GB/s copy = "
             f"{summary['bound_ms_per_token']:.2f} ms/token; alpha {_f(summary['alpha'])} (teacher-forced), "
-            f"c {_f(summary['c'])}", f"command: {summary['command']}"]
+            f"c {_f(summary['c'])}", f"command: {summary['command']}",
+            "compile (engine warm-up, apart from the timings): "
+            + (", ".join(f"{m} {s:.1f} s" for m, s in summary["compile_s"].items()) or "none")
+            + f"; load average {summary['load']}"]
     table = "\n".join(head) + "\n\n" + _aligned(rows, columns) + "\n\n" + goals(rows)
     print("\n" + table)
     (out / "gpu.txt").write_text(table + "\n")

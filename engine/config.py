@@ -80,6 +80,8 @@ class EngineConfig:
     online_learning: capture for online learning (``engine/capture.py``) and versioned
         drafters that can be swapped between steps (``engine/drafter_versions.py``); None
         (default): neither.
+    warm_up: under a compiled step, compile every loaded method's graphs when the engine
+        starts (``engine/warmup.py``), not on the first requests.
     """
 
     target: str | None = None
@@ -95,6 +97,7 @@ class EngineConfig:
     default_speculation: MethodOptions | None = None
     speculation_length: SpeculationLengthPolicy | None = None
     online_learning: CaptureConfig | None = None
+    warm_up: bool = True
 
     def __post_init__(self):
         if self.max_num_seqs < 1:

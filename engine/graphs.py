@@ -104,7 +104,8 @@ class StaticForward:
         if mode in CAPTURED and runner.device.type != "cuda":
             raise ValueError(f"mode {mode!r} captures CUDA graphs and needs a CUDA device; use 'compile' on CPU")
         self.runner, self.mode, self.kv_block = runner, mode, kv_block
-        self.layers = tuple(layers)  # decoder layers whose inputs every forward returns (EAGLE-3's taps)
+        self.layers = tuple(sorted(set(layers)))  # decoder layers whose inputs every forward returns (EAGLE-3's taps)
+        self._taps = _Layers(self.layers, runner.num_layers)
         # inputs(ids [Bb, W], feats [Bb, W, F]) -> [Bb, W, H] input embeddings, computed inside
         # the graph from the features ``run`` is given (a feature-level head's input fusion)
         self.inputs = inputs
@@ -160,8 +161,8 @@ class StaticForward:
         )
         taps: dict[int, torch.Tensor] = {}
         embeds = None if feats is None else self.inputs(ids, feats)  # [Bb, W, H]
-        hidden = runner._run_decoder(ids, positions, ctx, embeds, self.layers, taps)  # [Bb, W, H]
-        return (runner.logits(hidden), hidden, *(taps[k] for k in self.layers))
+        hidden = runner._run_decoder(ids, positions, ctx, embeds, self._taps, taps)  # [Bb, W, H]
+        return (runner.logits(hidden), hidden, *taps.values())  # taps in layer order (self.layers is sorted)
 
     # -- one forward ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -292,6 +293,25 @@ class StaticForward:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = self._fn(*inputs)
         return _Captured(graph, inputs[: len(dev)] + inputs[len(dev) + 1 :], outputs)
+
+
+class _Layers:
+    """The tapped layers as the graph reads them: membership by flags. Under dynamic=True a
+    tuple of ints read from an object becomes symbolic (``k in layers`` is then never true,
+    and no dict lookup by one works); bools stay constants."""
+
+    def __init__(self, layers: Sequence[int], num_layers: int):
+        self.ids = tuple(layers)
+        self.flags = tuple(k in self.ids for k in range(num_layers))
+
+    def __contains__(self, k: int) -> bool:
+        return self.flags[k]
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def __bool__(self) -> bool:
+        return bool(self.ids)
 
 
 @dataclass

@@ -25,11 +25,13 @@ from specray.engine.delta import StepDelta
 from specray.engine.drafter_versions import DrafterVersion, DrafterVersions, read_version
 from specray.engine.driver import StepDriver, run_sync
 from specray.engine.executor import LocalExecutor, ProposerTable
+from specray.engine.graphs import COMPILED
 from specray.engine.intake import RequestMaker
 from specray.engine.params import SamplingParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
 from specray.engine.scheduler import Scheduler
+from specray.engine.warmup import warm_up
 from specray.policies.checkpoint_files import measured_acceptance
 from specray.policies.controller import AdaptiveSpeculation
 from specray.policies.registry import Limits, MethodOptions, ProposerContext, method_spec, registered_methods
@@ -115,6 +117,9 @@ class LLMEngine:
             self.capture.versions = self.versions.serving
             self.executor.taps += [self.versions, self.capture]
         self._text_sent: dict[str, int] = {}  # request id -> characters of its text in deltas so far
+        self.warmup_seconds = None  # what compiling the step took at start-up (compiled steps)
+        if self.step_mode in COMPILED and config.warm_up and not proposers:  # remote proposers warm up there
+            self.warmup_seconds = warm_up(self)
 
     def _runner_for(self, model, extra_capacity: int = 0) -> ModelRunner:
         if isinstance(model, str):
