@@ -76,7 +76,7 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
         scored = scored.clone()
         scored[:batch] = processed(raw, reqs, Positions(ids, anc, depth))
     sizes = torch.tensor([d.size for d in drafts] + [0] * (rows_b - batch), dtype=torch.long).to(device, non_blocking=True)
-    num, path, emitted_t, best_t, packed = _greedy(static.mode)(out.ids, out.tree, out.offsets, sizes, scored)
+    num, path, emitted_t, best_t, packed = _greedy(static.mode, device)(out.ids, out.tree, out.offsets, sizes, scored)
     acc = BatchAcceptance(num[:batch], path[:batch], emitted_t[:batch])
     logits = scored[:batch]
     host_rows = _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc, built)
@@ -129,14 +129,16 @@ def _pack(num_accepted, path, emitted, best, ids, parents):
     return torch.cat([num_accepted[:, None], path, emitted, best, ids, parents], dim=1)
 
 
-_GREEDY: dict[str, object] = {}
+_GREEDY: dict[tuple[str, str], object] = {}
 
 
-def _greedy(mode: str):
-    """``greedy_pass`` as the step mode runs it (compiled once per process under compile)."""
-    fn = _GREEDY.get(mode)
+def _greedy(mode: str, device: torch.device):
+    """``greedy_pass`` as the step mode runs it (compiled once per process and device type
+    under compile)."""
+    key = (mode, device.type)
+    fn = _GREEDY.get(key)
     if fn is None:
-        fn = _GREEDY[mode] = compile_fn(greedy_pass) if mode in COMPILED else greedy_pass
+        fn = _GREEDY[key] = compile_fn(greedy_pass, device) if mode in COMPILED else greedy_pass
     return fn
 
 

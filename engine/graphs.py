@@ -40,7 +40,7 @@ from typing import Literal, Sequence
 import torch
 
 from specray.kernels import attention
-from specray.policies.compiled import timed
+from specray.policies.compiled import compile_options, timed
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +131,7 @@ class StaticForward:
                 torch._dynamo.mark_static(buf)
             # The model's modules never change after start-up, so their guards are skipped:
             # checking every parameter on each call cost more than a small model's forward.
-            fn = timed(torch.compile(fn, dynamic=True, fullgraph=True,
-                                     options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}))
+            fn = timed(torch.compile(fn, dynamic=True, fullgraph=True, options=compile_options(runner.device)))
         self._fn = fn
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
         self._chains: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (Bb, W) -> chain layout

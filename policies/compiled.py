@@ -55,7 +55,18 @@ def timed(fn):
     return call
 
 
-def compile_fn(fn):
+def compile_options(device) -> dict:
+    """Inductor's options for a step's graphs on ``device``. On a CPU the wrapper that calls
+    the generated kernels is C++ (``cpp_wrapper``): a small model's forward is a few hundred
+    kernel and matmul calls, and calling them from Python cost a third of the compiled
+    forward here (4.8 against 7.2 ms of CPU time for the demo target, in one loaded run)."""
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    if torch.device(device).type == "cpu":
+        options["cpp_wrapper"] = True
+    return options
+
+
+def compile_fn(fn, device="cpu"):
     """``fn`` compiled with dynamic shapes into one graph (its calls counted by ``timing``).
 
     A bound method (a module's forward) gets a code object of its own: dynamo caches graphs
@@ -67,8 +78,7 @@ def compile_fn(fn):
         own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
                                  func.__closure__)
         fn = types.MethodType(own, fn.__self__)
-    return timed(torch.compile(fn, dynamic=True, fullgraph=True,
-                               options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}))
+    return timed(torch.compile(fn, dynamic=True, fullgraph=True, options=compile_options(device)))
 
 
 def at_least_two(x: torch.Tensor) -> torch.Tensor:

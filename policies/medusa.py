@@ -167,7 +167,8 @@ class MedusaProposer:
         self.heads = medusa_heads
         self._last: dict[int, torch.Tensor] = {}  # slot -> [H]
         # the heads' forward, compiled under step=compile (``policies/compiled.py``)
-        self._forward = compile_fn(medusa_heads.forward) if step == "compile" else None
+        self._forward = (compile_fn(medusa_heads.forward, next(medusa_heads.parameters()).device) if step == "compile"
+                         else None)
 
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
         for row in rows:

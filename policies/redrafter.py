@@ -328,7 +328,7 @@ class ReDrafterProposer:
         self._counts = {"rows": 0, "packed": 0, "unpacked": 0}
         self._device_counts: torch.Tensor | None = None  # [3] the same, summed on the device
         # one level of the beam search, compiled under step=compile (``policies/compiled.py``)
-        self._level = compile_fn(drafter.beam_level) if step == "compile" else None
+        self._level = compile_fn(drafter.beam_level, embed.weight.device) if step == "compile" else None
 
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
         for row in rows:
