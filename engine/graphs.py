@@ -26,6 +26,10 @@ tree). Nothing in the function reads a tensor back or branches on a value, so it
   same way),
 * ``graphs`` (CUDA) — the compiled function captured the same way.
 
+The same forward serves feature-level heads (EAGLE, EAGLE-3: ``inputs`` fuses each token with
+the feature it is fed on inside the graph) and trees built on the device (``run(trees=...)``:
+EAGLE-2's and ReDrafter's, whose structure the host never reads).
+
 The eager ``ModelRunner.forward`` stays the reference: tests check the static path
 against it token for token.
 """
