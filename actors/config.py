@@ -11,49 +11,17 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specray.actors.learner import OnlineLearningConfig
+from specray.cluster.placement import PlacementConfig
 from specray.engine.config import STEP_CHOICES, EngineConfig, resolve_dtype
 from specray.engine.memory import DEFAULT_MAX_NUM_SEQS, KVPlan, plan_for_checkpoints
 from specray.engine.params import Speculation
+from specray.engine.quantization import FP8_KERNELS, check_method
 from specray.policies.registry import method_spec, registered_methods
 from specray.policies.spec_length import SpeculationLengthPolicy
 from specray.policies.suffix_cache import SuffixCacheConfig
-
-
-class ModelPlacement(BaseModel):
-    """Resources of one model's worker (one placement-group bundle)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    num_gpus: float | None = Field(
-        None, ge=0, description="GPUs for this model; None = 1 if the cluster has GPUs, else 0. "
-        "Values > 1 reserve GPUs for tensor parallelism."
-    )
-    num_cpus: float = Field(
-        0.5, gt=0, description="CPUs reserved for the worker (a scheduling share: workers run one torch "
-        "thread each), small enough that target, draft and n-gram pool fit a 2-core laptop."
-    )
-
-
-class PlacementConfig(BaseModel):
-    """Where each model runs (cf. TensorRT-LLM's draft/target_model_device_list).
-
-    separate: target and draft in actors of their own, each bundle on its own GPU(s);
-    colocated: one actor holds both (no hop per step).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    mode: Literal["separate", "colocated"] = Field("separate", description="separate actors or one actor")
-    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="Ray placement-group strategy for the bundles (SPREAD: different nodes)."
-    )
-    target: ModelPlacement = Field(default_factory=ModelPlacement)
-    draft: ModelPlacement = Field(default_factory=ModelPlacement)
-    ngram_cpus: float = Field(0.25, gt=0, description="CPUs reserved for the n-gram pool actor.")
-    timeout_s: float = Field(30.0, gt=0, description="How long to wait for the placement group.")
 
 
 class SpecrayConfig(BaseModel):
@@ -74,6 +42,16 @@ class SpecrayConfig(BaseModel):
     step: Literal[STEP_CHOICES] = Field(
         "auto", description="How a step runs (engine/graphs.py): auto = CUDA graphs over static shapes on CUDA, "
         "eager on CPU; eager (the reference), static, compile (torch.compile), cudagraph, graphs.")
+    quantization: str | None = Field(
+        None, description="fp8: the target's linear layers quantized at load to float8_e4m3fn with per-channel "
+        "scales (weight-only: half of bf16's bytes, dequantized for each matmul; docs/quantization.md); None: "
+        "as stored (a checkpoint published in FP8 loads in FP8 either way). vLLM's --quantization.")
+    draft_quantization: str | None = Field(
+        None, description="The same for the draft model (vLLM: --speculative-config's quantization); heads stay "
+        "in the compute dtype.")
+    fp8_kernel: Literal[FP8_KERNELS] = Field(
+        "dequantize", description="How FP8 layers multiply: dequantize (weight-only W8A16, the reference, any "
+        "device) or scaled_mm (W8A8 through torch._scaled_mm: CUDA compute capability >= 8.9 only).")
     max_num_seqs: int | None = Field(
         None, ge=1, description="Sequences batched at once (KV-cache rows); default: sized from GPU memory "
         "(gpu_memory_utilization) on CUDA, 8 on CPU.")
@@ -82,6 +60,17 @@ class SpecrayConfig(BaseModel):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Share of the GPU's memory this server may use: weights, activations and "
         "the KV cache, which gets the rest (used only when max_num_seqs is not given).")
+    paged_kv: bool = Field(
+        True, description="Keep every model's KV in blocks taken from a pool as sequences grow (prefix caching, "
+        "preemption; engine/kv_blocks.py); false: each of max_num_seqs rows holds a whole max_model_len context.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block (paged).")
+    num_gpu_blocks_override: int | None = Field(
+        None, ge=1, description="The target's KV pool in blocks (paged), whatever memory says (vLLM's name).")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="The KV pool in bytes (paged; vLLM's name): on CPU the way to size it; on CUDA "
+        "instead of gpu_memory_utilization's share. Default: max_num_seqs contexts on CPU, sized from GPU memory.")
+    enable_prefix_caching: bool = Field(
+        True, description="Requests that start with a cached prefix reuse its KV blocks and prefill only the rest.")
     default_speculation: Speculation | None = Field(
         None, description="Speculation for requests that give none; default: the best method loaded (draft, "
         "then EAGLE/ReDrafter/Medusa heads, then prompt lookup) under the self-tuning speculation length.")
@@ -92,6 +81,12 @@ class SpecrayConfig(BaseModel):
     speculation_k_caps: list[tuple[int, int]] = Field(
         default_factory=list, description="(min_batch, max_k) pairs capping k as the batch grows."
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks the target is split over (Megatron's split, engine/tensor_parallel.py), each an "
+        "actor on its own device, their bundles STRICT_PACK on one node; rank 0 runs the step driver.")
+    draft_tensor_parallel_size: int | None = Field(
+        None, ge=1, description="1 (the default) = the draft model whole, on a device of its own (separate layout) "
+        "or in rank 0 (colocated); = tensor_parallel_size = split over the target's ranks.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     overlap_drafting: bool = Field(
         True, description="Separate layout: proposer workers draft the next step while the target verifies this one."
@@ -104,6 +99,12 @@ class SpecrayConfig(BaseModel):
         default_factory=OnlineLearningConfig, description="Drafters that learn from what they serve: capture, a "
         "trainer actor, gated versions swapped into every replica (docs/online-learning.md); off by default."
     )
+
+    @field_validator("quantization", "draft_quantization")
+    @classmethod
+    def _known_quantization(cls, value, info):
+        check_method(value, info.field_name)
+        return value
 
     def engine_config(self, device: str | None = None) -> EngineConfig:
         return EngineConfig(
@@ -123,7 +124,32 @@ class SpecrayConfig(BaseModel):
                 self.speculation_off_above_batch, tuple(tuple(p) for p in self.speculation_k_caps)
             ) if self.speculation_off_above_batch is not None or self.speculation_k_caps else None,
             online_learning=self.online_learning.capture() if self.online_learning.enabled else None,
+            paged_kv=self.paged_kv,
+            block_size=self.block_size,
+            num_kv_blocks=self.num_gpu_blocks_override,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_prefix_caching=self.enable_prefix_caching,
+            quantization=self.quantization,
+            draft_quantization=self.draft_quantization,
+            fp8_kernel=self.fp8_kernel,
+            tensor_parallel_size=self.tensor_parallel_size,
+            draft_tensor_parallel_size=self.draft_tp,
         )
+
+    @property
+    def draft_tp(self) -> int:
+        """The draft model's tensor-parallel size (1 unless split with the target)."""
+        return self.draft_tensor_parallel_size or 1
+
+    @model_validator(mode="after")
+    def _tensor_parallel(self):
+        if self.draft_tp not in (1, self.tensor_parallel_size):
+            raise ValueError(f"draft_tensor_parallel_size must be 1 or tensor_parallel_size "
+                             f"({self.tensor_parallel_size}), got {self.draft_tp}")
+        if self.draft_tp > 1 and self.online_learning.enabled:
+            raise ValueError("online learning swaps drafter weights in rank 0 only: it needs "
+                             "draft_tensor_parallel_size 1")
+        return self
 
     def method_facts(self) -> dict[str, dict | None]:
         """Each method these checkpoints enable, with the facts validation needs, read from the
@@ -151,13 +177,21 @@ class SpecrayConfig(BaseModel):
             raise ValueError("no target checkpoint: set target (the entry points default to the demo pair: "
                              "specray.entrypoints.defaults.with_demo_pair(config))")
         cfg = self
-        if cfg.max_num_seqs is None:
-            if free_total is not None or cfg.engine_config().resolved_device.startswith("cuda"):
-                plan = cfg.kv_plan(free_total)
-                cfg = cfg.model_copy(update={"max_num_seqs": plan.max_num_seqs, "max_model_len": plan.max_model_len})
+        cuda = free_total is not None or cfg.engine_config().resolved_device.startswith("cuda")
+        pool_unsized = cfg.paged_kv and cfg.num_gpu_blocks_override is None
+        if cfg.max_num_seqs is None or (cuda and pool_unsized) or (pool_unsized and cfg.kv_cache_memory_bytes):
+            if cuda or cfg.kv_cache_memory_bytes:
+                cfg = cfg.with_plan(cfg.kv_plan(free_total))
             else:  # nothing to size from: the CPU default (the context is the model's, read where it loads)
                 cfg = cfg.model_copy(update={"max_num_seqs": DEFAULT_MAX_NUM_SEQS})
         return cfg
+
+    def with_plan(self, plan: KVPlan) -> "SpecrayConfig":
+        """This config with a KV plan's numbers (the pool's blocks too, when paged)."""
+        update = {"max_num_seqs": plan.max_num_seqs, "max_model_len": plan.max_model_len}
+        if plan.num_blocks is not None:  # the pool as planned (its bytes are every model's, target + draft)
+            update["num_gpu_blocks_override"] = plan.num_blocks
+        return self.model_copy(update=update)
 
     def kv_plan(self, free_total: tuple[int, int] | None = None) -> KVPlan:
         """The KV cache's rows and context for these checkpoints on this process's device
@@ -165,7 +199,11 @@ class SpecrayConfig(BaseModel):
         ``free_total``: (free, total) GPU bytes to size from instead of the driver's (tests)."""
         engine = self.engine_config()
         paths = [p for p in (self.target, self.draft) if p is not None]
+        splits = [self.tensor_parallel_size, self.draft_tp][: len(paths)]
         device = "cuda" if free_total is not None else engine.resolved_device
         return plan_for_checkpoints(paths, resolve_dtype(self.dtype, device), max_model_len=self.max_model_len,
                                     max_num_seqs=self.max_num_seqs, utilization=self.gpu_memory_utilization,
-                                    device=device, free_total=free_total)
+                                    device=device, free_total=free_total,
+                                    block_size=self.block_size if self.paged_kv else None,
+                                    num_blocks=self.num_gpu_blocks_override, kv_bytes=self.kv_cache_memory_bytes,
+                                    quantization=[self.quantization, self.draft_quantization], tensor_parallel=splits)

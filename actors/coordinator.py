@@ -32,13 +32,14 @@ from ray.exceptions import RayActorError
 
 from specray.actors.config import SpecrayConfig
 from specray.actors.learner import hub_for
-from specray.actors.placement import reserve
 from specray.actors.proposer_proxy import Supervised
 from specray.actors.engine_worker import EngineWorker
+from specray.cluster.placement import reserve
 from specray.engine.config import load_tokenizer
 from specray.engine.delta import OutputAssembly, StepDelta
 from specray.engine.intake import RequestMaker
 from specray.engine.metrics import SpecMetrics
+from specray.engine.tensor_parallel import check_splits
 from specray.engine.params import SamplingParams
 from specray.engine.request import Request
 from specray.policies.registry import Limits, method_spec, parse_speculation, registered_methods
@@ -87,6 +88,7 @@ class CoordinatorCore:
         self._errors: dict[str, str] = {}
         self._tracked: dict[str, _Tracked] = {}
         self.totals = SpecMetrics()
+        self.kv: dict = {}  # the engine worker's KV pool (paged): blocks, usage, prefix-cache counts
         self._loop_task: asyncio.Task | None = None
         self._started = False
         self._start_error: str | None = None
@@ -111,16 +113,20 @@ class CoordinatorCore:
     async def _start_workers(self) -> None:
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.target)
-        self.placement = await reserve(cfg.placement, with_draft=cfg.draft is not None)
+        engine_cfg = cfg.engine_config()
+        check_splits(engine_cfg)  # a checkpoint that cannot be split is refused before anything is reserved
+        # A draft split with the target lives in its ranks; at TP 1 it has a bundle of its own.
+        self.placement = await reserve(cfg.placement, with_draft=cfg.draft is not None and cfg.draft_tp == 1,
+                                       tensor_parallel_size=cfg.tensor_parallel_size)
         colocated = cfg.placement.mode == "colocated"
         self.role = "engine" if colocated else "target"
         remote = {} if colocated else self._remote_methods()
-        engine_cfg, options = cfg.engine_config(), self.placement.options(self.role)
+        options, ranks = self.placement.options(self.role), self.placement.rank_options(self.role)
         cls = ray.remote(EngineWorker)
         overlap, suffix = cfg.overlap_drafting, cfg.suffix_cache.model_dump()
         online = cfg.online_learning.model_dump() if cfg.online_learning.enabled else None
         self.worker = Supervised(self.role, lambda: cls.options(**options).remote(engine_cfg, remote, overlap, suffix,
-                                                                                  online))
+                                                                                  online, ranks))
         limits = Limits.from_dict(await self._worker_started())
         # As OpenAI and vLLM: prompt + max_tokens beyond the context is refused (ContextLengthError).
         self.intake = RequestMaker(limits, self.tokenizer, cfg.default_speculation, strict_context=True)
@@ -139,6 +145,8 @@ class CoordinatorCore:
             if spec.placement != "worker" or spec.build is None:
                 continue
             if spec.checkpoint is not None and not cfg.engine_config().checkpoint(spec.checkpoint):
+                continue
+            if spec.checkpoint == "draft" and cfg.draft_tp > 1:  # split over the target's ranks, driven by rank 0
                 continue
             in_bundle = name in self.placement.roles
             remote[name] = self.placement.options(name) if in_bundle else {"num_cpus": cfg.placement.ngram_cpus}
@@ -323,12 +331,15 @@ class CoordinatorCore:
                 for rid in list(self._tracked):
                     self._fail(rid, f"internal error: {exc}")
                 continue
+            self.kv = batch.get("kv") or self.kv  # the engine worker's KV pool, as of its last step
             for delta in batch["outputs"]:
                 self._deliver(delta)
             for rid, progress in batch["progress"].items():
                 if rid in self._tracked:
                     self._tracked[rid].metrics = progress["metrics"]
                     self._tracked[rid].generator_state = progress["generator"]
+            if batch.get("lost"):  # a tensor-parallel rank: the replica's group is rebuilt
+                await self._recover(f"the {self.role} worker's {batch['lost']}")
 
     def _deliver(self, delta: dict) -> None:
         """Pass a step delta on, as it is, to its request's stream; keep its tokens (to replay)."""

@@ -6,6 +6,11 @@ separate layout methods placed ``"worker"`` (the draft model on its own GPU, the
 pool) run in ProposerWorkers (``actors/proposer_worker.py``) that it drives through
 ``RemoteProposer`` proxies, while methods that read the target's features (Medusa heads)
 stay beside the target, so features never cross actors.
+
+With ``tensor_parallel_size`` N > 1 this worker is rank 0 of the target's group: it starts
+ranks 1..N-1 (``actors/tp_worker.py``) in the bundles it is given and its engine's runners
+are split and mirrored to them; a step that fails because a rank was lost ends this worker's
+service (``poll`` reports ``lost``) and the coordinator rebuilds the replica.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from specray.actors.learner import OnlineSync
 from specray.actors.proposer_proxy import RemoteProposer
 from specray.actors.proposer_worker import Placed, on_this_device, set_worker_threads
 from specray.actors.suffix_cache import suffix_cache_for
+from specray.actors.tp_worker import TensorParallelGroup
 from specray.engine.config import EngineConfig
 from specray.engine.drafter_versions import read_version
 from specray.engine.llm_engine import LLMEngine
@@ -39,24 +45,29 @@ class EngineWorker(Placed):
     overlap: remote proposers draft the next step while the target verifies this one.
     suffix_cache: ``SuffixCacheConfig`` of suffix decoding's global tree (default: shared with
     the other engine workers through the tree actor).
+    tp_ranks: actor options (placement bundles) of tensor-parallel ranks 1..N-1.
     """
 
     def __init__(self, config: EngineConfig, remote: dict[str, dict] | None = None, overlap: bool = True,
-                 suffix_cache: dict | None = None, online: dict | None = None):
+                 suffix_cache: dict | None = None, online: dict | None = None, tp_ranks: list[dict] | None = None):
         set_worker_threads()
         config = on_this_device(config)
         self.remote: dict[str, RemoteProposer] = {}
+        self.group = TensorParallelGroup(config, tp_ranks or []) if config.tensor_parallel_size > 1 else None
+        self._lost: str | None = None  # set when a tensor-parallel rank was lost: this worker serves no more
 
         def proxy(method: str, options: dict):
             def make(ctx: ProposerContext) -> RemoteProposer:  # drafts over the target's vocab and context
-                self.remote[method] = RemoteProposer(method, config, options, ctx.vocab_size, ctx.capacity, overlap)
+                self.remote[method] = RemoteProposer(method, config, options, ctx.vocab_size, ctx.capacity, overlap,
+                                                    ctx.target.paging)
                 return self.remote[method]
 
             return make
 
         self.engine = LLMEngine(config, proposers={m: proxy(m, o) for m, o in (remote or {}).items()},
                                 resources={"suffix": suffix_cache_for(suffix_cache or {},
-                                                                      f"{config.target}|{config.tokenizer}")})
+                                                                      f"{config.target}|{config.tokenizer}")},
+                                runners=self.group.runners if self.group is not None else None)
         self._lock = asyncio.Lock()
         # Online learning (actors/learner.py): traces out, drafter versions in, off the step's path.
         self.online = OnlineSync(self.engine, online, f"{config.target}|{config.tokenizer}", self._lock) \
@@ -82,6 +93,8 @@ class EngineWorker(Placed):
         """Requests (records made by the coordinator's intake) join the engine together."""
         if self.online is not None:
             self.online.start()
+        if self._lost is not None:  # the coordinator replays every request it tracks on the next worker
+            return
         for request in requests:
             self.engine.add(request)
         if self._loop_task is None or self._loop_task.done():
@@ -93,6 +106,13 @@ class EngineWorker(Placed):
                 async with self._lock:
                     deltas = await self.engine.step_deltas()
             except Exception as exc:  # noqa: BLE001 - fail what was in flight, keep serving
+                if self.group is not None and (lost := await self.group.lost(exc)) is not None:
+                    # The group cannot step again: the coordinator replays this worker's requests
+                    # on a new one (a new group), as when the worker itself dies.
+                    log.error("%s; this engine worker stops serving", lost)
+                    self._lost = lost
+                    self._wake.set()
+                    return
                 # A step that fails outside the driver's per-row containment: every request in
                 # it ends with 'error' and the message (HTTP 500), the worker serves on.
                 log.exception("step failed")
@@ -108,13 +128,25 @@ class EngineWorker(Placed):
         """What the steps produced since the last poll (waits until there is something):
         ``outputs`` (``StepDelta`` dicts, in step order; a failed request's last one has
         finish reason 'error'), ``progress`` (per request still running: its metrics and the
-        generator state of a seeded sampled one, see ``LLMEngine.progress``)."""
-        while not self._outbox:
+        generator state of a seeded sampled one, see ``LLMEngine.progress``), ``kv`` (the target's
+        KV pool: blocks, usage, prefix-cache queries and hits), ``lost`` (a tensor-parallel rank
+        was lost: this worker serves no more)."""
+        while not self._outbox and self._lost is None:
             self._wake.clear()
             await self._wake.wait()
         deltas, self._outbox = self._outbox, []
         progress = self.engine.progress({d.request_id for d in deltas if not d.finished})
-        return {"outputs": [d.to_dict() for d in deltas], "progress": progress}
+        out = {"outputs": [d.to_dict() for d in deltas], "progress": progress, "kv": self.engine.executor.kv_stats()}
+        if self._lost is not None:  # the coordinator replaces this worker and replays its requests
+            out["lost"] = self._lost
+        return out
+
+    async def tensor_parallel(self) -> dict | None:
+        """The group's further ranks (``actors``: their handles) and the control plane's cost so
+        far (``rank0``, ``ranks``); None without TP."""
+        if self.group is None:
+            return None
+        return {"actors": list(self.group.ranks), **await self.group.stats()}
 
     async def abort(self, request_id: str) -> bool:
         async with self._lock:  # never between a step's verify and its commit

@@ -70,14 +70,15 @@ class RemoteProposer(Supervised):
     then. Lossless either way: a draft is only ever a proposal.
     """
 
-    def __init__(self, method: str, config, options: dict, vocab_size: int, capacity: int, overlap: bool = False):
+    def __init__(self, method: str, config, options: dict, vocab_size: int, capacity: int, overlap: bool = False,
+                 paging=None):
         cls = ray.remote(ProposerWorker)
         self.overlap = overlap
         self.hits = self.rows = 0
         self._sent: dict[int, int] = {}
         self._ahead = None  # ObjectRef: slot -> (assumed tokens, draft), made during verification
         self._ahead_len: dict[int, int] = {}  # slot -> its token count when that was asked
-        super().__init__(method, lambda: cls.options(**options).remote(method, config, vocab_size, capacity))
+        super().__init__(method, lambda: cls.options(**options).remote(method, config, vocab_size, capacity, paging))
 
     def _spawn(self) -> None:
         super()._spawn()

@@ -13,7 +13,8 @@ from typing import Sequence
 import torch
 
 from specray.engine.config import EngineConfig
-from specray.engine.drafter_versions import weights_module
+from specray.engine.drafter_versions import forget_prefixes, weights_module
+from specray.engine.kv_blocks import PagingConfig, proposer_paging
 from specray.engine.runner import ModelRunner
 from specray.policies.base import CommitRow, Draft, PrefillRow, ProposalRow
 from specray.policies.registry import ProposerContext, method_spec
@@ -57,14 +58,16 @@ class ProposerWorker(Placed):
     seeded from the request's seed.
     """
 
-    def __init__(self, method: str, config: EngineConfig, vocab_size: int, capacity: int):
+    def __init__(self, method: str, config: EngineConfig, vocab_size: int, capacity: int,
+                 paging: PagingConfig | None = None):
         set_worker_threads()
         config = on_this_device(config)
         spec = method_spec(method)
 
-        def runner_for(model, extra_capacity: int = 0) -> ModelRunner:
-            model = config.load_model(model) if isinstance(model, str) else model
-            return ModelRunner(model, config.max_num_seqs, capacity + extra_capacity)
+        def runner_for(model, extra_capacity: int = 0, shift: int = 0) -> ModelRunner:
+            model = config.load_model(model, role="draft") if isinstance(model, str) else model
+            return ModelRunner(model, config.max_num_seqs, capacity + extra_capacity,
+                               proposer_paging(paging, config.max_num_seqs, extra_capacity), shift)
 
         ctx = ProposerContext(vocab_size=vocab_size, max_num_seqs=config.max_num_seqs, capacity=capacity,
                               device=config.device, dtype=config.resolved_dtype, runner_for=runner_for)
@@ -113,6 +116,7 @@ class ProposerWorker(Placed):
         (``engine/drafter_versions.py``)."""
         with torch.no_grad():
             weights_module(self.resource).load_state_dict(state)
+        forget_prefixes(self.resource, self.proposer)
         for s in list(self._tokens):
             self.proposer.release(s)
 

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     base = SpecrayConfig(target=pair.target, draft=pair.draft, tokenizer=pair.tokenizer).resolved()
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     spec = SpeculationParams(method="draft", num_speculative_tokens=args.k)
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
     rows = []
     try:
         for batch in [int(b) for b in args.batch.split(",")]:

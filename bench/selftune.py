@@ -1,6 +1,6 @@
 """The self-tuning speculation length against explicit settings, one-shot, on the demo pair.
 
-    python -m specray.bench.selftune [--prompts 6] [--max-tokens 64] [--batch 8] [--out bench/results]
+    specray bench selftune [--prompts 6] [--max-tokens 64] [--batch 8] [--heads DIR] [--out DIR]
 
 What a user gets who names a method and no length (``{"method": "eagle"}``), against what
 the same weights do with an explicit setting — draft k=4, EAGLE's default static tree,
@@ -8,15 +8,17 @@ EAGLE-3's dynamic tree, Medusa's ``wide`` tree, ReDrafter with 4 beams. Each req
 as a one-shot ``specray generate`` does: a fresh self-tuning controller (nothing learned
 from the requests before it), batch 1, greedy, ``--max-tokens`` tokens (EOS ignored, so
 every config makes the same number). The goal (issue 25): the default's tokens per target
-forward at least 0.8x the explicit setting's. Then ``--batch`` prompts together, one fresh
-controller: the default's tokens per CPU second against plain decoding's (goal: not below).
+forward at least 0.8x the explicit setting's. Then ``--batch`` prompts together, a fresh
+controller each run: the default's tokens per CPU second against plain decoding's (goal: not
+below), and the explicit setting's beside them (where a tree costs more than it returns, the
+default should turn it off). Exit code 1 where a goal is missed.
 
 The heads are trained by short recipes (``QUICK_RECIPES``: those of
 ``tests/test_trained_heads.py``; a few CPU minutes the first time) and cached under the demo
 pair's cache directory; like ``specray train``, each saves the acceptance it measured, which
 the controller starts from. Every config's tokens are checked against plain decoding's.
 Times are this process's CPU seconds (one torch thread; the machine may be shared).
-Writes selftune.{txt,json} to --out.
+Writes selftune.{txt,json,png} to --out.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import json
 import pathlib
 import sys
 import time
+
+from specray.bench import DEFAULT_OUT, announce
 
 EXPLICIT = {
     "draft": {"num_speculative_tokens": 4},
@@ -43,24 +47,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=6, help="one-shot requests per config (batch 1)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="prompts run together in the batch comparison (0: skip)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each batch config (the best counts)")
     p.add_argument("--methods", default=",".join(EXPLICIT), help="comma-separated subset of " + ",".join(EXPLICIT))
     p.add_argument("--recipe", choices=("readme", "quick"), default="readme",
                    help="how the heads are trained (training/recipes.py): the README's recipes (about 15 CPU "
                         "minutes the first time) or the tests' short ones")
-    p.add_argument("--out", default="bench/results")
+    p.add_argument("--heads", default=None, metavar="DIR",
+                   help="where the trained heads are cached (default: beside the demo pair, in $SPECRAY_CACHE)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     args = p.parse_args(argv)
 
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    command = announce("selftune", argv)
     try:
-        return _run(args)
+        return _run(args, command)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(args) -> int:
+def _run(args, command: str) -> int:
     from specray.demo import held_out_prompts, load_or_build_demo_pair
     from specray.demo.pair import default_cache_dir
     from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
@@ -68,7 +75,8 @@ def _run(args) -> int:
 
     pair = load_or_build_demo_pair()
     methods = [m for m in args.methods.split(",") if m]
-    root = default_cache_dir() / f"{args.recipe}-heads-{HEADS_VERSION}-{pathlib.Path(pair.target).parent.name}"
+    name = f"{args.recipe}-heads-{HEADS_VERSION}-{pathlib.Path(pair.target).parent.name}"
+    root = pathlib.Path(args.heads) / name if args.heads else default_cache_dir() / name
     heads = cached_heads(pair.target, pair.tokenizer, str(root), [m for m in methods if m != "draft"], args.recipe)
     engine = LLMEngine(EngineConfig(target=pair.target, draft=pair.draft, tokenizer=pair.tokenizer,
                                     medusa=heads.get("medusa"),
@@ -106,14 +114,30 @@ def _run(args) -> int:
         rows.append(row)
     batch_rows = []
     if args.batch > 1:
+        # Interleaved repeats, each config's least CPU time: a shared machine's noise only adds.
         group = prompts[:args.batch]
-        base = run(group, {"method": "none"})
+        configs = {"plain": {"method": "none"}, **{m: {"method": m} for m in methods},
+                   **{f"{m} explicit": {"method": m, **EXPLICIT[m]} for m in methods}}
+        best: dict[str, dict] = {}
+        for _ in range(args.repeats):
+            for name, spec in configs.items():
+                r = run(group, spec)
+                if name in best:
+                    assert r["ids"] == best[name]["ids"]
+                if name not in best or r["seconds"] < best[name]["seconds"]:
+                    best[name] = r
+        base = best["plain"]
+        for name in configs:
+            assert best[name]["ids"] == base["ids"], f"{name}: batch output differs from plain decoding"
+
+        def rate(name: str) -> float:
+            return best[name]["tokens"] / best[name]["seconds"]
+
         for m in methods:
-            r = run(group, {"method": m})
-            assert r["ids"] == base["ids"], f"{m}: batch output differs from plain decoding"
-            ratio = (r["tokens"] / r["seconds"]) / (base["tokens"] / base["seconds"])
-            batch_rows.append({"method": m, "default_tok_s": round(r["tokens"] / r["seconds"]),
-                               "plain_tok_s": round(base["tokens"] / base["seconds"]), "x_plain": round(ratio, 2)})
+            x_plain, x_explicit = rate(m) / rate("plain"), rate(f"{m} explicit") / rate("plain")
+            batch_rows.append({"method": m, "default_tok_s": round(rate(m)), "explicit_tok_s": round(rate(f"{m} explicit")),
+                               "plain_tok_s": round(rate("plain")), "x_plain": round(x_plain, 2),
+                               "explicit_x_plain": round(x_explicit, 2), "goal_met": x_plain >= 1.0})
     lines = [f"self-tuned (no length given) vs explicit settings, demo pair, one-shot requests at batch 1: "
              f"{args.prompts} prompts x {args.max_tokens} tokens, greedy, a fresh controller each "
              f"(tokens per target forward; goal: default >= {GOAL}x explicit)",
@@ -123,17 +147,45 @@ def _run(args) -> int:
                      f"{r['ratio']:6.2f}  {'met' if r['goal_met'] else 'MISSED'}")
     lines.append(f"plain decoding: {plain['tokens'] / plain['forwards']:.2f} tokens per target forward")
     if batch_rows:
-        lines.append(f"\nbatch {args.batch} together, one fresh controller (tokens per CPU second; goal: default >= plain)")
+        lines += [f"\nbatch {args.batch} together, a fresh controller each run (tokens per CPU second, the best of "
+                  f"{args.repeats} interleaved runs; goal: default >= plain)",
+                  f"{'method':10s} {'default':>8s} {'explicit':>9s} {'plain':>6s} {'default/plain':>14s} "
+                  f"{'explicit/plain':>15s}  goal"]
         for r in batch_rows:
-            lines.append(f"{r['method']:10s} default {r['default_tok_s']:6d}  plain {r['plain_tok_s']:6d}  "
-                         f"x plain {r['x_plain']:.2f}")
+            lines.append(f"{r['method']:10s} {r['default_tok_s']:8d} {r['explicit_tok_s']:9d} {r['plain_tok_s']:6d} "
+                         f"{r['x_plain']:14.2f} {r['explicit_x_plain']:15.2f}  {'met' if r['goal_met'] else 'MISSED'}")
     text = "\n".join(lines)
-    print(text)
+    print(text)  # (announce printed the command)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "selftune.txt").write_text(text + "\n")
-    (out / "selftune.json").write_text(json.dumps({"one_shot": rows, "batch": batch_rows}, indent=1))
+    (out / "selftune.txt").write_text(f"command: {command}\n{text}\n")
+    (out / "selftune.json").write_text(json.dumps({"command": command, "one_shot": rows, "batch": batch_rows},
+                                                  indent=1))
+    plot(rows, out / "selftune.png")
+    ok &= all(r["goal_met"] for r in batch_rows)
     return 0 if ok else 1
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    """Tokens per target forward, self-tuned against explicit, per method (batch 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.2))
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["explicit_tpf"] for r in rows], 0.4, label="explicit setting")
+    ax.bar([i + 0.2 for i in x], [r["default_tpf"] for r in rows], 0.4, label="self-tuned (no length given)")
+    ax.scatter([i + 0.2 for i in x], [GOAL * r["explicit_tpf"] for r in rows], marker="_", s=300, color="black",
+               label=f"goal: {GOAL}x explicit", zorder=3)
+    ax.set_xticks(list(x), [r["method"] for r in rows])
+    ax.set_ylabel("tokens per target forward")
+    ax.set_title("one-shot requests at batch 1, demo pair")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,11 @@ weights are read — it checks:
   target asks for (hidden size, layers), a draft model whole;
 * vocabularies: a method whose token ids index its own table (a draft model's embedding, a
   drafter's head) needs a row for every id the tokenizer makes (padded tables are fine);
-* a default speculation (``--speculative-config``) whose method has weights configured.
+* a default speculation (``--speculative-config``) whose method has weights configured;
+* quantization (``engine/quantization.py``): a target or draft whose ``quantization_config``
+  specray cannot read (GPTQ, AWQ, int8 compressed-tensors, ...), a published FP8 checkpoint
+  whose FP8 tensors lack their scales, ``draft_quantization`` without a draft model, or
+  ``fp8_kernel scaled_mm`` where this device has no FP8 matmul.
 
 A problem is a ``CheckpointProblem`` (the config key, the path, what is wrong); the entry
 points name the flag and stop with one line. A directory that fails its method's check but
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 
 from specray.engine.architectures import check_architecture
 from specray.engine.config import EngineConfig, load_tokenizer
+from specray.engine.quantization import checkpoint_quantization, stored_fp8_problems
+from specray.kernels.fp8 import scaled_mm_problem
 from specray.policies.checkpoint_files import causal_lm_facts
 from specray.policies.registry import CheckpointTarget, method_spec, registered_methods
 
@@ -43,6 +49,9 @@ def checkpoint_problems(config: EngineConfig) -> list[CheckpointProblem]:
     import specray.policies  # noqa: F401 - every method registered
 
     target_dir = config.require_target()
+    problem = _quantization_problem(target_dir)
+    if problem is not None:
+        return [CheckpointProblem("target", target_dir, problem)]
     try:
         facts = causal_lm_facts(target_dir)
         from transformers import AutoConfig
@@ -53,9 +62,10 @@ def checkpoint_problems(config: EngineConfig) -> list[CheckpointProblem]:
     tokenizer = load_tokenizer(config.tokenizer or target_dir)
     ids = min(len(tokenizer), facts["vocab_size"]) if tokenizer is not None else facts["vocab_size"]
     target = CheckpointTarget(facts["hidden_size"], facts["vocab_size"], facts["num_layers"], ids)
-    problems = []
+    problems = _quantization_settings(config)
     for key, path in _checkpoints(config).items():
-        problem = _method_problem(key, path, target)
+        problem = _quantization_problem(path) if key == "draft" else None
+        problem = problem or _method_problem(key, path, target)
         if problem is not None:  # the path is in the line already: drop it from the message
             problems.append(CheckpointProblem(key, path, problem.replace(path.rstrip("/") + "/", "")))
     default = config.default_speculation
@@ -78,12 +88,41 @@ def problems_line(problems: list[CheckpointProblem], flags: bool = True,
     for p in problems:
         if p.key == "default_speculation":
             where = "--speculative-config" if flags else "default_speculation"
+        elif p.path is None:  # a setting, not a directory
+            where = f"--{p.key.replace('_', '-')}" if flags else p.key
         elif speculative_model is not None and p.path == speculative_model:
             where = f"--speculative-config model {p.path}"
         else:
             where = f"--{p.key} {p.path}" if flags else f"{p.key}: {p.path}"
         parts.append(f"{where}: {p.message}")
     return "; ".join(parts)
+
+
+def _quantization_problem(path: str) -> str | None:
+    """Why a causal-LM checkpoint's quantization cannot load (None: unquantized, or FP8 specray reads)."""
+    try:
+        stored = checkpoint_quantization(path)
+        if stored is None:
+            return None
+        problems = stored_fp8_problems(path, stored)
+    except (OSError, ValueError) as exc:
+        return _line(exc)
+    return "; ".join(problems) or None
+
+
+def _quantization_settings(config: EngineConfig) -> list[CheckpointProblem]:
+    problems = []
+    if config.draft_quantization is not None and config.draft is None:
+        problems.append(CheckpointProblem("draft_quantization", None, "quantizes the draft model, but none is loaded "
+                                          "(give --draft DIR, or drop it)"))
+    learning = config.online_learning
+    if config.draft_quantization is not None and learning is not None and (
+            learning.methods is None or "draft" in learning.methods):
+        problems.append(CheckpointProblem("draft_quantization", None, "online learning fine-tunes the draft model in "
+                                          "float and swaps it in; a quantized draft cannot take it: drop one of them"))
+    if config.fp8_kernel == "scaled_mm" and (problem := scaled_mm_problem(config.resolved_device)):
+        problems.append(CheckpointProblem("fp8_kernel", None, f"scaled_mm: {problem}; use dequantize"))
+    return problems
 
 
 def _checkpoints(config: EngineConfig) -> dict[str, str]:

@@ -9,6 +9,7 @@ from typing import Mapping
 import torch
 
 from specray.engine.capture import CaptureConfig
+from specray.engine.kv_blocks import DEFAULT_BLOCK_SIZE, PagingConfig, blocks_needed
 from specray.policies.registry import MethodOptions
 from specray.policies.spec_length import SpeculationLengthPolicy
 
@@ -77,11 +78,31 @@ class EngineConfig:
         whatever requests ask for; None (default) = the self-tuning controller
         (``policies/controller.py``), which learns each step's k from measured acceptance
         and step costs (k = 0 when speculation does not pay).
+    tensor_parallel_size: ranks the target is split over (``engine/tensor_parallel.py``), each a
+        process on its own device; > 1 runs only under the Ray actors (rank 0 is the engine
+        worker, ``engine/mirror.py``), the in-process engine refuses it.
+    draft_tensor_parallel_size: 1 (default) = the draft model whole, on rank 0's device or a
+        worker of its own; = tensor_parallel_size = split over the same ranks as the target.
     online_learning: capture for online learning (``engine/capture.py``) and versioned
         drafters that can be swapped between steps (``engine/drafter_versions.py``); None
         (default): neither.
     warm_up: under a compiled step, compile every loaded method's graphs when the engine
         starts (``engine/warmup.py``), not on the first requests.
+    paged_kv: keep every model's KV in blocks of ``block_size`` tokens taken from one pool
+        per model as sequences grow (default; ``engine/kv_blocks.py``), or False: each of the
+        ``max_num_seqs`` rows holds a whole ``max_model_len`` context (the contiguous layout).
+    num_kv_blocks / kv_cache_memory_bytes: the target's pool, in blocks or in bytes (vLLM's
+        name); neither = the memory of ``max_num_seqs`` whole contexts. With paging,
+        ``max_num_seqs`` is a cap on the running batch, not the memory plan.
+    enable_prefix_caching: requests that start with a cached prefix (full blocks) reuse its
+        KV and prefill only the rest (paged only; default on).
+    quantization: ``fp8`` quantizes the target's linear layers at load (float8_e4m3fn weights,
+        per-channel scales; ``engine/quantization.py``); None (default): as stored — a checkpoint
+        published in FP8 loads in FP8 either way.
+    draft_quantization: the same for the draft model (vLLM: ``--speculative-config``'s
+        ``quantization``); heads (Medusa, EAGLE, ReDrafter) stay in the compute dtype.
+    fp8_kernel: how FP8 layers multiply: ``dequantize`` (default; weight-only W8A16, any device)
+        or ``scaled_mm`` (W8A8 with ``torch._scaled_mm``; CUDA compute capability >= 8.9 only).
     """
 
     target: str | None = None
@@ -98,8 +119,28 @@ class EngineConfig:
     speculation_length: SpeculationLengthPolicy | None = None
     online_learning: CaptureConfig | None = None
     warm_up: bool = True
+    paged_kv: bool = True
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    quantization: str | None = None
+    draft_quantization: str | None = None
+    fp8_kernel: str = "dequantize"
+    tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int = 1
 
     def __post_init__(self):
+        from specray.engine.quantization import check_kernel, check_method
+
+        check_method(self.quantization)
+        check_method(self.draft_quantization, "draft_quantization")
+        check_kernel(self.fp8_kernel)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.draft_tensor_parallel_size not in (1, self.tensor_parallel_size):
+            raise ValueError(f"draft_tensor_parallel_size must be 1 or tensor_parallel_size "
+                             f"({self.tensor_parallel_size}), got {self.draft_tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -108,6 +149,10 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}: use one of {', '.join(DTYPES)}")
         if self.step not in STEP_CHOICES:
             raise ValueError(f"unknown step {self.step!r}: one of {', '.join(STEP_CHOICES)}")
+        if self.block_size < 1 or (self.num_kv_blocks is not None and self.num_kv_blocks < 1):
+            raise ValueError(f"block_size and num_kv_blocks must be >= 1, got {self.block_size}, {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         if self.speculation_length is not None and not callable(getattr(self.speculation_length, "caps", None)):
             raise TypeError(f"speculation_length must be None (self-tuning) or a policy with caps(), such as "
                             f"SpeculationLengthPolicy(); got {self.speculation_length!r}")
@@ -129,6 +174,21 @@ class EngineConfig:
         if self.step == "auto" and not resolve_device(self.device).startswith("cuda"):
             return replace(self, step="eager")
         return self
+    def paging(self, capacity: int, bytes_per_token: int) -> PagingConfig | None:
+        """The target's paged layout (None: contiguous): its pool from ``num_kv_blocks``, else
+        ``kv_cache_memory_bytes`` (``bytes_per_token``: the model's K and V of one token over
+        all layers), else ``max_num_seqs`` whole contexts of ``capacity`` tokens."""
+        if not self.paged_kv:
+            return None
+        blocks = self.num_kv_blocks
+        if blocks is None and self.kv_cache_memory_bytes is not None:
+            blocks = self.kv_cache_memory_bytes // (bytes_per_token * self.block_size)
+            if blocks < 1:
+                raise ValueError(f"kv_cache_memory_bytes {self.kv_cache_memory_bytes} holds no block of "
+                                 f"{self.block_size} tokens ({bytes_per_token * self.block_size} bytes)")
+        if blocks is None:
+            blocks = self.max_num_seqs * blocks_needed(capacity, self.block_size)
+        return PagingConfig(self.block_size, blocks, self.enable_prefix_caching)
 
     def require_target(self) -> str:
         if self.target is None:
@@ -149,10 +209,13 @@ class EngineConfig:
         """The dtype name models load in here ("auto" decided for this process's device)."""
         return resolve_dtype(self.dtype, self.device)
 
-    def load_model(self, path: str):
+    def load_model(self, path: str, role: str = "target"):
+        """The checkpoint at ``path`` on this config's device and dtype, quantized as the config
+        says for its ``role`` (``target`` or ``draft``)."""
         from specray.engine.runner import load_model
 
-        return load_model(path, self.resolved_dtype, self.resolved_device)
+        quantization = self.quantization if role == "target" else self.draft_quantization
+        return load_model(path, self.resolved_dtype, self.resolved_device, quantization, self.fp8_kernel)
 
     def context_length(self, model_config) -> int:
         cfg = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config

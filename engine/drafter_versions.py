@@ -80,6 +80,13 @@ def weights_module(resource) -> nn.Module:
     raise TypeError(f"{type(resource).__name__} holds no drafter weights")
 
 
+def forget_prefixes(resource, proposer) -> None:
+    """New weights: the drafter's cached KV blocks (paged KV's prefix cache) are stale."""
+    for runner in (resource, getattr(proposer, "runner", None)):
+        if isinstance(runner, ModelRunner):
+            runner.forget_prefixes()
+
+
 def snapshot(resource) -> dict[str, torch.Tensor]:
     """The resource's weights as a CPU copy (a version's ``state``)."""
     return {k: v.detach().to("cpu", copy=True) for k, v in weights_module(resource).state_dict().items()}
@@ -239,6 +246,7 @@ class DrafterVersions:
             module = weights_module(self.proposers.resources[v.method])
             with torch.no_grad():
                 module.load_state_dict(v.state)  # copy_ into the serving tensors
+            forget_prefixes(self.proposers.resources[v.method], proposer)
             self._rebuild(v.method, proposer)
         self.serving[v.method] = v.version
         self.measured[v.method] = dict(v.measured)

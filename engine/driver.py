@@ -17,6 +17,7 @@ from specray.engine import step as S
 from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
 from specray.engine.accept import TargetScores, Verified, sampled_rows
+from specray.engine.collectives import GroupLostError
 from specray.kernels.sampling import sample
 from specray.policies.base import Draft, DraftRow
 from specray.policies.controller import AdaptiveSpeculation
@@ -33,7 +34,8 @@ class Executor(Protocol):
     raised one row at a time and reports the rows that still raise (``failed_rows``; they
     decode plainly this step), ``verify`` leaves the target as it was when it raises (the
     driver then verifies row by row), and ``apply`` reports the slots whose proposer
-    hooks raised."""
+    hooks raised. A lost tensor-parallel group (``GroupLostError``) is no row's failure: it
+    leaves the step, and the replica is rebuilt (``actors/engine_worker.py``)."""
 
     async def prefill(self, reqs: Sequence[Request], sampled: Sequence[int]) -> TargetScores:
         """Run the admitted prompts through the target: scores at each last prompt token."""
@@ -57,6 +59,10 @@ class Executor(Protocol):
     def release(self, slots: Sequence[int]) -> None:
         """These slots' requests are gone."""
 
+    # Paged KV (optional: executors without them run unpaged):
+    #   fits() -> None | (Request -> bool): admission by the target's free blocks
+    #   reserve(reqs, drafts) -> [batch rows the pool could not give room to verify]
+
 
 class StepDriver:
     """Continuous batching over an executor: requests join and leave between steps."""
@@ -76,7 +82,8 @@ class StepDriver:
 
     async def step(self) -> list[RequestOutput]:
         """Admit waiting requests (one ragged prefill), then one speculative step over the rest."""
-        joining = self.scheduler.admit()
+        fits = getattr(self.executor, "fits", None)
+        joining = self.scheduler.admit(fits() if fits is not None else None)
         outputs = await self._prefill(joining) if joining else []
         fresh = {r.request_id for r in joining}
         batch = [r for r in self.scheduler.running.values() if r.request_id not in fresh]
@@ -89,6 +96,8 @@ class StepDriver:
         sampled = [i for i in sampled_rows(reqs) if not reqs[i].output_ids]
         try:
             scores = await self.executor.prefill(reqs, sampled)
+        except GroupLostError:  # the replica is lost, not a row: its worker is replaced
+            raise
         except Exception as exc:  # noqa: BLE001 - contained: only the rows that raise alone fail
             if len(reqs) == 1:
                 return [self.fail(reqs[0], exc)]
@@ -102,9 +111,15 @@ class StepDriver:
         plan = S.plan_proposals(batch, self.capacity, self.length_policy.caps(views))
         drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
         failed = dict(self.executor.failed_rows()) if hasattr(self.executor, "failed_rows") else {}
+        failed = {batch[i].slot: exc for i, exc in failed.items()}
+        batch, drafts, views, ended = self._make_room(batch, drafts, views)
+        if not batch:
+            return ended
         proposed = time.perf_counter()
         try:
             verified = await self.executor.verify(batch, drafts)
+        except GroupLostError:
+            raise
         except Exception as exc:  # noqa: BLE001 - contained: verify row by row
             outputs = await self._verify_alone(batch, drafts, exc)
         else:
@@ -114,7 +129,47 @@ class StepDriver:
             outputs = self._apply(S.commit_step(batch, verified, self.capacity, self.tokenizer))
             self.length_policy.observe(views, [d.size for d in drafts], verified.result.num_accepted,
                                        self.clock() - cost)
-        return self._fail_after(outputs, {batch[i].slot: exc for i, exc in failed.items()})
+        return ended + self._fail_after(outputs, failed)
+
+    def _make_room(self, batch: list[Request], drafts: list[DraftRow], views: list):
+        """Paged KV: blocks for everything this step verifies. While the target's pool cannot
+        hold it, the newest running request is preempted (its KV freed; it waits at the head
+        of the queue with what it emitted and is recomputed later), so that no request fails
+        for want of KV while others can finish. A request alone that still does not fit
+        verifies without its draft, and if even that does not fit it finishes with 'length'.
+        Returns the batch, drafts and views that verify, and outputs of requests that ended."""
+        reserve = getattr(self.executor, "reserve", None)
+        ended: list[RequestOutput] = []
+        while batch and reserve is not None:
+            short = reserve(batch, drafts)
+            if not short:
+                break
+            # Rows leave the batch: drafts made on the device are read back first (the device
+            # step indexes its drafts by batch row).
+            drafts = list(self.executor.recover(batch, drafts))
+            if len(batch) > 1:
+                i = max(range(len(batch)), key=lambda j: batch[j].admitted)
+                self.preempt(batch[i])
+            elif drafts[0].size:
+                drafts = [DraftRow([])]
+                continue
+            else:
+                i = 0
+                ended.append(self.finish(batch[0], "length"))
+            batch, drafts, views = batch[:i] + batch[i + 1:], drafts[:i] + drafts[i + 1:], views[:i] + views[i + 1:]
+        return batch, drafts, views, ended
+
+    def preempt(self, r: Request) -> None:
+        log.info("request %s preempted: the KV cache is full (recomputed when there is room)", r.request_id)
+        self.executor.release([r.slot])
+        self.length_policy.release(r.request_id)
+        self.scheduler.preempt(r)
+
+    def finish(self, r: Request, reason: str) -> RequestOutput:
+        """End a running request now (e.g. 'length': it alone outgrew the KV cache)."""
+        r.finish_reason = reason
+        self.release(r)
+        return r.output([])
 
     async def _verify_alone(self, batch: list[Request], drafts, exc: BaseException) -> list[RequestOutput]:
         """A verification raised: the target is as it was; verify each row on its own."""
@@ -127,6 +182,8 @@ class StepDriver:
         for r, d in zip(batch, drafts):
             try:
                 verified = await self.executor.verify([r], [d])
+            except GroupLostError:
+                raise
             except Exception as row_exc:  # noqa: BLE001
                 outputs.append(self.fail(r, row_exc))
                 continue

@@ -18,6 +18,7 @@ from specray.engine import logprobs as L
 from specray.engine import step as S
 from specray.engine.device_step import verify_on_device
 from specray.engine.accept import TargetScores, accept_verified, sampled_rows
+from specray.engine.kv_blocks import KVCacheFull
 from specray.engine.logits import host_positions, processed
 from specray.kernels.tree import TokenTree
 from specray.policies.base import EMPTY, Draft, DraftRow, PrefillRow
@@ -45,15 +46,18 @@ class LocalExecutor:
         # Observers of the step (online learning's capture and feature log, engine/capture.py):
         # told what the target computed anyway; a tap that raises is logged, never fails a row.
         self.taps: list = []
+        self._live: dict[int, object] = {}  # slot -> its request (paged KV: tokens to publish)
+        self._starts: dict[int, int] = {}  # slot -> cached prefix its last prefill started from
+        self.rebuilds_heads = False  # drafter versions (online learning) keep features from position 0
 
     async def prefill(self, reqs, sampled):
-        for r in reqs:
-            self.target.reset(r.slot)
-        every = L.every_position(reqs) if L.wants_prompt(reqs) else None  # echo: score the prompt too
-        out = self.target.forward([r.slot for r in reqs], [r.prefill_ids for r in reqs], every,
+        starts = [self._attach_prefix(r) for r in reqs]
+        every = L.every_position(reqs, starts) if L.wants_prompt(reqs) else None  # echo: score the prompt too
+        out = self.target.forward([r.slot for r in reqs], [r.prefill_ids[n:] for r, n in zip(reqs, starts)], every,
                                   **self._wants_features(reqs))
         self._last = out
-        logits, prompts = L.split_prefill(out.logits, reqs) if every is not None else (out.logits, {})
+        self._publish([r.slot for r in reqs])  # the target's prompt blocks (a head's follow at its commit)
+        logits, prompts = L.split_prefill(out.logits, reqs, starts) if every is not None else (out.logits, {})
         scores = TargetScores.from_logits(logits, sampled, L.wanted(reqs), processed(logits, reqs, None))
         self._tap("prefilled", reqs, logits)
         return replace(scores, prompt_logprobs=prompts)
@@ -90,7 +94,8 @@ class LocalExecutor:
 
     async def _alone(self, proposer, idx, rows) -> Draft:
         """A proposer raised on a batch: draft each row alone; the rows that still raise get no
-        draft (they decode plainly this step) and are reported in ``failed_rows``."""
+        draft (they decode plainly this step) and are reported in ``failed_rows`` — except a
+        proposer whose own KV pool is full (paged KV), which only costs those rows a draft."""
         drafts = []
         for i, row in zip(idx, rows):
             try:
@@ -98,6 +103,9 @@ class LocalExecutor:
                 if inspect.isawaitable(part):
                     part = await part
                 drafts.append(part.rows[0] if part is not None else EMPTY)
+            except KVCacheFull as exc:
+                log.warning("%s: no draft for slot %d this step (%s)", type(proposer).__name__, row.slot, exc)
+                drafts.append(EMPTY)
             except Exception as exc:  # noqa: BLE001
                 self._failed[i] = exc
                 drafts.append(EMPTY)
@@ -107,6 +115,8 @@ class LocalExecutor:
         return self._failed
 
     async def verify(self, reqs, drafts):
+        for r in reqs:
+            self._live[r.slot] = r
         lengths = {r.slot: self.target.lengths[r.slot] for r in reqs}
         try:
             return self._verify(reqs, drafts)
@@ -135,6 +145,90 @@ class LocalExecutor:
         self._tap("verified", reqs, out.logits, verified.result.paths, verified.result.emitted)
         return verified
 
+    # -- paged KV: cached prefixes, blocks for a step ---------------------------------------
+    def _attach_prefix(self, r) -> int:
+        """Start r's slot from the longest prefix of what it prefills that the target's cache and
+        the caches of r's feature-reading proposer (an EAGLE head: it needs the target's
+        features from where its own cache ends) all hold; returns its length in tokens (0 when
+        not paged, nothing is cached, or r wants its prompt scored)."""
+        ids = r.prefill_ids
+        scored = r.sampling.prompt_logprobs is not None and not r.output_ids
+        limit = 0 if scored else len(ids) - 1  # the last token is always computed (its logits)
+        head = self._head_runner(r.method)
+        if head is not None and self.rebuilds_heads:
+            limit = 0  # online learning rebuilds a head's KV from the target's features of every position
+        n = self.target.cached_prefix(ids, limit) if limit > 0 else 0
+        if n and head is not None:
+            n = min(n, head.cached_prefix(ids, limit))
+        n = self.target.attach(r.slot, ids, n)
+        if head is not None:
+            head.attach(r.slot, ids, n)
+        r.metrics.num_cached_tokens += n
+        self._live[r.slot] = r
+        self._starts[r.slot] = n
+        return n
+
+    def _head_runner(self, method: str):
+        """The paged cache of a proposer that reads the target's features (``runner``), if any."""
+        if method == "none" or not method_spec(method).needs_features:
+            return None
+        runner = getattr(self.proposers.get(method), "runner", None)
+        return runner if getattr(runner, "blocks", None) is not None else None
+
+    def reserve(self, reqs, drafts) -> list[int]:
+        """Blocks for what verifying ``drafts`` writes (each row's root, nodes and extra nodes);
+        returns the batch rows that could not get them (the pool ran out), empty when all fit."""
+        if self.target.blocks is None:
+            return []
+        short = []
+        for i, (r, d) in enumerate(zip(reqs, drafts)):
+            width = 1 + d.size + (len(d.extra.tokens) if d.extra is not None else 0)
+            try:
+                self.target.reserve([r.slot], [self.target.lengths[r.slot] + width])
+            except KVCacheFull:
+                short.append(i)
+        return short
+
+    def fits(self):
+        """Admission by free blocks: a function telling whether the next waiting request's
+        prefill fits the target's pool now (counting what it admitted before), keeping a
+        watermark free for the running rows' growth unless nothing else runs."""
+        blocks = self.target.blocks
+        if blocks is None:
+            return None
+        free = [blocks.pool.num_free]
+        watermark = max(1, blocks.pool.num_blocks // 100) if self._live else 0
+
+        def fits(r) -> bool:
+            need = blocks.cost(r.prefill_ids, len(r.prefill_ids) - 1)
+            if need > free[0] - watermark:
+                return False
+            free[0] -= need
+            return True
+
+        return fits
+
+    def kv_stats(self) -> dict:
+        """The target's pool: blocks, how full, prefix-cache queries and hits (tokens)."""
+        blocks = self.target.blocks
+        if blocks is None:
+            return {}
+        pool = blocks.pool
+        return {"num_blocks": pool.num_blocks, "block_size": blocks.block_size, "usage": pool.usage,
+                "prefix_queries": pool.queries, "prefix_hits": pool.hits}
+
+    def _publish(self, slots) -> None:
+        """Rows whose cached tokens grew: their full blocks join the prefix cache (the target's
+        and their head's)."""
+        for slot in slots:
+            r = self._live.get(slot)
+            if r is None:
+                continue
+            self.target.publish(slot, r.token_ids)
+            head = self._head_runner(r.method)
+            if head is not None:
+                head.publish(slot, r.token_ids)
+
     def recover(self, reqs, drafts):
         out = list(drafts)
         for idx, part in self._device_parts.values():  # drafts made on the device: read them back
@@ -155,11 +249,13 @@ class LocalExecutor:
             self._compacted = False
         else:
             self.target.keep(commit.target_keep)
+        touched = [slot for slot, _, _ in commit.target_keep]
         failed = {}
         for method, rows in commit.proposer_rows.items():
             proposer = self.proposers.get(method)
             if proposer is None:
                 continue
+            rows = [(i, self._started(row)) for i, row in rows]
             if method_spec(method).needs_features:
                 rows = [(i, _with_features(row, self._row_features(method, i))) for i, row in rows]
             rows = [row for _, row in rows]
@@ -176,11 +272,21 @@ class LocalExecutor:
                     except Exception as row_exc:  # noqa: BLE001
                         failed[row.slot] = row_exc
         self._last = None
+        self._publish(touched + [row.slot for rows in commit.proposer_rows.values() for _, row in rows
+                                 if isinstance(row, PrefillRow)])
         return failed
+
+    def _started(self, row):
+        """A prefill row says where the target started (a cached prefix); others as they are."""
+        if isinstance(row, PrefillRow):
+            return replace(row, start=self._starts.pop(row.slot, 0))
+        return row
 
     def release(self, slots):
         for s in slots:
             self.target.reset(s)
+            self._live.pop(s, None)
+            self._starts.pop(s, None)
         self.proposers.release(slots)
         self._tap("released", slots)
 
@@ -231,7 +337,7 @@ def _hand_over(proposer, rows) -> None:
 
 def _with_features(row, feats):  # feats: [q, F] the row's new positions
     if isinstance(row, PrefillRow):
-        return replace(row, features=feats[: len(row.token_ids)])
+        return replace(row, features=feats[: len(row.token_ids) - row.start])
     return replace(row, features=feats[row.path])
 
 

@@ -199,6 +199,7 @@ class StaticForward:
         for s, n, L in zip(slots, q_lens, lengths):
             if n < 1 or L + n > runner.capacity:
                 raise ValueError(f"slot {s}: {L} cached + {n} new tokens must fit capacity {runner.capacity}")
+        runner.reserve(slots, [L + n for L, n in zip(lengths, q_lens)])  # paged: blocks for what it writes
         width = max(max(q_lens), self.min_size)
         rows_b = max(batch_bucket(batch, self.limit), self.min_size)
         kv = min(-(-(max(L + n for L, n in zip(lengths, q_lens))) // self.kv_block) * self.kv_block,

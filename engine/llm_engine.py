@@ -27,6 +27,8 @@ from specray.engine.driver import StepDriver, run_sync
 from specray.engine.executor import LocalExecutor, ProposerTable
 from specray.engine.graphs import COMPILED
 from specray.engine.intake import RequestMaker
+from specray.engine.kv_blocks import proposer_paging
+from specray.engine.memory import kv_bytes_per_token
 from specray.engine.params import SamplingParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
@@ -60,15 +62,35 @@ class LLMEngine:
         resources: Mapping[str, object] | None = None,
         proposers: Mapping[str, object] | None = None,
         proposer_facts: Mapping[str, dict] | None = None,
+        runners=None,
     ):
         self.config = config = config or EngineConfig()
+        if config.tensor_parallel_size > 1 and runners is None:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} needs a group of ranks: serve it "
+                             "through the Ray actors (specray serve / generate start them), not the in-process engine")
+        # Where the models load and which runner holds each: here, whole (default), or split over
+        # a tensor-parallel group whose rank 0 this engine is (engine/mirror.py: ShardedRunners).
+        self.runners = runners or LocalRunners(config)
         if target_model is None:  # from checkpoints (in-memory models are for tests/embedding)
-            target_model = config.load_model(config.require_target())
+            target_model = self.runners.load("target", config.require_target())
             if tokenizer is None:
                 tokenizer = load_tokenizer(config.tokenizer or config.target)
         self.tokenizer = tokenizer
-        self.capacity = config.context_length(target_model.config)
-        self.target = ModelRunner(target_model, config.max_num_seqs, self.capacity)
+        context_len = config.context_length(target_model.config)
+        compute = next(p for p in target_model.parameters() if p.element_size() > 1).dtype  # FP8 weights aside
+        # Per rank: a split target's rank holds its share of the KV heads (a pool of blocks per rank).
+        per_token = kv_bytes_per_token(target_model.config, str(compute).removeprefix("torch."),
+                                       config.tensor_parallel_size)
+        self.paging = config.paging(context_len, per_token)
+        self.target = self.runners.runner("target", target_model, config.max_num_seqs, context_len, self.paging)
+        # A sequence can hold at most what the target's KV pool holds (paged: a pool smaller
+        # than one context caps it; a prompt that cannot fit is refused at admission).
+        self.capacity = min(context_len, self.paging.num_blocks * self.paging.block_size) if self.paging else context_len
+        if self.paging is not None:
+            log.info("KV cache: %d blocks of %d tokens (%d tokens; %s); prefix caching %s", self.paging.num_blocks,
+                     self.paging.block_size, self.paging.num_blocks * self.paging.block_size,
+                     f"sequences capped at {self.capacity} tokens" if self.capacity < context_len else "paged",
+                     "on" if self.paging.prefix_caching else "off")
         self.step_mode = config.step_mode(self.target.device)
         context = ProposerContext(
             vocab_size=self.target.vocab_size, max_num_seqs=config.max_num_seqs, capacity=self.capacity,
@@ -77,7 +99,7 @@ class LLMEngine:
         )
         given = dict(resources or {})
         if draft_model is not None:
-            given["draft"] = ModelRunner(draft_model, config.max_num_seqs, self.capacity)
+            given["draft"] = self._draft_runner(draft_model)
         if medusa_heads is not None:
             given["medusa"] = medusa_heads
         proposers = dict(proposers or {})
@@ -116,15 +138,26 @@ class LLMEngine:
             self.capture = Capture(config.online_learning, self.versions.methods)
             self.capture.versions = self.versions.serving
             self.executor.taps += [self.versions, self.capture]
+            self.executor.rebuilds_heads = True
         self._text_sent: dict[str, int] = {}  # request id -> characters of its text in deltas so far
         self.warmup_seconds = None  # what compiling the step took at start-up (compiled steps)
         if self.step_mode in COMPILED and config.warm_up and not proposers:  # remote proposers warm up there
             self.warmup_seconds = warm_up(self)
 
-    def _runner_for(self, model, extra_capacity: int = 0) -> ModelRunner:
-        if isinstance(model, str):
-            model = self.config.load_model(model)
-        return ModelRunner(model, self.config.max_num_seqs, self.capacity + extra_capacity)
+    def _runner_for(self, model, extra_capacity: int = 0, shift: int = 0) -> ModelRunner:
+        """A runner for a proposer's model (a draft model, an EAGLE head): its cache paged like
+        the target's, its pool large enough that it never runs out before the target's does. A
+        head runs here, beside rank 0's features; a draft model by path: ``_draft_runner``."""
+        if isinstance(model, str):  # a causal-LM checkpoint by path: the draft model
+            return self._draft_runner(self.runners.load("draft", model))
+        return ModelRunner(model, self.config.max_num_seqs, self.capacity + extra_capacity,
+                           proposer_paging(self.paging, self.config.max_num_seqs, extra_capacity), shift)
+
+    def _draft_runner(self, model) -> ModelRunner:
+        """The draft model's runner: whole here, or split with the target at
+        draft_tensor_parallel_size N (``self.runners``)."""
+        return self.runners.runner("draft", model, self.config.max_num_seqs, self.capacity,
+                                   proposer_paging(self.paging, self.config.max_num_seqs, 0))
 
     @property
     def medusa_heads(self):
@@ -192,7 +225,8 @@ class LLMEngine:
         if reset:
             self.driver.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}
         return {"phases": phases, "totals": self.totals.to_dict(), "waiting": len(self.scheduler.waiting),
-                "running": len(self.scheduler.running)}
+                "running": len(self.scheduler.running), "kv": self.executor.kv_stats(),
+                "preemptions": self.scheduler.preemptions}
 
     def describe(self) -> dict:
         """Which driver, executor and proposer classes this engine runs (tests, operations)."""
@@ -267,6 +301,19 @@ class LLMEngine:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+class LocalRunners:
+    """Every model whole in this process, on the config's device (the default runner factory)."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+
+    def load(self, name: str, path: str):
+        return self.config.load_model(path, role=name)
+
+    def runner(self, name: str, model, num_slots: int, capacity: int, paging=None, shift: int = 0) -> ModelRunner:
+        return ModelRunner(model, num_slots, capacity, paging, shift)
 
 
 def load_resources(config: EngineConfig, context: ProposerContext, given: Mapping[str, object],

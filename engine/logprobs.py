@@ -66,18 +66,21 @@ def prompt_entries(logits: torch.Tensor, prompt_ids: Sequence[int], top: int) ->
     return [None, *entries(logits[: len(prompt_ids) - 1], prompt_ids[1:], top)]
 
 
-def split_prefill(logits: torch.Tensor, reqs: Sequence) -> tuple[torch.Tensor, dict[int, list]]:
+def split_prefill(logits: torch.Tensor, reqs: Sequence, starts: Sequence[int] | None = None
+                  ) -> tuple[torch.Tensor, dict[int, list]]:
     """A prefill scored at every position (logits [B, q, V]) -> the logits at each row's last
     prompt token ([B, 1, V], what sampling the first token reads) and the prompt entries of
-    the rows that asked for them."""
-    lens = torch.tensor([len(r.prefill_ids) for r in reqs], dtype=torch.long, device=logits.device)
+    the rows that asked for them. starts: tokens each row took from the prefix cache (rows
+    that asked for prompt scores take none)."""
+    starts = starts or [0] * len(reqs)
+    lens = torch.tensor([len(r.prefill_ids) - n for r, n in zip(reqs, starts)], dtype=torch.long, device=logits.device)
     last = logits[torch.arange(len(reqs), device=logits.device), lens - 1][:, None]
     prompts = {i: prompt_entries(logits[i, : len(r.prompt_ids)], r.prompt_ids, r.sampling.prompt_logprobs)
                for i, r in enumerate(reqs) if r.sampling.prompt_logprobs is not None and not r.output_ids}
     return last, prompts
 
 
-def every_position(reqs: Sequence) -> torch.Tensor:
+def every_position(reqs: Sequence, starts: Sequence[int] | None = None) -> torch.Tensor:
     """logits_at [B, q] scoring every new token of a prefill (rows clamp to their length)."""
-    q = max(len(r.prefill_ids) for r in reqs)
+    q = max(len(r.prefill_ids) - n for r, n in zip(reqs, starts or [0] * len(reqs)))
     return torch.arange(q)[None].expand(len(reqs), -1)

@@ -18,6 +18,10 @@ class SpecMetrics:
     accepted_per_pos: list[int] = field(default_factory=list)
     target_forward_passes: int = 0
     num_generated_tokens: int = 0
+    # Paged KV: times the request was preempted (its KV freed, recomputed later), and prompt
+    # tokens whose KV came from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens).
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
     # Online learning (engine/drafter_versions.py): the drafter version serving the request's
     # method at its latest step, and per version [drafts, accepted tokens] of its steps.
     drafter_version: str | None = None
@@ -53,6 +57,8 @@ class SpecMetrics:
         self.num_accepted_tokens += other.num_accepted_tokens
         self.target_forward_passes += other.target_forward_passes
         self.num_generated_tokens += other.num_generated_tokens
+        self.num_preemptions += other.num_preemptions
+        self.num_cached_tokens += other.num_cached_tokens
         if len(self.accepted_per_pos) < len(other.accepted_per_pos):
             self.accepted_per_pos.extend([0] * (len(other.accepted_per_pos) - len(self.accepted_per_pos)))
         for i, n in enumerate(other.accepted_per_pos):

@@ -44,6 +44,7 @@ class Request:
     stop_ids: frozenset[int]
     generator: torch.Generator | None = None
     slot: int = -1
+    admitted: int = -1  # admission order (the scheduler's): the newest is preempted first
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 import torch
 
 from specray.engine.architectures import check_architecture
+from specray.engine.kv_blocks import BlockPool, BlockTables, PagingConfig
 from specray.kernels import attention
 
 log = logging.getLogger(__name__)
@@ -40,14 +41,19 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    """Owns a causal LM and its KV cache of ``num_slots`` rows x ``capacity`` tokens.
+    """Owns a causal LM and its KV cache of ``num_slots`` rows of up to ``capacity`` tokens.
+
+    paging: None = every row holds its whole context (one contiguous block per row); else
+        the cache is paged (``engine/kv_blocks.py``): rows take fixed-size blocks from one
+        pool as they grow, and may start from cached prefixes (``attach``). ``shift``: tokens
+        past an entry that entry depends on (1 for EAGLE-style heads), for prefix keys.
 
     >>> runner = ModelRunner(model, num_slots=4, capacity=512)   # doctest: +SKIP
     >>> out = runner.forward([0, 1], [[5, 6, 7], [8]])           # two prompts
     >>> runner.set_length(0, 2)                                   # roll row 0 back
     """
 
-    def __init__(self, model, num_slots: int, capacity: int):
+    def __init__(self, model, num_slots: int, capacity: int, paging: PagingConfig | None = None, shift: int = 0):
         if num_slots < 1 or capacity < 2:
             raise ValueError(f"need num_slots >= 1 and capacity >= 2, got {num_slots}, {capacity}")
         check_architecture(model.config, capacity)
@@ -57,21 +63,39 @@ class ModelRunner:
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.capacity = capacity
-        param = next(model.parameters())
+        # The compute dtype: the first parameter not stored in FP8 (FP8 layers hold float8 weights).
+        param = next(p for p in model.parameters() if p.element_size() > 1)
         self.device, self.dtype = param.device, param.dtype
         text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
         kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        # +1 row: scratch for the padding rows of fixed-shape batches; +1 position: scratch
-        # for padding tokens within a row.
-        shape = (num_slots + 1, kv_heads, capacity + 1, head_dim)
+        shard = getattr(model, "tensor_parallel", None)  # split over ranks: this rank's KV heads only
+        kv_heads = shard.kv_heads if shard is not None else kv_heads
         self.num_layers = layers = text_config.num_hidden_layers
-        self.cache = attention.LayerCache(
-            keys=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
-            values=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
-        )
+        self.paging, self.blocks = paging, None
+        if paging is None:
+            # +1 row: scratch for the padding rows of fixed-shape batches; +1 position: scratch
+            # for padding tokens within a row.
+            shape = (num_slots + 1, kv_heads, capacity + 1, head_dim)
+            self.cache = attention.LayerCache(
+                keys=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
+                values=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
+            )
+        else:
+            bs = paging.block_size
+            num_blocks = paging.blocks_for(num_slots, capacity)
+            shape = (num_blocks + 1, bs, kv_heads, head_dim)  # +1 block: scratch
+            # Each row's table reaches its scratch position (capacity); the last row is the
+            # padding rows' (all scratch).
+            table = torch.full((num_slots + 1, capacity // bs + 1), num_blocks, dtype=torch.long, device=self.device)
+            self.cache = attention.PagedCache(
+                keys=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
+                values=[torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)],
+                table=table, capacity=capacity,
+            )
+            self.blocks = BlockTables(BlockPool(num_blocks, paging.prefix_caching), table, bs, shift)
         self.num_slots = num_slots
         self.static = None  # a StaticForward once enable_static() is called
         self.lengths = [0] * num_slots  # cached tokens per slot (host-side ints)
@@ -91,6 +115,49 @@ class ModelRunner:
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
+        if self.blocks is not None:
+            self.blocks.free(slot)
+
+    # -- paged KV: blocks and cached prefixes (no-ops / nothing cached when not paged) -------
+    def reserve(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
+        """Give each slot blocks for positions 0..length-1 (``KVCacheFull`` if the pool runs
+        out; slots served before that keep theirs). Forwards reserve what they write."""
+        if self.blocks is None:
+            return
+        try:
+            for slot, n in zip(slots, lengths):
+                self.blocks.ensure(slot, n)
+        finally:
+            self.blocks.sync()
+
+    def cached_prefix(self, token_ids: Sequence[int], limit: int) -> int:
+        """Tokens of token_ids[:limit] this cache could start a row with (whole blocks)."""
+        if self.blocks is None:
+            return 0
+        return self.blocks.cached(token_ids, limit) * self.blocks.block_size
+
+    def attach(self, slot: int, token_ids: Sequence[int], tokens: int) -> int:
+        """Start ``slot`` afresh holding the cached blocks of token_ids' first ``tokens``
+        tokens (a multiple of the block size, at most ``cached_prefix``); returns its length."""
+        self.reset(slot)
+        if self.blocks is None:
+            return 0
+        # (with tokens 0 too: the lookup counts as a prefix-cache query)
+        self.lengths[slot] = self.blocks.attach(slot, token_ids, max(tokens, 0) // self.blocks.block_size)
+        self.blocks.sync()
+        return self.lengths[slot]
+
+    def forget_prefixes(self) -> None:
+        """The weights changed (a new drafter version): no cached block may be reused, and no
+        row's blocks are published again (rows are rebuilt from scratch)."""
+        if self.blocks is not None:
+            self.blocks.forget()
+
+    def publish(self, slot: int, token_ids: Sequence[int]) -> None:
+        """The slot's cached positions hold token_ids' entries: its full blocks may be reused
+        by rows that start with the same tokens."""
+        if self.blocks is not None:
+            self.blocks.publish(slot, token_ids, self.lengths[slot])
 
     # -- forward -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -133,6 +200,7 @@ class ModelRunner:
         for s, n, L in zip(slots, q_lens, lengths):
             if L + n > self.capacity:
                 raise ValueError(f"slot {s}: {L} cached + {n} new tokens exceeds capacity {self.capacity}")
+        self.reserve(slots, [L + n for L, n in zip(lengths, q_lens)])
         ctx, ids, pos_ids = self._batch(slots, tokens, q_lens, q, lengths, layout)
         inputs = None
         if embeds is not None:  # right-padded [B, q, H], like the ids
@@ -246,12 +314,10 @@ class ModelRunner:
         for slot, nodes in zip(slots, kept):
             base = self.lengths[slot]
             if any(n != i for i, n in enumerate(nodes)):  # else the path already sits in place
-                src = torch.tensor([base + n for n in nodes], device=self.device)
-                dst = torch.arange(base, base + len(nodes), device=self.device)
-                for buf in (*self.cache.keys, *self.cache.values):
-                    buf[slot, :, dst] = buf[slot, :, src]  # advanced-index read copies first
+                src = torch.tensor([[base + n for n in nodes]], device=self.device)
+                dst = torch.arange(base, base + len(nodes), device=self.device)[None]
+                self.cache.move(torch.tensor([slot], device=self.device), src, dst)
             self.lengths[slot] = base + len(nodes)
-
 
     @torch.inference_mode()
     def compact_paths(self, rows: torch.Tensor, bases: torch.Tensor, paths: torch.Tensor,
@@ -269,8 +335,7 @@ class ModelRunner:
         scratch = self.cache.scratch
         src = torch.where(keep, bases[:, None] + paths, scratch)  # [B, W]
         dst = torch.where(keep, bases[:, None] + col[None, :], scratch)
-        for buf in (*self.cache.keys, *self.cache.values):
-            buf[rows[:, None], :, dst] = buf[rows[:, None], :, src]  # advanced-index read copies first
+        self.cache.move(rows, src, dst)
 
     def enable_static(self, mode: str, layers: Sequence[int] = (), inputs=None) -> None:
         """Serve fixed-shape forwards (``engine/graphs.py``) beside the eager one; ``layers``:
@@ -281,16 +346,42 @@ class ModelRunner:
         self.static = StaticForward(self, mode, layers=layers, inputs=inputs)
 
 
-def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu"):
+def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu",
+               quantization: str | None = None, fp8_kernel: str = "dequantize"):
     """Load a Hugging Face causal LM checkpoint directory (or hub id, if online).
 
-    An architecture specray cannot serve exactly is refused before its weights load.
+    An architecture specray cannot serve exactly is refused before its weights load. A checkpoint
+    published in FP8 loads as stored; ``quantization="fp8"`` quantizes any other one's linear
+    layers at load (``engine/quantization.py``), on the CPU before the model moves to ``device``,
+    so the device only ever holds the FP8 weights.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    check_architecture(AutoConfig.from_pretrained(path))
+    from specray.engine import quantization as Q
+    from specray.kernels.fp8 import scaled_mm_problem
+
+    Q.check_method(quantization)
+    if fp8_kernel == "scaled_mm" and (problem := scaled_mm_problem(device)):
+        raise Q.UnsupportedQuantizationError(f"fp8_kernel scaled_mm: {problem}; use fp8_kernel dequantize")
+    config = AutoConfig.from_pretrained(path)
+    check_architecture(config)
+    stored = Q.stored_fp8(getattr(config, "quantization_config", None))
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch_dtype, attn_implementation=attention.register()
-    )
-    return model.to(device)
+    if stored is not None:  # transformers' own FP8 loaders want a GPU (and fbgemm): load the values, then swap
+        del config.quantization_config
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the scales are "unexpected keys" to transformers: read below
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype,
+                                                         attn_implementation=attention.register())
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        Q.load_stored_fp8(model, path, stored, fp8_kernel)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attention.register())
+        if quantization == "fp8":
+            Q.quantize_linears(model, fp8_kernel)
+    model = model.to(device)
+    log.info("%s: %s", path, Q.describe(model) if stored is None else f"{stored.describe()}; {Q.describe(model)}")
+    return model

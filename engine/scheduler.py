@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from typing import Callable
 
 from specray.engine.metrics import SpecMetrics
 from specray.engine.request import Request, RequestOutput
@@ -22,20 +23,36 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.totals = SpecMetrics()
+        self.preemptions = 0
+        self._admitted = itertools.count()  # admission order: the newest running request is preempted first
 
     def add(self, request: Request) -> str:
         self.waiting.append(request)
         return request.request_id
 
-    def admit(self) -> list[Request]:
-        """Give free slots to waiting requests (FIFO); returns the newly admitted."""
+    def admit(self, fits: Callable[[Request], bool] | None = None) -> list[Request]:
+        """Give free slots to waiting requests (FIFO) while ``fits`` says the next one's KV fits
+        (paged KV: its blocks are free; it may count what it admits); returns the admitted."""
         joining = []
-        while self.waiting and self.free_slots:
+        while self.waiting and self.free_slots and (fits is None or fits(self.waiting[0])):
             req = self.waiting.popleft()
             req.slot = self.free_slots.pop(0)
+            req.admitted = next(self._admitted)
             self.running[req.slot] = req
             joining.append(req)
         return joining
+
+    def preempt(self, req: Request) -> None:
+        """Take a running request out of the batch to free its KV (the caller frees its workers'
+        state): it waits at the head of the queue with everything it emitted, and is recomputed
+        when admitted again (its prompt and output prefilled; nothing is sampled then)."""
+        del self.running[req.slot]
+        self.free_slots.append(req.slot)
+        self.free_slots.sort()
+        req.slot = -1
+        req.metrics.num_preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
 
     def release(self, req: Request) -> bool:
         """Free a finished/aborted request's slot; False if it held none."""

@@ -3,8 +3,8 @@
     specray serve [--target DIR] [--once PROMPT]  # OpenAI-compatible HTTP on Ray Serve (vLLM's flags)
     specray generate --prompt "def fib(n):"       # one completion in this process
     specray jobs --input in.jsonl --output out.jsonl   # a batch file (local Ray unless --address)
-    specray train medusa|eagle|redrafter --out DIR
-    specray bench speed|load|actors|trees|lookahead|penalties
+    specray train draft|medusa|eagle|eagle3|redrafter --out DIR
+    specray bench speed|load|actors|trees|lookahead|penalties|selftune
     specray env                                   # versions, devices, dtype, attention kernel
     specray demo-models                           # build or find the demo pair
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from specray.entrypoints import flags as F
@@ -32,6 +33,11 @@ BENCHMARKS = {
     "online": "online learning on a shifted workload: accepted length over served requests, learning on vs off",
     "gpu": "the step against the memory-bandwidth bound on a GPU (a synthetic 8B-shaped pair; --device cpu: demo)",
     "penalties": "what repetition/presence/frequency penalties cost plain and draft-model decoding",
+    "quantization": "FP8 weights on the demo pair: bytes held, decoding speed and acceptance, FP8 vs unquantized",
+    "selftune": "the self-tuning speculation length against explicit settings, one-shot and batched",
+    "kv": "paged KV: requests held and tokens/s in one KV budget, TTFT with a cached prefix, EAGLE's hit rate",
+    "tensor_parallel": "a tensor-parallel target against TP 1: ms/step and the control plane's share (--layout: "
+                       "what each rank holds)",
 }
 
 
@@ -100,18 +106,47 @@ def _generate(args, option_flags: list[F.OptionFlag]) -> int:
         raise ValueError(f"--target {engine_cfg.target} has no tokenizer: give --tokenizer DIR")
     engine_cfg = resolved(engine_cfg.model_copy(update={"max_num_seqs": 1}))
     F.check_weights(engine_cfg, args, file_data)
-    engine = LLMEngine(engine_cfg.engine_config().one_shot())
-    out = engine.generate([args.prompt], sampling, speculation)[0]
+    if engine_cfg.tensor_parallel_size > 1:  # ranks are actors: a local Ray, as `specray serve` starts
+        out = _generate_on_ray(engine_cfg, args.prompt, sampling, speculation)
+    else:  # one short run: `auto` on a CPU runs eager (EngineConfig.one_shot)
+        out = vars(LLMEngine(engine_cfg.engine_config().one_shot()).generate([args.prompt], sampling, speculation)[0])
     if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                          "method": speculation.method, "metrics": out.metrics}))
+        print(json.dumps({"text": out["text"], "token_ids": out["token_ids"], "finish_reason": out["finish_reason"],
+                          "method": speculation.method, "metrics": out["metrics"]}))
     else:
-        print(args.prompt + out.text)
-        m = out.metrics
-        print(f"\n[{len(out.token_ids)} tokens, finish={out.finish_reason}, method={speculation.method}, "
+        print(args.prompt + out["text"])
+        m = out["metrics"]
+        print(f"\n[{len(out['token_ids'])} tokens, finish={out['finish_reason']}, method={speculation.method}, "
               f"mean accepted length {m['mean_accepted_length']:.2f}, target forwards {m['target_forward_passes']}]",
               file=sys.stderr)
     return 0
+
+
+def _generate_on_ray(config, prompt: str, sampling, speculation) -> dict:
+    """One completion through a Coordinator (the actor layout ``serve`` runs): in the Ray this
+    process already joined, else in one started here (stopped after)."""
+    import ray
+
+    from specray.actors.coordinator import Coordinator, StartError
+
+    local = not ray.is_initialized()
+    if local:
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    coordinator = Coordinator.remote(config)
+    try:
+        return ray.get(coordinator.generate.remote(
+            [prompt], sampling.model_dump(), speculation.model_dump(exclude_unset=True)))[0]
+    except StartError as exc:  # the layout cannot be hosted, a model cannot load: one line
+        cause = getattr(exc, "cause", exc)
+        raise ValueError(cause.args[0] if cause.args else str(cause)) from None
+    finally:
+        try:
+            ray.get(coordinator.shutdown.remote(), timeout=60)
+        finally:
+            ray.kill(coordinator)
+            if local:
+                ray.shutdown()
 
 
 def _train(args) -> int:
@@ -163,7 +198,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[F.OptionFlag]]:
     p.set_defaults(func=serve_main)
 
     p = sub.add_parser("generate", help="generate one completion in this process",
-                       description="One completion in this process (no Ray), on the demo pair or --target DIR.")
+                       description="One completion in this process (no Ray), on the demo pair or --target DIR; "
+                                   "with --tensor-parallel-size N > 1, through the actors on a local Ray "
+                                   "(or $RAY_ADDRESS's).")
     p.add_argument("--prompt", required=True, metavar="TEXT")
     p.add_argument("--config", metavar="FILE", default=None,
                    help="the serve config file (YAML/JSON); its model settings apply, flags override them")

@@ -19,6 +19,7 @@ def describe() -> str:
 
     from specray.engine.config import resolve_device, resolve_dtype
     from specray.kernels.backends import attention_backend
+    from specray.kernels.fp8 import scaled_mm_problem
 
     lines = [f"python        {platform.python_version()} ({platform.platform()})"]
     for dist in ("specray", "torch", "transformers", "ray", "xformers", "pydantic"):
@@ -38,4 +39,10 @@ def describe() -> str:
     lines.append(f"dtype         {resolve_dtype('auto', device)} (--dtype auto: bfloat16 on CUDA, float32 on CPU)")
     kernel, why = attention_backend(device)
     lines.append(f"attention     {kernel}: {why}")
+    lines.append(f"paged KV      each forward gathers its rows' blocks (block table on the device), then {kernel} "
+                 "attends over them (--no-paged-kv: contiguous rows, read in place)")
+    problem = scaled_mm_problem(device)
+    lines.append("fp8           --quantization fp8 (or an FP8 checkpoint): weights in float8_e4m3fn, dequantized for "
+                 f"each matmul on {device}; --fp8-kernel scaled_mm (W8A8): "
+                 + ("available" if problem is None else f"not here: {problem}"))
     return "\n".join(lines)

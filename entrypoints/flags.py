@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from specray.engine.config import DEVICES, DTYPES, STEP_CHOICES
+from specray.engine.quantization import FP8_KERNELS, QUANTIZATION_METHODS
 from specray.policies.registry import PLAIN, method_spec, registered_methods
 from specray.serve.config import FLAT_KEYS
 
@@ -75,6 +76,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                        help=f"{method_spec(methods[0]).requirement.split(' (')[0]}: enables method {', '.join(methods)}")
     g.add_argument("--dtype", choices=DTYPES, default=None,
                    help="weights and activations (default: auto = bfloat16 on CUDA, float32 on CPU)")
+    g.add_argument("--quantization", "-q", metavar="METHOD", default=None,
+                   help=f"quantize the target's weights at load: {', '.join(QUANTIZATION_METHODS)} (float8_e4m3fn "
+                        "linear layers, per-channel scales, dequantized for each matmul: half of bf16's bytes); "
+                        "a checkpoint published in FP8 loads in FP8 without it (default: as stored)")
+    g.add_argument("--draft-quantization", metavar="METHOD", default=None,
+                   help="the same for the draft model (also --speculative-config's \"quantization\", as vLLM's; "
+                        "default: as stored)")
+    g.add_argument("--fp8-kernel", choices=FP8_KERNELS, default=None,
+                   help="how FP8 layers multiply: dequantize (weight-only, any device) or scaled_mm (FP8 "
+                        "activations too, torch._scaled_mm; CUDA compute capability >= 8.9) (default: dequantize)")
     g.add_argument("--device", metavar="{" + ",".join(DEVICES) + ",cuda:N}", default=None,
                    help="where models run (default: auto = CUDA when available)")
     g.add_argument("--step", choices=STEP_CHOICES, default=None,
@@ -82,18 +93,35 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "the reference; compile = torch.compile of the static step (faster on CPU too)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="vLLM's name for --step eager: no graphs, no compile")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, metavar="N", default=None,
+                   help="split the target over N ranks, each a Ray actor on its own GPU, STRICT_PACK on one node "
+                        "(default: 1); the draft model stays whole unless --speculative-config sets "
+                        "draft_tensor_parallel_size N (docs/tensor-parallel.md)")
     g.add_argument("--max-model-len", type=int, metavar="N", default=None,
                    help="context per sequence, prompt + output (default: the model's, at most 4096)")
     g.add_argument("--max-num-seqs", type=int, metavar="N", default=None,
-                   help="sequences decoded together, KV cache rows (default: sized from GPU memory on CUDA, 8 on CPU)")
+                   help="most sequences decoded together (paged KV: a cap, the pool sets the memory; contiguous: the KV "
+                        "cache's rows) (default: 256 on CUDA when paged, else sized from GPU memory; 8 on CPU)")
     g.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION", default=None,
                    help="share of the GPU's memory for weights + activations + KV cache, which sizes "
                         "--max-num-seqs when it is not given (default: 0.9)")
+    g.add_argument("--block-size", type=int, metavar="N", default=None, help="tokens per KV block (default: 16)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, metavar="BYTES", default=None,
+                   help="the KV pool's size in bytes (on CPU, the way to size it; default: --max-num-seqs contexts "
+                        "on CPU, sized from GPU memory on CUDA)")
+    g.add_argument("--num-gpu-blocks-override", type=int, metavar="N", default=None,
+                   help="the KV pool's size in blocks, whatever memory says")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="requests starting with a cached prefix reuse its KV blocks (default: on)")
+    g.add_argument("--paged-kv", action=argparse.BooleanOptionalAction, default=None,
+                   help="KV in blocks from a pool, with prefix caching and preemption (default: on); "
+                        "--no-paged-kv: each sequence holds a whole --max-model-len context")
     g.add_argument("--speculative-config", metavar="JSON", default=None,
                    help="the server's default speculation, vLLM's keys: method, num_speculative_tokens, model "
                         "(the method's weights) and the method's options, e.g. "
-                        """'{"method": "draft", "model": "DIR", "num_speculative_tokens": 4}' """
-                        "(default: the best method loaded: draft, then heads, then ngram; length self-tuned)")
+                        """'{"method": "draft", "model": "DIR", "num_speculative_tokens": 4}'; """
+                        "and draft_tensor_parallel_size: 1 (the draft whole) or the target's size (default: the best "
+                        "method loaded: draft, then heads, then ngram; length self-tuned)")
     g.add_argument("--online-learning", action="store_true", default=None,
                    help="drafters learn from what they serve: captured traffic, a trainer actor, gated versions "
                         "swapped into every replica (online_learning: in a config file for its settings; "
@@ -134,8 +162,11 @@ def config_data(args: argparse.Namespace, file_data: dict) -> dict:
     from specray.serve.config import flat_to_nested
 
     keys = ("target", "tokenizer", "dtype", "device", "step", "max_model_len", "max_num_seqs", "gpu_memory_utilization",
+            "tensor_parallel_size",
             "speculative_config", "served_model_name", "host", "port", "api_key", "num_replicas", "online_learning",
-            "max_sequences_per_request", "max_waiting_sequences", "graceful_shutdown_s", *checkpoint_keys())
+            "max_sequences_per_request", "max_waiting_sequences", "graceful_shutdown_s", "block_size",
+            "kv_cache_memory_bytes", "num_gpu_blocks_override", "enable_prefix_caching", "paged_kv", "quantization",
+            "draft_quantization", "fp8_kernel", *checkpoint_keys())
     flags = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "enforce_eager", None):
         if flags.get("step", "eager") != "eager":
@@ -202,9 +233,12 @@ def check_weights(engine, args=None, file_data: dict | None = None) -> None:
     one line naming each flag whose directory is wrong."""
     from specray.engine.checkpoints import checkpoint_problems, problems_line
 
+    from specray.engine.tensor_parallel import check_splits
+
     problems = checkpoint_problems(engine.engine_config())
     if problems:
         raise ValueError(problems_line(problems, speculative_model=_speculative_model(args, file_data or {})))
+    check_splits(engine.engine_config())  # a target that cannot be split over --tensor-parallel-size
 
 
 def _speculative_model(args, file_data: dict) -> str | None:

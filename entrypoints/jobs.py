@@ -202,9 +202,9 @@ def _read_job_lines(objects, config: SpecrayConfig) -> tuple[list[JobLine], list
         except ValidationError as exc:
             errors.extend((lineno, e) for e in _format_errors(exc).splitlines())
             continue
-        problem = _check_record(rec, config, vocab, has_tokenizer, limits)
-        if problem:
-            errors.append((lineno, problem))
+        problems = _check_record(rec, config, vocab, has_tokenizer, limits)
+        if problems:
+            errors.extend((lineno, problem) for problem in problems)
             continue
         records.append(rec)
     return records, errors
@@ -235,22 +235,21 @@ def _batch_facts(config: SpecrayConfig) -> openai_batch.Facts:
         raise UsageError(f"cannot read the target {config.target}: {exc}") from None
 
 
-def _check_record(rec: JobLine, config, vocab, has_tokenizer, limits: Limits) -> str | None:
-    if isinstance(rec.prompt, str):
-        if not rec.prompt:
-            return "prompt: the prompt is empty"
-        if has_tokenizer is False:
-            return f"prompt: a text prompt needs a tokenizer and {config.tokenizer or config.target} has none; pass token ids"
-    else:
-        if not rec.prompt:
-            return "prompt: the prompt is empty"
-        if vocab is not None and (min(rec.prompt) < 0 or max(rec.prompt) >= vocab):
-            return f"prompt: token ids must lie in [0, {vocab})"
+def _check_record(rec: JobLine, config, vocab, has_tokenizer, limits: Limits) -> list[str]:
+    """Every problem of a line that parsed (its prompt's and its speculation's), none: []."""
+    problems = []
+    if not rec.prompt:
+        problems.append("prompt: the prompt is empty")
+    elif isinstance(rec.prompt, str) and has_tokenizer is False:
+        problems.append(f"prompt: a text prompt needs a tokenizer and {config.tokenizer or config.target} has none; "
+                        "pass token ids")
+    elif not isinstance(rec.prompt, str) and vocab is not None and (min(rec.prompt) < 0 or max(rec.prompt) >= vocab):
+        problems.append(f"prompt: token ids must lie in [0, {vocab})")
     try:
         validate_speculation(rec.speculation or config.default_speculation or best_speculation(limits.methods), limits)
     except ValueError as exc:
-        return f"speculation: {exc}"
-    return None
+        problems.append(f"speculation: {exc}")
+    return problems
 
 
 # -- output and resume ----------------------------------------------------------------------
@@ -351,9 +350,9 @@ def _connect(address: str | None) -> bool:
     if address:
         log.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address)
-    else:  # never "auto" by default: it may find someone else's cluster on this machine
+    else:  # never "auto" (nor ray.init()'s default, which joins the cluster `ray start` last left here)
         log.info("no Ray address given: starting a local Ray")
-        ray.init()
+        ray.init(address="local")
     return True
 
 

@@ -73,6 +73,7 @@ def _http(url: str, body: dict | None = None, headers: dict | None = None, timeo
 def startup_lines(cfg, plan) -> list[str]:
     """What runs: device, dtype, attention kernel, KV cache and the methods available."""
     from specray.engine.params import best_speculation
+    from specray.engine.quantization import describe_plan
     from specray.kernels.backends import attention_backend
 
     engine = cfg.engine.engine_config()
@@ -86,6 +87,7 @@ def startup_lines(cfg, plan) -> list[str]:
         f"model {cfg.model_name!r}: target {cfg.engine.target}" + (f", draft {cfg.engine.draft}" if cfg.engine.draft else ""),
         f"device {device}, dtype {dtype}" + (" (auto)" if cfg.engine.dtype == "auto" else ""),
         f"attention {kernel}: {why}",
+        describe_plan(engine.target, engine.draft, engine.quantization, engine.draft_quantization, engine.fp8_kernel),
         f"KV cache: {plan.describe()}",
         f"methods: {', '.join(methods)}; requests without `speculation` use {how}",
     ]
@@ -103,7 +105,7 @@ def serve_main(args) -> int:
     engine = with_demo_pair(cfg.engine)  # the demo pair when no target is given (built once)
     check_weights(engine, args, file_data)  # before Ray starts: one line naming the flag
     plan = engine.kv_plan()  # the KV cache's size: given, sized from GPU memory, or the CPU default
-    engine = engine.model_copy(update={"max_num_seqs": plan.max_num_seqs, "max_model_len": plan.max_model_len})
+    engine = engine.with_plan(plan)
     cfg = cfg.model_copy(update={"engine": engine})
     for line in startup_lines(cfg, plan):
         print(f"specray: {line}", flush=True)
@@ -193,7 +195,10 @@ def _start(cfg, address: str | None, local: bool) -> None:
 
     if local:
         hook = {"worker_process_setup_hook": "specray.entrypoints.serving.loopback_worker"} if cfg.host in LOOPBACK else {}
-        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False, runtime_env=hook)
+        # address="local": ray.init() alone joins the cluster `ray start` last left on this
+        # machine (/tmp/ray/ray_current_cluster), and a stopped server would shut its Serve down
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 runtime_env=hook)
     else:
         ray.init(address=address, log_to_driver=False)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its start-up lines repeat ours

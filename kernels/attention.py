@@ -38,7 +38,8 @@ ATTENTION_NAME = "specray"
 
 @dataclass
 class LayerCache:
-    """K/V buffers of every layer: [num_slots, H_kv, capacity + 1, D] each.
+    """K/V buffers of every layer, one contiguous row per slot: [num_slots, H_kv, capacity + 1, D]
+    each (the paging off layout: every row holds its whole context).
 
     The last position of each row is scratch: writes of padding tokens go there, so a
     padded row can never overwrite a valid key of its own.
@@ -50,6 +51,106 @@ class LayerCache:
     @property
     def scratch(self) -> int:
         return self.keys[0].shape[2] - 1
+
+    def plan(self, rows: torch.Tensor, pos: torch.Tensor, kv_len: int, contiguous: bool):
+        """What every layer's write and read of one forward share (computed once per forward):
+        rows [B] cache rows, pos [B, q] the new tokens' positions, kv_len keys read per row,
+        contiguous: rows are 0..B-1 (reads are views)."""
+        return rows, pos, kv_len, contiguous
+
+    def write(self, layer: int, plan, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key/value [B, H_kv, q, D] into the plan's positions."""
+        rows, pos, _, _ = plan
+        # Advanced indices (rows, positions) around a slice put their dims first:
+        # buf[rows[:, None], :, pos] has shape [B, q, H_kv, D].
+        self.keys[layer][rows[:, None], :, pos] = key.transpose(1, 2)
+        self.values[layer][rows[:, None], :, pos] = value.transpose(1, 2)
+
+    def read(self, layer: int, plan):
+        """Keys and values of positions 0..kv_len-1 of each row: [B, H_kv, kv_len, D] each."""
+        rows, _, kv_len, contiguous = plan
+        k_buf, v_buf = self.keys[layer], self.values[layer]
+        if contiguous:  # rows 0..B-1: views, no gather
+            batch = rows.shape[0]
+            return k_buf[:batch, :, :kv_len], v_buf[:batch, :, :kv_len]
+        return k_buf[rows, :, :kv_len], v_buf[rows, :, :kv_len]
+
+    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy each row's positions src [B, W] onto dst [B, W], every layer (a kept tree path)."""
+        for buf in (*self.keys, *self.values):
+            buf[rows[:, None], :, dst] = buf[rows[:, None], :, src]  # advanced-index read copies first
+
+
+@dataclass
+class PagedCache:
+    """K/V buffers of every layer in fixed-size blocks: [num_blocks + 1, block_size, H_kv, D]
+    each, and a block table mapping each row's positions to blocks.
+
+    table: [num_rows + 1, max_blocks] int64 on the device; row r's position p lives in block
+           table[r, p // block_size] at offset p % block_size. Entries a row has not been
+           given point at the scratch block (the last one), as does the whole last row (the
+           padding row of fixed-shape batches). Host code (``engine/kv_blocks.py``) owns which
+           blocks a row holds; this class only addresses them.
+    capacity: positions per row; position ``capacity`` is scratch (padding tokens write there)
+           and never holds a token, so a block holding it is never full or shared.
+
+    Reads gather each row's blocks with one ``index_select`` per buffer: a block is
+    ``block_size`` consecutive positions of every head, so the rows' blocks laid end to end
+    are [B, kv, H_kv, D] as they are, and attention reads them through a transposed view
+    (one copy, against three for a [.., H_kv, block_size, D] block measured on these CPUs).
+    On the CPU SDPA then runs over the gathered keys, as over the contiguous layout's.
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    table: torch.Tensor
+    capacity: int
+
+    @property
+    def block_size(self) -> int:
+        return self.keys[0].shape[1]
+
+    @property
+    def scratch(self) -> int:
+        return self.capacity
+
+    @property
+    def scratch_block(self) -> int:
+        return self.keys[0].shape[0] - 1
+
+    def _where(self, rows: torch.Tensor, pos: torch.Tensor):
+        """rows [B], pos [B, q] -> (blocks [B, q], offsets [B, q])."""
+        bs = self.block_size
+        return self.table[rows[:, None], torch.div(pos, bs, rounding_mode="floor")], pos % bs
+
+    def plan(self, rows: torch.Tensor, pos: torch.Tensor, kv_len: int, contiguous: bool):
+        """The new tokens' (blocks, offsets) [B, q] and the blocks every row reads, laid end to
+        end ([B * n], n = blocks covering kv_len): the same for every layer of a forward."""
+        bs = self.block_size
+        n = (kv_len + bs - 1) // bs
+        blocks, offsets = self._where(rows, pos)
+        return blocks, offsets, self.table[rows, :n].reshape(-1), rows.shape[0], n, kv_len
+
+    def write(self, layer: int, plan, key: torch.Tensor, value: torch.Tensor) -> None:
+        blocks, offsets = plan[0], plan[1]
+        self.keys[layer][blocks, offsets] = key.transpose(1, 2)  # [B, q, H_kv, D]
+        self.values[layer][blocks, offsets] = value.transpose(1, 2)
+
+    def read(self, layer: int, plan):
+        _, _, gathered, batch, n, kv_len = plan
+        bs = self.block_size
+
+        def gather(buf):  # [B * n, bs, H_kv, D] -> [B, H_kv, kv_len, D] (a view)
+            g = buf.index_select(0, gathered)
+            return g.view(batch, n * bs, g.shape[2], g.shape[3])[:, :kv_len].transpose(1, 2)
+
+        return gather(self.keys[layer]), gather(self.values[layer])
+
+    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        src_b, src_o = self._where(rows, src)
+        dst_b, dst_o = self._where(rows, dst)
+        for buf in (*self.keys, *self.values):
+            buf[dst_b, dst_o] = buf[src_b, src_o]  # advanced-index read copies first
 
 
 @dataclass
@@ -68,7 +169,7 @@ class AttentionBatch:
                 None for a chain (new token i sits at lengths + i)     } (``mask_for``)
     """
 
-    cache: LayerCache
+    cache: LayerCache | PagedCache
     rows: torch.Tensor
     contiguous: bool
     write_pos: torch.Tensor
@@ -78,6 +179,7 @@ class AttentionBatch:
     positions: torch.Tensor | None = None
     offsets: torch.Tensor | None = None
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _plan: object = field(default=None, repr=False)
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The mask of a layer that sees only keys within ``window`` positions (None: all).
@@ -106,15 +208,10 @@ class AttentionBatch:
 
     def update_and_read(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         """Write this forward's key/value [B, H_kv, q, D]; return cached [B, H_kv, kv_len, D]."""
-        k_buf, v_buf = self.cache.keys[layer], self.cache.values[layer]
-        # Advanced indices (rows, positions) around a slice put their dims first:
-        # buf[rows[:, None], :, pos] has shape [B, q, H_kv, D].
-        k_buf[self.rows[:, None], :, self.write_pos] = key.transpose(1, 2)
-        v_buf[self.rows[:, None], :, self.write_pos] = value.transpose(1, 2)
-        if self.contiguous:
-            batch = key.shape[0]
-            return k_buf[:batch, :, : self.kv_len], v_buf[:batch, :, : self.kv_len]
-        return k_buf[self.rows, :, : self.kv_len], v_buf[self.rows, :, : self.kv_len]
+        if self._plan is None:  # where to write and what to read: once per forward, not per layer
+            self._plan = self.cache.plan(self.rows, self.write_pos, self.kv_len, self.contiguous)
+        self.cache.write(layer, self._plan, key, value)
+        return self.cache.read(layer, self._plan)
 
 
 def causal_batch_mask(

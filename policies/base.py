@@ -257,15 +257,19 @@ class CommitRow:
 class PrefillRow:
     """A request entered the batch: its prompt went through the target.
 
-    features: [len(token_ids), F] the target's hidden states at the prompt tokens (methods
-              that need features; as ``CommitRow.features``), else None; ``first_token`` is
-              the new root.
+    features: [len(token_ids) - start, F] the target's hidden states at the prompt tokens it
+              computed (methods that need features; as ``CommitRow.features``), else None;
+              ``first_token`` is the new root.
+    start:    the target started from a cached prefix of this many tokens (paged KV, prefix
+              caching): features begin there, and the engine attached the proposer's own
+              cache (``runner``) to its cached blocks of the same prefix.
     """
 
     slot: int
     token_ids: Sequence[int]
     first_token: int
     features: torch.Tensor | None = None
+    start: int = 0
 
 
 def extends(token_ids: Sequence[int], seen: Sequence[int]) -> bool:

@@ -94,9 +94,10 @@ def building(described: bool):
     return torch.device("meta") if described else contextlib.nullcontext()
 
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32",
+                       "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_DTYPES = {k: getattr(torch, v) for k, v in _SAFETENSORS_DTYPES.items()}
 
 
 def tensor_shapes(directory: str | pathlib.Path) -> dict[str, tuple[int, ...]]:
@@ -104,25 +105,34 @@ def tensor_shapes(directory: str | pathlib.Path) -> dict[str, tuple[int, ...]]:
     headers (``model.safetensors``, its shards by ``model.safetensors.index.json``, or
     ``pytorch_model.bin`` and its shards, mapped): nothing is loaded. FileNotFoundError when
     the directory holds none of them."""
-    path = pathlib.Path(directory)
-    files = _weight_files(path)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
+    return {name: shape for name, (shape, _) in tensor_headers(directory).items()}
+
+
+def tensor_headers(directory: str | pathlib.Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, torch dtype name such as ``bfloat16`` or ``float8_e4m3fn``) of every tensor
+    of a checkpoint directory, as ``tensor_shapes`` reads them (headers only)."""
+    headers: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in weight_files(pathlib.Path(directory)):
         try:
             if file.suffix == ".safetensors":
                 from safetensors import safe_open
 
                 with safe_open(str(file), framework="pt") as f:
-                    shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+                    for k in f.keys():
+                        part = f.get_slice(k)
+                        kind = part.get_dtype()
+                        headers[k] = (tuple(part.get_shape()), _SAFETENSORS_DTYPES.get(kind, kind))
             else:
                 state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-                shapes.update({k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)})
+                headers.update({k: (tuple(v.shape), str(v.dtype).removeprefix("torch."))
+                                for k, v in state.items() if isinstance(v, torch.Tensor)})
         except Exception as exc:  # noqa: BLE001 - a truncated or foreign file: say which one
             raise ValueError(f"{file} is not a readable weights file: {' '.join(str(exc).split())[:200]}") from None
-    return shapes
+    return headers
 
 
-def _weight_files(path: pathlib.Path) -> list[pathlib.Path]:
+def weight_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The weight files of a checkpoint directory: one file, or the shards its index names."""
     for single, index in (("model.safetensors", "model.safetensors.index.json"),
                           ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         if (path / single).is_file():

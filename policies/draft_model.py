@@ -155,6 +155,10 @@ class DraftModelProposer:
         for r in rows:
             if runner.lengths[r.slot] >= len(r.token_ids):  # stale slot (reused): start over
                 runner.reset(r.slot)
+            if runner.lengths[r.slot] == 0:  # a fresh row: from the longest prefix its cache holds (paged KV)
+                runner.attach(r.slot, r.token_ids, runner.cached_prefix(r.token_ids, len(r.token_ids) - 1))
+            else:  # its cached tokens are committed ones: their full blocks may serve other rows
+                runner.publish(r.slot, r.token_ids)
             pending.append(list(r.token_ids[runner.lengths[r.slot] :]))
         behind = [i for i, p in enumerate(pending) if len(p) > CATCH_UP_THRESHOLD]
         if behind:

@@ -313,8 +313,12 @@ class EagleProposer:
     # -- what the target tells us ------------------------------------------------------------
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
         for row in rows:
-            self.runner.reset(row.slot)
-            self._pending[row.slot] = ([row.features], list(row.token_ids[1:]) + [row.first_token])
+            # A row that starts from a cached prefix (``row.start`` > 0) was attached to the
+            # head's cached blocks of it by the engine, which then computed the target's
+            # features from there on.
+            if not row.start:
+                self.runner.reset(row.slot)
+            self._pending[row.slot] = ([row.features], list(row.token_ids[row.start + 1 :]) + [row.first_token])
 
     def commit(self, rows: Sequence[CommitRow]) -> None:
         for row in rows:
@@ -578,7 +582,7 @@ def head_runner(ctx, head):
     """The head's runner: its KV cache holds the committed pairs plus one step's expanded
     nodes; under a fixed-shape step it gets the target's kind of forward (compiled under
     ``compile``), the head's input fusion inside the graph."""
-    runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256)
+    runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256, shift=1)  # entry i reads token i + 1
     if ctx.step != "eager":
         runner.enable_static(ctx.step, inputs=head.fuse)
     return runner

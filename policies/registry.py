@@ -168,10 +168,12 @@ class ProposerContext:
 
     target: the target's ModelRunner (for methods beside the target: its embeddings, LM head);
     resource: what ``spec.load`` made of the method's checkpoint (a draft ModelRunner, heads);
-    runner_for: ``runner_for(path_or_model, extra_capacity=0)`` wraps a causal-LM checkpoint
-        dir (or an in-memory model with the HF decoder surface) in a ModelRunner with the
-        engine's slots and context (+ extra positions) on this device (given by the engine
-        core, which owns the runner).
+    runner_for: ``runner_for(path_or_model, extra_capacity=0, shift=0)`` wraps a causal-LM
+        checkpoint dir (or an in-memory model with the HF decoder surface) in a ModelRunner with
+        the engine's slots and context (+ extra positions) on this device, its KV paged like the
+        target's (given by the engine core, which owns the runner); ``shift``: tokens past a
+        cache entry that the entry depends on (1 for EAGLE-style heads: entry i reads the
+        target's feature at i and token i + 1), for prefix caching.
     step: the engine's step mode (``engine/graphs.py``): proposers that run models of their
         own give them the same fixed-shape (and compiled) forwards as the target's.
     """

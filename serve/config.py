@@ -36,17 +36,30 @@ FLAT_KEYS: dict[str, tuple[str, ...]] = {
     "max_model_len": ("engine", "max_model_len"),
     "max_num_seqs": ("engine", "max_num_seqs"),
     "gpu_memory_utilization": ("engine", "gpu_memory_utilization"),
+    "paged_kv": ("engine", "paged_kv"),
+    "block_size": ("engine", "block_size"),
+    "num_gpu_blocks_override": ("engine", "num_gpu_blocks_override"),
+    "kv_cache_memory_bytes": ("engine", "kv_cache_memory_bytes"),
+    "enable_prefix_caching": ("engine", "enable_prefix_caching"),
+    "quantization": ("engine", "quantization"),
+    "draft_quantization": ("engine", "draft_quantization"),
+    "fp8_kernel": ("engine", "fp8_kernel"),
+    "tensor_parallel_size": ("engine", "tensor_parallel_size"),
+    "draft_tensor_parallel_size": ("engine", "draft_tensor_parallel_size"),
 }
 # vLLM's names for methods and their options in --speculative-config, as specray's.
 SPEC_METHOD_ALIASES = {"draft_model": "draft", "prompt_lookup": "ngram"}
 SPEC_KEY_ALIASES = {"prompt_lookup_max": "max_matching_ngram_size"}
+SPEC_ENGINE_KEYS = ("draft_tensor_parallel_size",)
 
 
-def speculative_config(value: Any) -> tuple[dict, str | None, str | None]:
+def speculative_config(value: Any) -> tuple[dict, str | None, str | None, dict]:
     """vLLM's ``--speculative-config`` (a JSON object or its text): ``method``,
-    ``num_speculative_tokens``, ``model`` (the method's weights dir) and the method's own
-    options -> (the server's default speculation, checkpoint key, weights dir). Only the keys
-    given are set, so a length left out stays with the self-tuning controller."""
+    ``num_speculative_tokens``, ``model`` (the method's weights dir), ``quantization`` (the draft
+    model's, as vLLM's), ``draft_tensor_parallel_size`` and the method's own options -> (the
+    server's default speculation, checkpoint key, weights dir, engine settings: the draft's
+    quantization and tensor-parallel size). Only the keys given are set, so a length left out
+    stays with the self-tuning controller."""
     flag = "--speculative-config"
     if isinstance(value, str):
         try:
@@ -58,6 +71,9 @@ def speculative_config(value: Any) -> tuple[dict, str | None, str | None]:
         raise ValueError(f"{flag}: must be a JSON object with a 'method', got {type(value).__name__}")
     fields = {SPEC_KEY_ALIASES.get(k, k): v for k, v in value.items()}
     model = fields.pop("model", None)
+    quantization = fields.pop("quantization", None)
+    # A deployment setting, not a request's: where the draft model runs (1, or the target's size).
+    engine = {k: fields.pop(k) for k in SPEC_ENGINE_KEYS if k in fields}
     method = fields.pop("method", None) or ("draft" if model else None)
     if method is None:
         raise ValueError(f"{flag}: give a 'method' (e.g. draft, ngram, medusa, eagle)")
@@ -71,7 +87,11 @@ def speculative_config(value: Any) -> tuple[dict, str | None, str | None]:
         errors = getattr(exc, "errors", lambda: [])()
         lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in errors] or [str(exc)]
         raise ValueError(f"{flag}: " + "; ".join(lines)) from None
-    return options.model_dump(exclude_unset=True) | {"method": method}, spec.checkpoint, model
+    if quantization is not None and method != "draft":
+        raise ValueError(f"{flag}: 'quantization' is the draft model's (method draft); method {method!r} has none")
+    if quantization is not None:
+        engine["draft_quantization"] = quantization
+    return options.model_dump(exclude_unset=True) | {"method": method}, spec.checkpoint, model, engine
 
 
 def flat_to_nested(data: dict) -> dict:
@@ -98,8 +118,9 @@ def flat_to_nested(data: dict) -> dict:
         elif name == "speculative_config":
             if value is None:
                 continue
-            options, key_, model = speculative_config(value)
+            options, key_, model, settings = speculative_config(value)
             engine["default_speculation"] = options
+            engine.update(settings)
             if model is not None:
                 if key_ in ("draft", "medusa"):
                     engine[key_] = model
@@ -122,6 +143,9 @@ def _is_checkpoint_key(name: str) -> bool:
     return any(method_spec(m).checkpoint == name for m in registered_methods())
 
 
+RAY_METRICS_INTERVAL_S = 10.0  # Ray Serve's default metrics_interval_s (ray.serve.config.AutoscalingConfig)
+
+
 class AutoscalingSpec(BaseModel):
     """Ray Serve's ``autoscaling_config`` keys that specray passes through, strictly."""
 
@@ -134,12 +158,20 @@ class AutoscalingSpec(BaseModel):
     upscale_delay_s: float = Field(3.0, ge=0)
     downscale_delay_s: float = Field(30.0, ge=0)
     metrics_interval_s: float | None = Field(None, gt=0, description="Deprecated by Ray; passed only if set.")
-    look_back_period_s: float = Field(5.0, gt=0)
+    look_back_period_s: float = Field(
+        15.0, gt=0, description="Seconds of load the autoscaler averages over; more than metrics_interval_s (Ray's "
+        f"default {RAY_METRICS_INTERVAL_S:g}), which Ray requires (a FutureWarning now, an error in a later Ray).")
     upscaling_factor: float | None = Field(None, gt=0)
     downscaling_factor: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _order(self):
+        # Ray only warns (FutureWarning) and will raise in a later release: say it here, once.
+        interval = self.metrics_interval_s or RAY_METRICS_INTERVAL_S
+        if self.look_back_period_s <= interval:
+            which = "" if self.metrics_interval_s else ", Ray's default"
+            raise ValueError(f"look_back_period_s ({self.look_back_period_s:g}) must be greater than "
+                             f"metrics_interval_s ({interval:g}{which})")
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas {self.min_replicas} > max_replicas {self.max_replicas}")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:

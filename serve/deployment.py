@@ -111,11 +111,11 @@ class EngineDeployment:
                     self.metrics.finished(out, sizes[index], generated[index])
                     unfinished -= 1
                     self._inflight -= 1
-                self.metrics.load(*self._load())
+                self.metrics.load(*self._load(), self.core.kv)
                 yield {**out, "index": index}
         finally:
             self._inflight -= unfinished
-            self.metrics.load(*self._load())  # idle again: the gauges say so
+            self.metrics.load(*self._load(), self.core.kv)  # idle again: the gauges say so
             if not pump.done():
                 pump.cancel()  # aborts the request's unfinished sequences, in the pump's context
 

@@ -37,6 +37,13 @@ class EngineMetrics:
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens.", tags)
         self.queue = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for a batch slot.", tags)
         self.running = Gauge(PREFIX + "num_requests_running", "Requests in the running batch.", tags)
+        # Paged KV (vLLM's names): how full the target's pool is, prompt tokens looked up in the
+        # prefix cache and found there, requests preempted for want of blocks.
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc", "Share of the target's KV blocks in use (0-1).", tags)
+        self.prefix_queries = Counter(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", tags)
+        self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", tags)
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted (KV freed, recomputed later).", tags)
+        self._prefix_seen = (0, 0)  # the pool's prefix-cache totals at the last reading
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS, tags)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between streamed tokens.", LATENCY_BUCKETS, tags)
 
@@ -56,15 +63,26 @@ class EngineMetrics:
                 self.drafts_by_version.inc(drafts, {**t, "version": version})
             if accepted:
                 self.accepted_by_version.inc(accepted, {**t, "version": version})
+        if m.get("num_preemptions"):
+            self.preemptions.inc(m["num_preemptions"], t)
         self.requests.inc(1, {**t, "finished_reason": output["finish_reason"] or "unknown"})
         if generated_tokens:
             self.generation_tokens.inc(generated_tokens, t)
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens, t)
 
-    def load(self, waiting: int, running: int) -> None:
+    def load(self, waiting: int, running: int, kv: dict | None = None) -> None:
         self.queue.set(waiting, self.tags)
         self.running.set(running, self.tags)
+        if kv:
+            self.kv_usage.set(kv["usage"], self.tags)
+            # The pool's counts are totals since start: add what is new since the last reading.
+            seen = self._prefix_seen
+            if kv["prefix_queries"] > seen[0]:
+                self.prefix_queries.inc(kv["prefix_queries"] - seen[0], self.tags)
+            if kv["prefix_hits"] > seen[1]:
+                self.prefix_hits.inc(kv["prefix_hits"] - seen[1], self.tags)
+            self._prefix_seen = (max(kv["prefix_queries"], seen[0]), max(kv["prefix_hits"], seen[1]))
 
 
 def scrape() -> str:

@@ -180,5 +180,20 @@ def methods_listing(engine_config) -> list[dict]:
             "k": "num_speculative_tokens" in fields and name != "none",
             "trees": trees,
             "options": sorted(f for f in fields if f != "method"),
+            "example": options_example(fields),
         })
     return listing
+
+
+PANEL_FIELDS = ("method", "num_speculative_tokens", "tree")  # the page's own inputs; the rest go in "options"
+EXAMPLE_OPTIONS = 2
+
+
+def options_example(fields) -> str:
+    """The options box's placeholder: a method's first options beyond the panel's own fields,
+    at their defaults, as JSON ("" for a method with none: the box is hidden)."""
+    import json
+
+    shown = {name: f.default for name, f in fields.items()
+             if name not in PANEL_FIELDS and f.default is not None and isinstance(f.default, (bool, int, float, str))}
+    return json.dumps(dict(list(shown.items())[:EXAMPLE_OPTIONS])) if shown else ""

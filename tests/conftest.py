@@ -159,7 +159,10 @@ def ray_session():
         # The driver's own PYTHONPATH comes first, so workers import the code the driver imports.
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), root) if p)
-        ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
+        # address="local": always a fresh in-process cluster, never one that another process
+        # started on this machine (ray.init() alone joins the latest `ray start` cluster, or fails
+        # on the stale address a stopped one left in /tmp/ray).
+        ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"worker_process_setup_hook": "tests.failing_method.register",
                               "env_vars": {"PYTHONPATH": path}})
     yield ray

@@ -68,3 +68,29 @@ def test_penalties_benchmark(tmp_path):
                          "--repeats", "1", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "penalties.json").read_text())["rows"]
     assert rc == 0 and len(rows) == 8 and all(r["mismatches_vs_plain"] == 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_quantization_benchmark(tmp_path):
+    from specray.bench import quantization
+
+    rc = quantization.main(["--dtypes", "float32", "--batch", "1", "--prompts", "2", "--max-tokens", "16",
+                            "--repeats", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "quantization.json").read_text())
+    assert rc == 0 and len(result["decoding"]) == 4 and all(r["mismatches_vs_plain"] == 0 for r in result["decoding"])
+    fp8 = [r for r in result["bytes"] if r["quantization"] == "fp8"]
+    assert len(fp8) == 2 and all(0.25 <= r["linear_x_float32"] <= 0.27 for r in fp8)
+
+
+@pytest.mark.slow
+def test_selftune_benchmark(tmp_path):
+    """bench.selftune runs (the draft model only: no heads to train) and writes its table,
+    every config's output token-identical to plain decoding (it asserts that itself)."""
+    from specray.bench import selftune
+
+    selftune.main(["--methods", "draft", "--prompts", "2", "--max-tokens", "16", "--batch", "2", "--repeats", "1",
+                   "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "selftune.json").read_text())
+    (row,) = report["one_shot"]
+    assert row["method"] == "draft" and row["default_tpf"] > 1 and row["explicit_tpf"] > 1
+    assert [r["method"] for r in report["batch"]] == ["draft"] and (tmp_path / "selftune.png").stat().st_size > 0

@@ -169,6 +169,25 @@ def test_train_and_bench_help_list_what_they_run(capsys):
     assert "--input FILE" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("method", ["draft", "medusa", "eagle", "eagle3", "redrafter"])
+def test_train_help_shows_every_default(method, capsys):
+    """`specray train METHOD --help`: each option that has a default names it (its value as
+    the recipe would use it), one with none says what happens instead."""
+    import re
+
+    with pytest.raises(SystemExit):
+        main(["train", method, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    blocks = re.split(r" (?=--[a-z])", text.split(" options: ", 1)[1])
+    for block in blocks:
+        if block.startswith(("--out ", "--no-eval ", "--help ", "-h")):
+            continue  # required, a switch, help
+        assert "default" in block, block
+    steps = {"draft": 300, "medusa": 1500, "eagle": 1200, "eagle3": 1200, "redrafter": 1000}[method]
+    assert f"--steps STEPS optimizer steps (default: {steps})" in text
+    assert "(default: 0)" in text  # a zero default is shown too (--seed)
+
+
 def test_env_reports_kernel_and_why(capsys):
     code, out, _ = run(capsys, "env")
     assert code == 0

@@ -132,3 +132,55 @@ def test_the_engine_honours_an_explicit_k(tiny_pair, fakes):
     m = engine.totals
     assert m.num_drafts >= sum(len(o.token_ids) for o in outs) - 2 * len(fakes)  # drafted every step
     assert m.num_draft_tokens <= 2 * m.num_drafts and m.num_accepted_tokens == 0
+
+
+# -- where it starts: the acceptance saved with trained weights, and a short exploration ------
+def one_shot(acceptance: float, priors: dict, steps: int = 24, unlucky: int = 0, tree: bool = False,
+             batch: int = 1, draft_cost: float = 0.1) -> list:
+    """A fresh controller over ``steps`` steps of ``batch`` rows of method "m" (a tree of 8 nodes
+    and depth 5, or a chain of k): each position accepted with ``acceptance``, none in the first
+    ``unlucky`` steps; a step costs sqrt(batch) * (1 + draft_cost * nodes) ms. The caps it chose."""
+    import random
+
+    rng = random.Random(0)
+    c = AdaptiveSpeculation(priors=priors)
+    rows = [RowView(f"r{i}", "m", tree=tree) for i in range(batch)]
+    chosen = []
+    for step in range(steps):
+        ks = c.caps(rows)
+        drafted = [8 if k is None else k for k in ks]
+        accepted = []
+        for k in ks:
+            n = 0
+            while n < (5 if k is None else k) and step >= unlucky and rng.random() < acceptance:
+                n += 1
+            accepted.append(n)
+        c.observe(rows, drafted, accepted, 0.001 * batch ** 0.5 * (1 + draft_cost * max(drafted)))
+        chosen.append(ks[0])
+    return chosen
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_saved_acceptance_keeps_a_good_drafter_on_through_an_unlucky_start(tree):
+    """A one-shot request of a drafter trained to 0.8 acceptance whose first drafts all miss:
+    it drafts every step but the plain probe (a fresh controller once switched EAGLE off after
+    two drafts and decoded plainly for the rest of a 64-token `generate`)."""
+    saved = {"m": [0.8] * 5}
+    chosen = one_shot(0.8, saved, unlucky=3, tree=tree)
+    assert chosen[1] == 0 and sum(k != 0 for k in chosen) >= len(chosen) - 2, chosen
+    if tree:  # without the saved acceptance the same unlucky start switches the tree off
+        assert sum(k != 0 for k in one_shot(0.8, {}, unlucky=3, tree=True)) < len(chosen) // 2
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_saved_acceptance_that_serving_contradicts_is_dropped(tree):
+    """Weights that promised 0.8 but are never accepted here are switched off after a few
+    steps and only retried now and then (a chain at k = 1, a tree a few times)."""
+    chosen = one_shot(0.0, {"m": [0.8] * 5}, steps=80, tree=tree)
+    later = [k for k in chosen[40:] if k != 0]
+    assert (len(later) <= 3) if tree else (len(later) <= 8 and set(later) == {1}), chosen
+
+
+def test_a_costly_tree_in_a_big_batch_is_turned_off_whatever_was_saved():
+    chosen = one_shot(0.8, {"m": [0.8] * 5}, steps=40, tree=True, batch=16, draft_cost=0.5)
+    assert sum(k != 0 for k in chosen[10:]) <= 3, chosen

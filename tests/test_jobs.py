@@ -193,6 +193,7 @@ def test_job_bad_input_lines(tiny_dirs, tmp_path, capsys):
         '{"prompt": [1], "speculation": {"method": "medusa", "medusa_choices": [[0, 0, 0, 0, 0]]}}\n'  # 12 deep
         '{"prompt": [1], "speculation": {"method": "eagle", "dynamic_tree": true, "tree": "chain"}}\n'  # 13
         '{"prompt": [1], "speculation": {"method": "eagle", "dynamic_tree": true}}\n'  # 14 ok
+        '{"prompt": [1, 999], "speculation": {"method": "medusa", "medusa_choices": [[0, 0, 0, 0, 0]]}}\n'  # 15 two
     )
     out = tmp_path / "out.jsonl"
     assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 2
@@ -202,6 +203,8 @@ def test_job_bad_input_lines(tiny_dirs, tmp_path, capsys):
     assert "exceeds the 4 draft heads" in err and "dynamic_tree builds its own tree" in err
     for n in (1, 3, 11, 14):
         assert f"line {n}:" not in err
+    line15 = [row for row in err.splitlines() if "line 15:" in row]  # every problem of a line, each listed
+    assert len(line15) == 2 and "token ids" in line15[0] and "exceeds the 4 draft heads" in line15[1], err
     assert "max_tokens" in err and "medusa9" in err and "temprature" in err
     assert not out.exists()
 
@@ -523,3 +526,16 @@ def test_openai_batch_bad_lines_are_rejected_up_front(batch_config, tmp_path, ca
     assert all(word in reported[17] for word in ("method", "body.stream", "body.max_tokens")), reported[17]
     assert "context length is 256" in reported[13] and "303" in reported[13]
     assert not out.exists()
+
+
+def test_without_an_address_a_job_starts_a_ray_of_its_own(monkeypatch):
+    """Not ray.init()'s default, which joins whatever cluster `ray start` last left on this
+    machine (/tmp/ray/ray_current_cluster), perhaps someone else's or a dead one."""
+    import ray
+
+    calls = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    assert jobs._connect(None) and calls == [{"address": "local"}]
+    assert jobs._connect("10.0.0.1:6379") and calls[-1] == {"address": "10.0.0.1:6379"}

@@ -1,11 +1,15 @@
 """The README's layering is true: nothing imports upward (module-level or inside functions).
 
-    kernels <- policies <- engine <- actors <- serve <- entrypoints <- bench
+    kernels <- policies <- engine <- cluster <- actors <- serve <- entrypoints <- bench
                             engine <- protocol  (OpenAI's shapes and the one request check:
                                                  serve and entrypoints share it)
-                            engine <- training  (a side folder: only entrypoints import it)
+                            engine <- training  (a side folder: only entrypoints and bench import it)
 
-``bench`` drives the whole stack (``specray bench NAME`` runs a benchmark by its name).
+``bench`` drives the whole stack (``specray bench NAME`` runs a benchmark by its name) and trains
+the heads it measures (training/recipes.py).
+
+``cluster`` (where specray meets a Ray cluster: the deployment manifests, placement by role)
+imports only the engine and below.
 
 ``demo`` (the built-in model pair) imports no other specray package, and only entrypoints
 (the demo-pair default), bench and training use it: actors and the engine never build models.
@@ -24,11 +28,12 @@ BELOW = {
     "policies": {"kernels"},
     "engine": {"kernels", "policies"},
     "protocol": {"kernels", "policies", "engine"},
-    "actors": {"kernels", "policies", "engine"},
-    "serve": {"kernels", "policies", "engine", "protocol", "actors"},
+    "cluster": {"kernels", "policies", "engine"},
+    "actors": {"kernels", "policies", "engine", "cluster"},
+    "serve": {"kernels", "policies", "engine", "protocol", "actors", "cluster"},
     "training": {"kernels", "policies", "engine", "demo"},
-    "entrypoints": {"kernels", "policies", "engine", "protocol", "actors", "serve", "training", "demo"},
-    "bench": {"kernels", "policies", "engine", "protocol", "actors", "serve", "entrypoints", "demo"},
+    "entrypoints": {"kernels", "policies", "engine", "protocol", "actors", "cluster", "serve", "training", "demo"},
+    "bench": {"kernels", "policies", "engine", "protocol", "actors", "cluster", "serve", "entrypoints", "training", "demo"},
     "demo": set(),
 }
 

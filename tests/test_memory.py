@@ -64,3 +64,17 @@ def test_config_sizes_with_fake_free_memory(tiny_checkpoints):
     assert (sized.max_num_seqs, sized.max_model_len) == (plan.max_num_seqs, plan.max_model_len)
     assert plan.max_model_len == 256 and plan.bytes_per_token == per_token  # the tiny models' positions
     assert plan.max_num_seqs == MAX_AUTO_SEQS and plan.reason.startswith("sized from GPU")
+
+
+def test_a_split_target_sizes_rank_zeros_share(tiny_pair):
+    """At TP N a rank holds 1/N of the KV heads (at least one: replicated) and about 1/N of the
+    split weights; the embedding and LM head stay whole."""
+    from specray.engine.memory import rank_weight_bytes
+
+    config = tiny_pair[0].config  # 2 KV heads, untied
+    assert kv_bytes_per_token(config, "float32", 2) == kv_bytes_per_token(config, "float32") // 2
+    assert kv_bytes_per_token(config, "float32", 4) == kv_bytes_per_token(config, "float32") // 2  # replicated
+    whole = 2 * 64 * 32 * 4  # embedding + LM head, float32
+    weights = whole + 8000
+    assert rank_weight_bytes(weights, config, "float32", 1) == weights
+    assert rank_weight_bytes(weights, config, "float32", 2) == whole + 4000

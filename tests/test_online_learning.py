@@ -259,9 +259,13 @@ def test_a_new_version_restarts_the_controllers_acceptance(models):
     before = list(policy._methods["draft"].reached)
     engine.use_drafter(DrafterVersion("draft", "draft@x", snapshot(engine.proposers.resources["draft"]),
                                       {"rates": [0.9, 0.5]}))
-    acc = policy._methods["draft"]
-    assert acc.reached == [policy.pseudo] * 2 != before
-    assert [a / r for a, r in zip(acc.accepted, acc.reached)] == pytest.approx([0.9, 0.5])
+    # The old version's counts are gone; the new rates are where the estimates start, as a
+    # trained head's saved acceptance is (policies/controller.py: priors).
+    assert before and "draft" not in policy._methods and policy.priors["draft"] == [0.9, 0.5]
+    from specray.policies.controller import RowView
+
+    expected = policy._expected_tokens(RowView("a new request", "draft"))
+    assert expected[:4] == pytest.approx([1.0, 1.9, 1.9 + 0.9 * 0.5, 1.9 + 0.45 + 0.45 * 0.5])  # the last rate on
 
 
 @pytest.mark.slow

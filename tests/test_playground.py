@@ -311,6 +311,20 @@ def test_methods_listing_needs_the_key_and_says_what_is_available(url):
     assert not methods["medusa"]["available"] and "medusa" in methods["medusa"]["requirement"].lower()
     assert {"chain", "wide"} <= set(methods["medusa"]["trees"]) and "mc_sim_7b_63" in methods["eagle"]["trees"]
     assert "mc_sim_7b_63" not in methods["medusa"]["trees"] and methods["draft"]["trees"] == []
+    # The options box's placeholder is the selected method's own (it once showed EAGLE's
+    # {"dynamic_tree": true} under draft): none for draft and none (the box is hidden).
+    assert methods["draft"]["example"] == methods["none"]["example"] == ""
+    for name in ("eagle", "lookahead", "ngram", "suffix"):
+        example = json.loads(methods[name]["example"])
+        assert example and set(example) <= set(methods[name]["options"]) - {"num_speculative_tokens", "tree"}, name
+    assert json.loads(methods["lookahead"]["example"]) == {"window_size": 3, "ngram_size": 5}
+
+
+def test_the_page_takes_the_options_placeholder_from_the_selected_method():
+    static = pathlib.Path(__file__).parents[1] / "serve" / "static"
+    html, js = (static / "playground.html").read_text(), (static / "playground.js").read_text()
+    assert "dynamic_tree" not in html and 'class="options" type="text">' in html  # no fixed placeholder
+    assert "options.placeholder = m ? m.example" in js and '.hidden = !m || !m.example' in js
 
 
 def test_the_page_is_served_offline_without_a_key(url):
@@ -436,6 +450,12 @@ def test_playground_in_a_real_browser(browser, url, tmp_path):
     wait_for(driver, lambda: count(driver, "#run-a .method option") >= 3, "the method list")
     assert not key_box.is_displayed()
     assert driver.find_element("css selector", "#run-a .method option[value=medusa]").get_attribute("disabled")
+    # The options box follows the method: hidden for draft (no options beyond k), its own example for lookahead.
+    configure(driver, "a", "draft")
+    assert not driver.find_element("css selector", "#run-a .options-field").is_displayed()
+    configure(driver, "a", "lookahead")
+    box = driver.find_element("css selector", "#run-a .options")
+    assert box.is_displayed() and box.get_attribute("placeholder") == '{"window_size": 3, "ngram_size": 5}'
 
     # A rejected request shows the server's message.
     fill(driver.find_element("id", "prompt"), "hello")

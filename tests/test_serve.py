@@ -209,6 +209,27 @@ def test_example_yaml_args_are_a_valid_config():
     assert doc["http_options"]["host"] == "127.0.0.1"
 
 
+def test_autoscaling_as_configured_draws_no_warning_from_ray():
+    """The autoscaling_config specray hands Ray (the defaults, examples/serve.yaml's) passes
+    Ray's own checks without a warning (look_back_period_s was once 5, below Ray's
+    metrics_interval_s of 10: a FutureWarning on every `serve run`); a look-back Ray would
+    warn about is refused here, naming both fields."""
+    import pathlib
+    import warnings
+
+    from ray.serve.config import AutoscalingConfig
+
+    doc = yaml.safe_load((pathlib.Path(__file__).parents[1] / "examples" / "serve.yaml").read_text())
+    for given in ({}, doc["applications"][0]["args"]["autoscaling"], {"metrics_interval_s": 2, "look_back_period_s": 3}):
+        spec = ServeConfig(autoscaling=given).autoscaling
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            AutoscalingConfig(**spec.model_dump(exclude_none=True))
+    for given in ({"look_back_period_s": 5}, {"metrics_interval_s": 20, "look_back_period_s": 15}):
+        with pytest.raises(ValidationError, match=r"look_back_period_s \(\d+\) must be greater than metrics_interval_s"):
+            ServeConfig(autoscaling=given)
+
+
 # -- the openai client on the tiny pair ---------------------------------------------------
 def test_models_endpoint(client):
     assert [m.id for m in client.models.list().data] == [MAIN]
@@ -670,6 +691,31 @@ def test_metrics_match_responses(guarded_url):
     assert "ray_specray_spec_decode_num_drafts_total" in text  # counters carry Prometheus' _total (README names)
 
 
+def test_load_gauges_count_a_running_request_and_fall_to_zero_when_idle(guarded_url):
+    """ray_specray_num_requests_running is 1 while a request runs and 0 once it is done (it
+    once stayed at 1 on an idle server: the last value was set before the request left)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def gauges() -> tuple[float | None, float | None]:
+        sums = metric_sums(httpx.get(f"{guarded_url}/metrics", timeout=30).text, GUARDED)
+        return sums.get("ray_specray_num_requests_running"), sums.get("ray_specray_num_requests_waiting")
+
+    body = {"model": GUARDED, "prompt": "abc", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+            "speculation": {"method": "none"}}
+    with ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(httpx.post, f"{guarded_url}/v1/completions", json=body, headers=AUTH, timeout=240)
+        seen = set()
+        while not reply.done() and 1 not in seen:
+            seen.add(gauges()[0])
+            time.sleep(0.5)
+        assert reply.result().status_code == 200
+    assert 1 in seen, seen  # Ray exports gauges every few seconds: a 3,000-token request outlasts that
+    deadline = time.monotonic() + 45
+    while gauges() != (0, 0):
+        assert time.monotonic() < deadline, gauges()
+        time.sleep(1)
+
+
 # -- the demo pair (real tokenizer, chat template) ------------------------------------------
 @pytest.fixture(scope="module")
 def demo_url(server, demo_pair):
@@ -1060,3 +1106,38 @@ def test_drafter_versions_over_http(server, tiny_tok, main_url):
         from specray.actors.learner import OnlineLearningConfig, drop_learner
 
         drop_learner(OnlineLearningConfig(name="test-online-http"), "")
+
+
+def test_a_small_kv_pool_refuses_what_never_fits_and_finishes_a_burst(server, tiny_tok, target_model):
+    """Paged KV over HTTP: a pool of 8 blocks of 4 tokens (32 tokens). A prompt that can
+    never fit is a 400 naming the numbers; a burst of 16 requests needing ~5 blocks each (10x
+    the pool) all finish, 200, each equal to the target's greedy output (requests are
+    preempted and recomputed, never failed); the metrics count preemptions."""
+    name = "tiny-paged"
+    cfg = {"model_name": name, "engine": {**tiny_tok, "max_num_seqs": 8, "block_size": 4, "num_gpu_blocks_override": 8,
+                                          "placement": cpu_placement("colocated")},
+           "max_ongoing_requests": 32}
+    serve.run(build_app(cfg), name="paged", route_prefix="/paged")
+    url = f"{server}/paged"
+    try:
+        wait_until_serving(url, name)
+        r = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": [1] * 40, "max_tokens": 4}, timeout=60)
+        assert_openai_error(r, 400, "40 tokens", "32 tokens")
+        prompts = [[(i + j) % 60 + 1 for j in range(6 + i % 5)] for i in range(16)]
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=300) as c:
+                return await asyncio.gather(*(c.post(f"{url}/v1/completions", json={
+                    "model": name, "prompt": p, "max_tokens": 12, "temperature": 0,
+                    "speculation": {"method": "draft", "num_speculative_tokens": 3}}) for p in prompts))
+
+        replies = asyncio.run(burst())
+        assert [r.status_code for r in replies] == [200] * 16, [r.text for r in replies if r.status_code != 200]
+        for p, r in zip(prompts, replies):
+            assert r.json()["choices"][0]["text"] == greedy_text(target_model, p, 12)
+        deadline = time.monotonic() + 30
+        while "specray_num_preemptions_total" not in httpx.get(f"{url}/metrics", timeout=30).text:
+            assert time.monotonic() < deadline, "no preemption counted"
+            time.sleep(1)
+    finally:
+        serve.delete("paged")

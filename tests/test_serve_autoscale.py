@@ -7,6 +7,7 @@ Both use the tiny random pair (token-id prompts); neither needs the demo pair.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pathlib
 import shutil
@@ -169,22 +170,11 @@ def _stop(proc: subprocess.Popen, marker: str) -> list[int]:
     return killed
 
 
-@pytest.mark.timeout(300)
-def test_serve_run_yaml_in_its_own_ray(tmp_path, tiny_checkpoints):
-    """examples/serve.yaml's layout, pointed at the tiny pair and a free port, through the
-    `serve run` CLI. RAY_TMPDIR is private so it starts a Ray of its own (it would
-    otherwise join the newest cluster recorded under /tmp/ray)."""
-    doc = yaml.safe_load((REPO / "examples" / "serve.yaml").read_text())
-    port = free_port()
-    doc["http_options"]["port"] = port
-    (app,) = doc["applications"]
-    engine = app["args"]["engine"]
-    engine.update(target=tiny_checkpoints["target"], draft=tiny_checkpoints["draft"])
-    engine["placement"]["target"] = {"num_cpus": 0.5}  # fits a 1-2 CPU machine
-    model = app["args"]["model_name"]
-    config = tmp_path / "serve.yaml"
-    config.write_text(yaml.safe_dump(doc))
-
+@contextlib.contextmanager
+def serve_run(config: pathlib.Path, tmp_path: pathlib.Path, port: int):
+    """``serve run CONFIG`` in a Ray of its own (private RAY_TMPDIR: it would otherwise join the
+    newest cluster recorded under /tmp/ray), answering /v1/models on ``port`` when this yields
+    its base URL; stopped by SIGINT (then SIGKILL by pid for leftovers) on the way out."""
     ray_tmp = tempfile.mkdtemp(prefix="sr-", dir="/tmp")  # short: unix socket paths are limited
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_NAMESPACE")}
     marker = f"RAY_TMPDIR={ray_tmp}"
@@ -205,8 +195,32 @@ def test_serve_run_yaml_in_its_own_ray(tmp_path, tiny_checkpoints):
                 return False
 
         wait_for(models_answer, 150, "serve run answering /v1/models", interval=1)
-        assert httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"] == model
         assert len(_pids_with_env(marker)) > 3  # serve run, its Ray's daemons and workers
+        yield base
+    finally:
+        killed = _stop(proc, marker)
+        print(f"serve run stopped by SIGINT; {len(killed)} leftover process(es) needed SIGKILL")
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not _pids_with_env(marker)
+
+
+@pytest.mark.timeout(300)
+def test_serve_run_yaml_in_its_own_ray(tmp_path, tiny_checkpoints):
+    """examples/serve.yaml's layout, pointed at the tiny pair and a free port, through the
+    `serve run` CLI."""
+    doc = yaml.safe_load((REPO / "examples" / "serve.yaml").read_text())
+    port = free_port()
+    doc["http_options"]["port"] = port
+    (app,) = doc["applications"]
+    engine = app["args"]["engine"]
+    engine.update(target=tiny_checkpoints["target"], draft=tiny_checkpoints["draft"])
+    engine["placement"]["target"] = {"num_cpus": 0.5}  # fits a 1-2 CPU machine
+    model = app["args"]["model_name"]
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(doc))
+
+    with serve_run(config, tmp_path, port) as base:
+        assert httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"] == model
         body = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 8, "temperature": 0,
                 "speculation": {"method": "draft", "num_speculative_tokens": 3}}
         r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
@@ -216,8 +230,3 @@ def test_serve_run_yaml_in_its_own_ray(tmp_path, tiny_checkpoints):
         chat = httpx.post(f"{base}/v1/chat/completions", timeout=60,
                           json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
         assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
-    finally:
-        killed = _stop(proc, marker)
-        print(f"serve run stopped by SIGINT; {len(killed)} leftover process(es) needed SIGKILL")
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert not _pids_with_env(marker)

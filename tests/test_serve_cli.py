@@ -140,7 +140,7 @@ def test_demo_server_warm_loopback_and_sigterm(demo_pair):
     port = free_port()
     with Server("--port", str(port)) as server:
         output = "".join(server.lines)
-        for word in ("device cpu", "dtype float32", "attention sdpa", "KV cache: 8 sequences", "methods: draft"):
+        for word in ("device cpu", "dtype float32", "attention sdpa", "at most 8 sequences", "methods: draft"):
             assert word in output, output
         addresses = listening(server.family)
         assert addresses and all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for a in addresses), addresses

@@ -248,17 +248,35 @@ def resolve_target(target: str | None, tokenizer: str | None) -> tuple[str, str]
     return target, tokenizer or target
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless it has none or its help gives it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        none = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not none and "(default" not in text and "default:" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def recipe_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A recipe's command line (``specray train NAME``): its docstring's first paragraph, and
+    every option's default in ``--help``."""
+    return argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
+                                   formatter_class=DefaultsHelpFormatter)
+
+
 def add_common_args(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
     p.add_argument("--target", default=None, help="target checkpoint dir (default: the demo target)")
     p.add_argument("--tokenizer", default=None, help="default: the target dir, or the demo tokenizer")
     p.add_argument("--out", required=True, help="output dir (the method's public layout)")
-    p.add_argument("--steps", type=int, default=steps)
-    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=lr, help="learning rate")
     p.add_argument("--sequences", type=int, default=1024, help="greedy continuations to train on")
     p.add_argument("--gen-len", type=int, default=128, help="tokens per continuation")
     p.add_argument("--tree-size", type=int, default=16, help="nodes in the fitted default tree")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="of the data and the initial weights")
+    p.add_argument("--threads", type=int, default=2, help="torch threads while training")
     p.add_argument("--no-eval", action="store_true", help="skip measuring the mean accepted length")
 
 

@@ -16,14 +16,13 @@ through the LM head give the target's logits) and starts from the configured dra
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from specray.training.base import add_common_args, distill_data, optimise, run_recipe
+from specray.training.base import add_common_args, recipe_parser, distill_data, optimise, run_recipe
 
 
 @dataclass
@@ -116,7 +115,7 @@ EVAL_SPECS = {"k=4": {"num_speculative_tokens": 4}}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specray train draft", description=__doc__.split("\n\n")[0])
+    p = recipe_parser("specray train draft", __doc__)
     add_common_args(p, steps=300, lr=1e-3)
     p.add_argument("--draft", default=None, help="the draft to start from (default: the demo draft)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step")

@@ -16,7 +16,6 @@ accuracies and the fitted default tree (``training.fit_tree``), saved in ``confi
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Callable
 
@@ -24,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from specray.training.base import (
-    PromptSource, SequenceSet, add_common_args, distill_data, fit_tree, optimise, ranks_of, run_recipe,
+    PromptSource, SequenceSet, add_common_args, recipe_parser, distill_data, fit_tree, optimise, ranks_of, run_recipe,
 )
 from specray.policies.eagle import EagleHead
 
@@ -259,7 +258,7 @@ EVAL_SPECS = {"fitted tree (EAGLE-1)": {}, "chain": {"tree": "chain"}, "EAGLE-2"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specray train eagle", description=__doc__.split("\n\n")[0])
+    p = recipe_parser("specray train eagle", __doc__)
     add_common_args(p, steps=1200, lr=3e-3)
     p.add_argument("--batch-size", type=int, default=16, help="windows per step")
     p.add_argument("--width", type=int, default=256, help="pairs per window")

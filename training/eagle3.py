@@ -33,7 +33,6 @@ the public EAGLE-3 layout with specray's ``eagle_choices``.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 
 from specray.training.eagle import fit_and_save, head_config, measure_step_cost, temperature_grid
 from specray.training.base import (
-    PromptSource, SequenceSet, add_common_args, distill_data, optimise, ranks_of, run_recipe,
+    PromptSource, SequenceSet, add_common_args, recipe_parser, distill_data, optimise, ranks_of, run_recipe,
     target_layer_inputs,
 )
 from specray.policies.eagle3 import Eagle3Head, default_layers
@@ -197,7 +196,7 @@ EVAL_SPECS = {"fitted tree": {}, "chain": {"tree": "chain"}, "EAGLE-2 dynamic tr
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specray train eagle3", description=__doc__.split("\n\n")[0])
+    p = recipe_parser("specray train eagle3", __doc__)
     add_common_args(p, steps=1200, lr=1e-2)
     p.add_argument("--batch-size", type=int, default=16, help="windows per step")
     p.add_argument("--width", type=int, default=128, help="positions per window")

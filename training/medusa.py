@@ -16,14 +16,13 @@ does. The result uses the public Medusa layout.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 import torch.nn.functional as F
 
 from specray.training.base import (  # noqa: F401 (fit_tree re-exported)
-    PromptSource, SequenceSet, add_common_args, demo_corpus_prompts, distill_data, fit_tree, measure_acceptance,
+    PromptSource, SequenceSet, add_common_args, recipe_parser, demo_corpus_prompts, distill_data, fit_tree, measure_acceptance,
     optimise, ranks_of, record_acceptance, run_recipe,
 )
 from specray.kernels.tree import NAMED_TREES
@@ -116,10 +115,10 @@ def train_medusa(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specray train medusa", description=__doc__.split("\n\n")[0])
+    p = recipe_parser("specray train medusa", __doc__)
     add_common_args(p, steps=1500, lr=3e-3)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4, help="Medusa heads: draft positions")
+    p.add_argument("--layers", type=int, default=1, help="ResBlocks per head")
     p.add_argument("--batch-size", type=int, default=2048, help="positions per step")
     # train_medusa measures the fitted and the built-in trees itself (it picks the default by them)
     return run_recipe(argv, p, "medusa", lambda a, target, tokenizer: train_medusa(

@@ -88,7 +88,7 @@ def proposer_for(bp: Blueprint, module: nn.Module, num_slots: int, capacity: int
     """The method's proposer over ``module`` (a copy: the runner takes it over), built by its spec."""
     spec = method_spec(bp.method)
     module = copy.deepcopy(module)
-    runner_for = lambda m, extra_capacity=0: ModelRunner(m, num_slots, capacity + extra_capacity)  # noqa: E731
+    runner_for = lambda m, extra_capacity=0, shift=0: ModelRunner(m, num_slots, capacity + extra_capacity)  # noqa: E731
     target = _Target(bp) if bp.embed is not None else None
     resource = runner_for(module) if target is None else module
     ctx = ProposerContext(bp.vocab_size, num_slots, capacity, target=target, resource=resource, runner_for=runner_for)

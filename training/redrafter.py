@@ -17,14 +17,13 @@ for several beam shapes. The result is saved in Apple's public layout.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 import torch.nn.functional as F
 
 from specray.training.base import (
-    DistillData, PromptSource, SequenceSet, add_common_args, distill_data, optimise, run_recipe,
+    DistillData, PromptSource, SequenceSet, add_common_args, recipe_parser, distill_data, optimise, run_recipe,
 )
 from specray.policies.redrafter import Drafter, pack_beams
 
@@ -122,7 +121,7 @@ def fit(data: DistillData, steps: int, batch_size: int, length: int, layers: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specray train redrafter", description=__doc__.split("\n\n")[0])
+    p = recipe_parser("specray train redrafter", __doc__)
     add_common_args(p, steps=1000, lr=3e-3)
     p.add_argument("--batch-size", type=int, default=512, help="positions per step")
     p.add_argument("--length", type=int, default=5, help="levels trained (the longest advised draft_len_per_beam)")

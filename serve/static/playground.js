@@ -148,7 +148,12 @@
       tree.append(new Option("default", ""));
       trees.forEach((name) => tree.append(new Option(name, name)));
       this.field("tree-field").hidden = trees.length === 0;
-      this.field("options-field").hidden = !m || m.name === "none";
+      // Options beyond k and the tree: the method's own, its first ones at their defaults as the example.
+      const options = this.field("options");
+      options.placeholder = m ? m.example : "";
+      const own = m ? m.options.filter((name) => name !== "num_speculative_tokens" && name !== "tree") : [];
+      options.title = own.length ? `options of ${m.name}: ${own.join(", ")}` : "";
+      this.field("options-field").hidden = !m || !m.example;
     }
 
     speculation() {
