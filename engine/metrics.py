@@ -80,6 +80,7 @@ class SpecMetrics:
             "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
             "target_forward_passes": self.target_forward_passes, "num_generated_tokens": self.num_generated_tokens,
+            "num_preemptions": self.num_preemptions, "num_cached_tokens": self.num_cached_tokens,
             "drafter_version": self.drafter_version,
             "accepted_by_version": {k: list(v) for k, v in self.accepted_by_version.items()},
             "mean_accepted_length": self.mean_accepted_length, "acceptance_rate": self.acceptance_rate,
