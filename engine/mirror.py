@@ -110,8 +110,11 @@ class Mirror:
 
     def install(self, runner: ModelRunner, name: str) -> ModelRunner:
         """Mirror ``runner``'s calls to the followers' runner ``name`` (wrapped on the instance)."""
+        # Methods of an owner the runner does not have yet (runner.static, made by enable_static):
+        # wrapped once a mirrored call has made it, then never looked for again.
+        pending = [m for m in MIRRORED if not self._wrap(runner, name, m, pending=None)]
         for method in MIRRORED:
-            self._wrap(runner, name, method)
+            self._wrap(runner, name, method, pending)
         return runner
 
     def build(self, name: str, source, load: dict, runner: dict) -> None:
@@ -124,11 +127,14 @@ class Mirror:
         self.groups.send([("", _STOP, (), {})])
         self.groups.settle()
 
-    def _wrap(self, runner, name: str, method: str) -> None:
+    def _wrap(self, runner, name: str, method: str, pending: list | None) -> bool:
+        """Wrap ``method`` (False: its owner does not exist yet). ``pending=None`` only asks."""
         owner_path, _, attr = method.rpartition(".")
         owner = operator.attrgetter(owner_path)(runner) if owner_path else runner
-        if owner is None or getattr(getattr(owner, attr), "_mirrored", False):
-            return
+        if owner is None:
+            return False
+        if pending is None or getattr(getattr(owner, attr), "_mirrored", False):
+            return True
         fn = getattr(owner, attr)
         collective = method in COLLECTIVE
 
@@ -140,13 +146,13 @@ class Mirror:
                 return fn(*args, **kwargs)
             finally:
                 self._depth -= 1
-                if self._depth == 0:  # a call may have made an owner (enable_static: runner.static)
-                    for m in MIRRORED:
-                        if "." in m:
-                            self._wrap(runner, name, m)
+                if self._depth == 0 and (pending or method == "enable_static"):  # it made an owner
+                    left = pending + [m for m in MIRRORED if "." in m] if method == "enable_static" else pending
+                    pending[:] = [m for m in dict.fromkeys(left) if not self._wrap(runner, name, m, pending)]
 
         mirrored._mirrored = True
         setattr(owner, attr, mirrored)
+        return True
 
     def _record(self, name: str, method: str, args, kwargs, now: bool) -> None:
         start = time.perf_counter()

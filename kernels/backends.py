@@ -54,7 +54,8 @@ def _probe_xformers() -> str | None:
     try:
         import xformers.ops as xops
     except Exception as exc:  # noqa: BLE001 - ImportError, or a broken build failing at import
-        return f"xformers is not installed ({type(exc).__name__})"
+        return (f"xformers is not installed ({type(exc).__name__}; it is optional: "
+                "pip install 'specray[xformers]' on a CUDA machine)")
     try:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(1, 3, 2, 64, device="cuda", dtype=torch.float16, generator=gen) for _ in range(3))

@@ -65,3 +65,18 @@ def test_trees_without_xformers_equal_xformers_trees(monkeypatch):
         for field in ("parents", "mask", "depth"):
             assert torch.equal(getattr(with_x, field), getattr(without, field)), (name, field)
         assert with_x.topk == without.topk
+
+
+def test_a_fresh_install_without_xformers_imports_and_serves_trees(tmp_path):
+    """`pip install .` does not install xformers (the optional "xformers" extra): the kernels
+    import, trees build, and attention picks SDPA, in a process where xformers cannot import."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['xformers'] = None\n"  # any `import xformers...` raises ImportError
+            "from specray.kernels import attention, backends, tree\n"
+            "t = tree.build_tree([[0], [1], [0, 0]])\n"
+            "assert t.parents.tolist() == [-1, 0, 0, 1], t.parents\n"
+            "print(backends.attention_backend('cpu')[0])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("sdpa"), done.stderr[-2000:]
