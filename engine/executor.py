@@ -20,6 +20,7 @@ from specray.engine.device_step import verify_on_device
 from specray.engine.accept import TargetScores, accept_verified, sampled_rows
 from specray.engine.kv_blocks import KVCacheFull
 from specray.engine.logits import host_positions, processed
+from specray.kernels.tree import TokenTree
 from specray.policies.base import EMPTY, Draft, DraftRow, PrefillRow
 from specray.policies.registry import method_spec, registered_methods
 
@@ -232,10 +233,12 @@ class LocalExecutor:
         out = list(drafts)
         for idx, part in self._device_parts.values():  # drafts made on the device: read them back
             tokens = part.device_tokens.tolist()
+            trees = {n: parents for t in part.trees for n, parents in zip(t.rows, t.parents.tolist())}
             for n, i in enumerate(idx):
                 d = drafts[i]
-                probs = None if reqs[i].sampling.greedy or part.device_probs is None else part.device_probs[n][: d.size]
-                out[i] = DraftRow(tokens[n][: d.size], d.tree, probs, d.extra)
+                probs = None if reqs[i].sampling.greedy or not part.carries_probs(n) else part.device_probs[n][: d.size]
+                tree = TokenTree.from_parents(trees[n][: d.size]) if n in trees else d.tree
+                out[i] = DraftRow(tokens[n][: d.size], tree, probs, d.extra)
         self._device_parts = {}
         return out
 

@@ -337,12 +337,13 @@ class ModelRunner:
         dst = torch.where(keep, bases[:, None] + col[None, :], scratch)
         self.cache.move(rows, src, dst)
 
-    def enable_static(self, mode: str, layers: Sequence[int] = ()) -> None:
+    def enable_static(self, mode: str, layers: Sequence[int] = (), inputs=None) -> None:
         """Serve fixed-shape forwards (``engine/graphs.py``) beside the eager one; ``layers``:
-        the decoder layers whose inputs every fixed-shape forward also returns."""
+        the decoder layers whose inputs every fixed-shape forward also returns; ``inputs``:
+        a head's input fusion, run inside the graph (``StaticForward``)."""
         from specray.engine.graphs import StaticForward
 
-        self.static = StaticForward(self, mode, layers=layers)
+        self.static = StaticForward(self, mode, layers=layers, inputs=inputs)
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu",

@@ -191,10 +191,13 @@ class AdaptiveSpeculation:
     def caps(self, rows: Sequence[RowView]) -> list[int | None]:
         """Per row: the most draft nodes it may take this step (None: the method's own size)."""
         self._steps += 1
-        methods = sorted({r.method for r in rows if r.method != "none"})
-        costs = self._cost_model(len(rows), methods).theta()
         bucket = self._buckets.setdefault(_bucket(len(rows)), _Bucket())
         bucket.steps += 1
+        if all(r.fixed or r.method == "none" for r in rows):  # nothing to decide (plain rows, given k)
+            self._on = set()
+            return [r.requested if r.fixed else None for r in rows]
+        methods = sorted({r.method for r in rows if r.method != "none"})
+        costs = self._cost_model(len(rows), methods).theta()
         # A plain probe: the bucket has measured drafting, never a plain step (or long ago).
         probe = costs is not None and bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
         # each row's expected tokens for every k, once per step (not once per candidate k):

@@ -167,6 +167,10 @@ class EagleHead(nn.Module):
     # EAGLE-1 reads the target's features and its own predicted ones the same way (EAGLE-3 does not).
     fuse_target = fuse
 
+    def target_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features as ``fuse`` reads them ([.., H]: EAGLE-1's as they are)."""
+        return features
+
     def forward_sequence(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Training/eval: f̂ [B, T, H] for pairs (features[:, t], tokens[:, t]) (causal, no cache)."""
         hidden = self.fuse(tokens, features)
@@ -353,53 +357,14 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose_on_device(self, rows: Sequence[ProposalRow]) -> DeviceDraft | None:
-        """Static trees for greedy rows, their tokens never leaving the device: the levels of
-        ``propose`` with each level's ranked children taken by index on the device (no read
-        back). None — the host path — when a row grows a dynamic tree (EAGLE-2 ranks nodes
-        across the tree on the host) or samples."""
-        if not rows or any(r.options.dynamic_tree or not r.sampling.greedy for r in rows):
+        """Every row's tree grown on the device, tokens and (EAGLE-2) structure never leaving
+        it (``policies/eagle_device.py``): static and dynamic trees, greedy and sampled rows.
+        None — the host path — when the head has no fixed-shape forward."""
+        if not rows or self.runner.static is None:
             return None
-        root_feature, root_logits = self._catch_up(rows)  # [B, H], [B, V]
-        trees = [resolve_tree(r.options, self.head.choices).prefix(r.num_tokens) for r in rows]
-        device = root_logits.device
-        tokens = torch.zeros(len(rows), max(t.size for t in trees) - 1, dtype=torch.long, device=device)
-        groups: dict[int, tuple[TokenTree, list[int]]] = {}
-        for i, t in enumerate(trees):
-            groups.setdefault(id(t), (t, []))[1].append(i)
-        for tree, idx in groups.values():
-            if tree.size > 1:
-                sel = torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
-                tokens[sel, : tree.size - 1] = self._grow(tree, [rows[i].slot for i in idx], root_feature[sel],
-                                                          root_logits[sel])
-        return DeviceDraft([DraftRow([0] * (t.size - 1), t) for t in trees], tokens, None)
+        from specray.policies.eagle_device import grow_on_device
 
-    def _grow(self, tree: TokenTree, slots: list[int], root_feature: torch.Tensor,
-              root_logits: torch.Tensor) -> torch.Tensor:
-        """A static tree's tokens [b, T-1] for rows that share it. Level l's forward feeds
-        every node above it (depth < l, under the tree's mask: a node sees only its
-        ancestors, so feeding more nodes than the frontier's ancestors changes nothing), each
-        on its parent's predicted feature; its logits give level l's tokens by rank."""
-        shape = _tree_levels(tree)
-        b, size = len(slots), tree.size
-        tokens = torch.zeros(b, size - 1, dtype=torch.long, device=root_logits.device)
-        feats = root_feature.new_zeros(b, size, root_feature.shape[-1])  # node n's predicted feature (0: root)
-        feats[:, 0] = root_feature
-        parent_logits = root_logits[:, None]  # [b, 1, V]: the root's
-        for level, (nodes, parent_cols, each, ranks, k) in enumerate(shape.levels, start=1):
-            if level > 1:
-                fed = shape.starts[level - 1] - 1  # nodes 1..fed sit above this level
-                embeds = self.head.fuse(tokens[:, :fed], feats[:, shape.parents[1 : fed + 1]].to(self.runner.dtype))
-                mask, offsets = shape.layouts[level - 1]
-                base = [self.runner.lengths[s] for s in slots]
-                out = self.runner.forward(slots, [[0] * fed] * b, shape.columns[:fed][None].expand(b, -1),
-                                          layout=(mask.expand(b, -1, -1), offsets.expand(b, -1)), embeds=embeds)
-                for s, n in zip(slots, base):
-                    self.runner.set_length(s, n)  # the tree's head KV is never kept
-                feats[:, 1 : fed + 1] = out.hidden
-                parent_logits = out.logits
-            top = parent_logits[:, parent_cols].topk(k, dim=-1).indices  # [b, len(nodes), k]
-            tokens[:, nodes - 1] = top[:, each, ranks]
-        return tokens
+        return grow_on_device(self, rows, lambda r: resolve_tree(r.options, self.head.choices))
 
     def _catch_up(self, rows):
         """Feed each row's committed pairs; f̂ and logits at its last one (the new root)."""
@@ -561,55 +526,6 @@ class EagleProposer:
         return DraftRow(tokens, TokenTree.from_parents(parents), probs)
 
 
-@dataclass(frozen=True)
-class _Levels:
-    """A static tree's constants for growing it level by level on the device (cached).
-
-    levels:  per level l >= 1: (its nodes [n_l], their parents' columns in the level's
-             parent logits [n_l], arange(n_l), their ranks [n_l], the top-k it needs)
-    starts:  first node index of each level (levels[l - 1] starts at starts[l - 1])
-    parents: [T] each node's parent (root: 0)
-    columns: [T] 0 .. T-1, the fed nodes' logit columns
-    layouts: per level l >= 2, (mask [1, m, m], offsets [1, m]) over nodes 1..m above it
-    """
-
-    levels: list
-    starts: list
-    parents: torch.Tensor
-    columns: torch.Tensor
-    layouts: dict
-
-
-_LEVELS: dict[int, tuple[TokenTree, _Levels]] = {}  # id(tree) -> (the tree, its levels); trees are cached
-
-
-def _tree_levels(tree: TokenTree) -> _Levels:
-    hit = _LEVELS.get(id(tree))
-    if hit is None or hit[0] is not tree:
-        if len(_LEVELS) > 256:
-            _LEVELS.clear()
-        hit = _LEVELS[id(tree)] = (tree, _levels(tree))
-    return hit[1]
-
-
-def _levels(tree: TokenTree) -> _Levels:
-    depth = tree.depth.numpy()
-    parents = tree.parents.clamp(min=0)
-    starts, levels, layouts = [], [], {}
-    for level in range(1, tree.max_depth + 1):
-        nodes = np.flatnonzero(depth == level)
-        starts.append(int(nodes[0]))
-        par = parents[nodes]
-        # the parents' columns: the root's logits alone at level 1, else the fed nodes 1..m
-        cols = par * 0 if level == 1 else par - 1
-        ranks = torch.tensor([tree.choices[n - 1][-1] for n in nodes])
-        levels.append((torch.from_numpy(nodes), cols, torch.arange(len(nodes)), ranks, tree.topk[level - 1]))
-        if level > 1:
-            m = starts[-1] - 1
-            layouts[level - 1] = (tree.mask[1 : m + 1, 1 : m + 1][None], (tree.depth[1 : m + 1] - 1)[None])
-    return _Levels(levels, starts, parents, torch.arange(tree.size), layouts)
-
-
 def _read_topk(jobs) -> "Iterator[tuple[list, list]]":
     """Each job's (logp [P, V], width) top-``width`` (indices, values) per row, as lists: one
     read-back for all of them (a level of every row's tree), not two per row."""
@@ -658,8 +574,18 @@ def _bind(head: EagleHead, ctx):
 def _build(ctx) -> EagleProposer:
     head = _bind(ctx.resource, ctx)  # in-memory heads too: the target's dtype and device
     # The head's cache holds the committed pairs plus one step's expanded nodes.
-    runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256, shift=1)  # entry i reads token i + 1
+    runner = head_runner(ctx, head)
     return EagleProposer(head, runner, ctx.vocab_size)
+
+
+def head_runner(ctx, head):
+    """The head's runner: its KV cache holds the committed pairs plus one step's expanded
+    nodes; under a fixed-shape step it gets the target's kind of forward (compiled under
+    ``compile``), the head's input fusion inside the graph."""
+    runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256, shift=1)  # entry i reads token i + 1
+    if ctx.step != "eager":
+        runner.enable_static(ctx.step, inputs=head.fuse)
+    return runner
 
 
 def _check(options: EagleOptions, facts: dict, limits) -> None:
