@@ -35,9 +35,10 @@ def pytest_sessionstart(session):
 # this order: run last, any one of them would leave the other worker idle for minutes. xdist's
 # own reorder (files with most tests first) would put exactly these few-test files last.
 RUN_FIRST = (
-    "test_tensor_parallel_ray.py", "test_serve.py", "test_actor_faults.py", "test_serve_cli.py",
-    "test_trained_heads.py", "test_overlap.py", "test_jobs.py", "test_serve_autoscale.py", "test_actors.py",
-    "test_suffix.py", "test_online_learning_ray.py", "test_redrafter.py", "test_eagle3.py", "test_playground.py",
+    "test_serve.py", "test_tensor_parallel_ray.py", "test_actor_faults.py", "test_overlap.py", "test_jobs.py",
+    "test_serve_autoscale.py", "test_actors.py", "test_suffix.py", "test_online_learning_ray.py", "test_redrafter.py",
+    "test_eagle3.py", "test_trained_heads.py", "test_serve_cli.py", "test_playground.py", "test_lookahead.py",
+    "test_quantization.py", "test_tensor_parallel.py", "test_cluster.py",
 )
 
 
