@@ -206,12 +206,17 @@ def run_specray(engine, prompts, max_tokens: int, spec):
     return engine.generate(prompts, params, SpeculationParams(**spec))
 
 
-def run_hf(model, prompts, max_tokens: int, static: bool):
+def run_hf(model, prompts, max_tokens: int, static: bool, max_cache_len: int | None = None):
+    """Greedy ``generate``; ``static``: HF's static cache, sized ``max_cache_len`` for every call.
+
+    A fixed size matters for the compiled row: HF keeps one static cache across calls and
+    reallocates it when a call needs more, and a cache of another size fails the compiled
+    graphs' guards, so each prompt length would recompile in the timed runs."""
     width = max(map(len, prompts))
     pad = model.config.pad_token_id or 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)  # left-padded
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    kw = {"cache_implementation": "static"} if static else {}
+    kw = {"cache_implementation": "static", "max_cache_len": max_cache_len} if static else {}
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                              do_sample=False, pad_token_id=pad, **kw)
@@ -381,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"bound {bound_ms:.2f} ms/token", flush=True)
 
     rows = []
+    ceiling = max(map(len, prompts)) + args.max_tokens  # one static cache size for every HF call
     for kind in args.hf_list:  # HF baselines
         with hf_attention(target), (hf_compiled(target) if kind == "compiled" else contextlib.nullcontext()):
             for b in args.batches:
@@ -389,9 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 warm = 8 if kind == "eager" else args.max_tokens
                 start = time.perf_counter()
                 for group in groups if kind != "eager" else groups[:1]:
-                    run_hf(target, group, warm, kind != "eager")
+                    run_hf(target, group, warm, kind != "eager", ceiling)
                 warm_s = time.perf_counter() - start
-                dt, toks = timed(lambda: [t for g in groups for t in run_hf(target, g, args.max_tokens, kind != "eager")],
+                dt, toks = timed(lambda: [t for g in groups for t in run_hf(target, g, args.max_tokens, kind != "eager", ceiling)],
                                  device, args.repeats)
                 rows.append(_row(f"hf {kind}", "-", b, dt, args, bound_ms, tokens=toks, runs=len(groups),
                                  warm_s=warm_s))
