@@ -62,8 +62,20 @@ step's, perhaps a cold one), promise this much less than plain decoding: so a dr
 break-even is measured, and one far from it (a big tree in a big batch) is not."""
 
 RETRY_AFTER = (4, 32)
-"""A method switched off is tried again after 4 steps, then 8, 16, ... at most 32 (its
-acceptance or the load may have changed; a method that stays useless costs little)."""
+"""A method switched off is tried again (``RETRY_BURST`` steps) after 4 steps, then 8, 16, ...
+at most 32 (its acceptance or the load may have changed; a method that stays useless costs
+little)."""
+
+RETRY_BURST = MIN_TRIES
+"""Steps a retried method drafts before it is judged again, as a new one explores: one step
+says little (a one-shot EAGLE request whose first drafts were unlucky stayed off for good when
+retries were single steps: 1.12 tokens per target forward against 2.46 always drafting). A
+retry step that accepts nothing ends the burst, so a useless drafter costs one step per retry."""
+
+REQUEST_FORGET = 0.9
+"""Per step a request drafts, the weight left on its older acceptance: a text's acceptance
+changes along it (a hard stretch, then an easy one), so what a request accepted lately counts
+most; ``pseudo_counts`` of the method's estimate keep a few misses from deciding alone."""
 
 PROBE_EVERY = 64
 """A bucket's steps between plain probes: one step with every self-tuned row at k = 0, so the
@@ -181,6 +193,7 @@ class AdaptiveSpeculation:
         self._steps = 0
         self._buckets: dict[int, _Bucket] = {}  # per batch-size bucket: its exploration so far
         self._off: dict[str, list[int]] = {}  # method switched off -> [since step, retry interval]
+        self._burst: dict[str, int] = {}  # method retried -> steps it still drafts before it is judged
 
     def fresh(self) -> "AdaptiveSpeculation":
         """A controller with these settings and priors that has learned nothing yet."""
@@ -243,10 +256,14 @@ class AdaptiveSpeculation:
         if best:
             self._off.pop(method, None)
             return best
+        if self._burst.get(method, 0) > 0:
+            self._burst[method] -= 1
+            return 1
         since, interval = self._off.setdefault(method, [self._steps, RETRY_AFTER[0] if promising else PROBE_EVERY])
         if self._steps - since < interval:
             return 0
         self._off[method] = [self._steps, min(2 * interval, RETRY_AFTER[1]) if promising else PROBE_EVERY]
+        self._burst[method] = RETRY_BURST - 1
         return 1
 
     def _rate(self, rows, method, k, choice, costs, methods, expected) -> float:
@@ -315,8 +332,11 @@ class AdaptiveSpeculation:
                 nodes[r.method] = max(nodes.get(r.method, 0), d)
                 d = a + 1 if a < d else d  # trees: depth positions up to the first miss were reached
             self._methods.setdefault(r.method, _Acceptance()).add(d, a, self.forget)
-            self._requests.setdefault(r.request_id, _Acceptance()).add(d, a, 1.0)
+            self._requests.setdefault(r.request_id, _Acceptance()).add(d, a, REQUEST_FORGET)
         self._nodes.update(nodes)
+        for m in list(self._burst):  # a retry that accepted nothing ends its burst
+            if not any(a for r, a in zip(rows, accepted) if r.method == m and r.request_id in self._on):
+                self._burst[m] = 0
         methods = sorted({r.method for r in rows if r.method != "none"})
         self._cost_model(len(rows), methods).add(ks, seconds)
         bucket = self._buckets.setdefault(_bucket(len(rows)), _Bucket())

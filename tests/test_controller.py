@@ -136,10 +136,11 @@ def test_the_engine_honours_an_explicit_k(tiny_pair, fakes):
 
 # -- where it starts: the acceptance saved with trained weights, and a short exploration ------
 def one_shot(acceptance: float, priors: dict, steps: int = 24, unlucky: int = 0, tree: bool = False,
-             batch: int = 1, draft_cost: float = 0.1) -> list:
+             batch: int = 1, draft_cost: float = 0.1, unlucky_acceptance: float = 0.0) -> list:
     """A fresh controller over ``steps`` steps of ``batch`` rows of method "m" (a tree of 8 nodes
-    and depth 5, or a chain of k): each position accepted with ``acceptance``, none in the first
-    ``unlucky`` steps; a step costs sqrt(batch) * (1 + draft_cost * nodes) ms. The caps it chose."""
+    and depth 5, or a chain of k): each position accepted with ``acceptance``, with
+    ``unlucky_acceptance`` in the first ``unlucky`` steps (the steps, drafting or not, a text's
+    hard part lasts); a step costs sqrt(batch) * (1 + draft_cost * nodes) ms. The caps it chose."""
     import random
 
     rng = random.Random(0)
@@ -152,7 +153,8 @@ def one_shot(acceptance: float, priors: dict, steps: int = 24, unlucky: int = 0,
         accepted = []
         for k in ks:
             n = 0
-            while n < (5 if k is None else k) and step >= unlucky and rng.random() < acceptance:
+            rate = acceptance if step >= unlucky else unlucky_acceptance
+            while n < (5 if k is None else k) and rate > 0 and rng.random() < rate:
                 n += 1
             accepted.append(n)
         c.observe(rows, drafted, accepted, 0.001 * batch ** 0.5 * (1 + draft_cost * max(drafted)))
@@ -170,6 +172,24 @@ def test_a_saved_acceptance_keeps_a_good_drafter_on_through_an_unlucky_start(tre
     assert chosen[1] == 0 and sum(k != 0 for k in chosen) >= len(chosen) - 2, chosen
     if tree:  # without the saved acceptance the same unlucky start switches the tree off
         assert sum(k != 0 for k in one_shot(0.8, {}, unlucky=3, tree=True)) < len(chosen) // 2
+
+
+def test_a_drafter_switched_off_by_a_hard_stretch_comes_back_when_it_pays_again(monkeypatch):
+    """A tree that accepts little for a while (rightly switched off) and then well again is
+    back on for most of the rest: a retry drafts a few steps (``RETRY_BURST``) before it is
+    judged, and a request's recent acceptance counts most (``REQUEST_FORGET``). A one-shot
+    EAGLE request with such a start once stayed off for good (1.12 tokens per target forward
+    against 2.46 drafting throughout); single-step retries that never forget still do."""
+    from specray.policies import controller
+
+    run = dict(acceptance=0.85, priors={"m": [0.8] * 5}, steps=60, unlucky=12, tree=True, draft_cost=0.2,
+               unlucky_acceptance=0.2)
+    chosen = one_shot(**run)
+    assert sum(k == 0 for k in chosen[4:12]) >= 4, chosen  # the hard stretch: off
+    assert sum(k != 0 for k in chosen[30:]) >= 24, chosen  # and on again once drafts pay
+    monkeypatch.setattr(controller, "RETRY_BURST", 1)
+    monkeypatch.setattr(controller, "REQUEST_FORGET", 1.0)
+    assert sum(k != 0 for k in one_shot(**run)[30:]) < 24
 
 
 @pytest.mark.parametrize("tree", [False, True])
