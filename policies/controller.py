@@ -70,7 +70,8 @@ RETRY_BURST = MIN_TRIES
 """Steps a retried method drafts before it is judged again, as a new one explores: one step
 says little (a one-shot EAGLE request whose first drafts were unlucky stayed off for good when
 retries were single steps: 1.12 tokens per target forward against 2.46 always drafting). A
-retry step that accepts nothing ends the burst, so a useless drafter costs one step per retry."""
+retry step that accepts nothing ends the burst, so a useless drafter costs one step per retry,
+and a method the costs turned off (not its acceptance) is retried one step at a time."""
 
 REQUEST_FORGET = 0.9
 """Per step a request drafts, the weight left on its older acceptance: a text's acceptance
@@ -153,12 +154,22 @@ class _Costs:
         n = len(self.methods) + 1
         self.xx, self.xy = np.zeros((n, n)), np.zeros(n)
         self.prior: np.ndarray | None = None
+        self._first: tuple[np.ndarray, float] | None = None  # the first step, while no plain one was seen
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
             base = seconds / (1.0 + 0.15 * sum(ks.values()))
             self.prior = np.array([base] + [0.15 * base] * len(self.methods))
+            self._first = (x, seconds) if any(ks.values()) else None
+        elif self._first is not None and not any(ks.values()):
+            # The first plain step (the bucket's probe): the prior's step cost is measured now,
+            # and the first step's extra time is its drafts'. A prior guessed from a drafting
+            # step alone put a plain step at half a tree step's cost at batch 8 (a fifth there),
+            # and with few plain steps to correct it kept a losing tree on.
+            (first, first_s), self._first = self._first, None
+            per_node = max(first_s - seconds, 0.0) / max(first[1:].sum(), 1.0)
+            self.prior = np.array([seconds] + [per_node if k else 0.15 * seconds for k in first[1:]])
         self.xx = self.forget * self.xx + np.outer(x, x)
         self.xy = self.forget * self.xy + x * seconds
 
@@ -263,7 +274,7 @@ class AdaptiveSpeculation:
         if self._steps - since < interval:
             return 0
         self._off[method] = [self._steps, min(2 * interval, RETRY_AFTER[1]) if promising else PROBE_EVERY]
-        self._burst[method] = RETRY_BURST - 1
+        self._burst[method] = RETRY_BURST - 1 if promising else 0  # the costs turned it off: one step re-measures
         return 1
 
     def _rate(self, rows, method, k, choice, costs, methods, expected) -> float:
