@@ -205,3 +205,11 @@ def test_saved_acceptance_that_serving_contradicts_is_dropped(tree):
 def test_a_costly_tree_in_a_big_batch_is_turned_off_whatever_was_saved():
     chosen = one_shot(0.8, {"m": [0.8] * 5}, steps=40, tree=True, batch=16, draft_cost=0.5)
     assert sum(k != 0 for k in chosen[10:]) <= 3, chosen
+
+
+def test_a_tree_its_costs_switched_off_is_retried_ever_more_rarely():
+    """Retries of a tree the costs switched off come 64, 128, then 256 steps apart: each costs
+    several plain steps' time at a big batch, and a new batch size has a bucket of its own."""
+    chosen = one_shot(0.8, {"m": [0.8] * 5}, steps=600, tree=True, batch=16, draft_cost=0.5)
+    retries = [i for i, k in enumerate(chosen) if k != 0 and i >= 10]
+    assert [b - a for a, b in zip(retries, retries[1:])] == [128, 256], chosen
