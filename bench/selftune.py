@@ -93,7 +93,7 @@ def _run(args, command: str) -> int:
                                     # Every config runs the same prompts again: with prefix caching on,
                                     # plain decoding would find whole prompts cached by the runs before
                                     # it, while a feature-level head that has not drafted has no blocks
-                                    # to match (its prefills cost 7x plain's in one run of 16 prompts).
+                                    # to match, so it prefills in full.
                                     enable_prefix_caching=False))
     prompts = held_out_prompts(args.prompts, pair.tokenizer)  # (the set depends on how many are asked for)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)

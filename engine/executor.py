@@ -314,8 +314,7 @@ class LocalExecutor:
 
     def _features(self, method: str):
         """The last forward's features as ``method`` reads them, [B, q, H] or [B, q, n*H]: one
-        concatenation for the batch (per row, it cost EAGLE-3 a few percent of a plain step at
-        batch 8)."""
+        concatenation for the batch, not one per row."""
         taps = self.proposers.feature_layers(method)
         if taps is None:
             return self._last.features

@@ -68,8 +68,8 @@ little)."""
 
 RETRY_BURST = MIN_TRIES
 """Steps a retried method drafts before it is judged again, as a new one explores: one step
-says little (a one-shot EAGLE request whose first drafts were unlucky stayed off for good when
-retries were single steps: 1.12 tokens per target forward against 2.46 always drafting). A
+says little, and a request whose first drafts were unlucky stayed off for good when retries
+were single steps (``test_a_drafter_switched_off_by_a_hard_stretch_comes_back_when_it_pays_again``). A
 retry step that accepts nothing ends the burst, so a useless drafter costs one step per retry,
 and a method the costs turned off (not its acceptance) is retried one step at a time."""
 
@@ -165,8 +165,9 @@ class _Costs:
         elif self._first is not None and not any(ks.values()):
             # The first plain step (the bucket's probe): the prior's step cost is measured now,
             # and the first step's extra time is its drafts'. A prior guessed from a drafting
-            # step alone put a plain step at half a tree step's cost at batch 8 (a fifth there),
-            # and with few plain steps to correct it kept a losing tree on.
+            # step alone (each node 15% of a step) makes a plain step far dearer than a big
+            # tree's step shows it to be, and with few plain steps to correct it keeps a losing
+            # tree on.
             (first, first_s), self._first = self._first, None
             per_node = max(first_s - seconds, 0.0) / max(first[1:].sum(), 1.0)
             self.prior = np.array([seconds] + [per_node if k else 0.15 * seconds for k in first[1:]])
@@ -264,12 +265,13 @@ class AdaptiveSpeculation:
         ``RETRY_AFTER``, doubling, while its priors say it should pay here (its measured
         acceptance turned it off, and may be stale); ``PROBE_EVERY``, doubling up to four times
         that, when even they say it does not (the costs turned it off: they change with the
-        load, slowly, and a batch size of its own has a bucket of its own; at batch 8 on a CPU
-        an EAGLE-3 tree step took 5.4 plain steps' time for 3.9 steps' tokens)."""
+        load, slowly, a batch size of its own has a bucket of its own, and each retry of a big
+        tree in a big batch costs several plain steps' time)."""
         if best:
             self._off.pop(method, None)
+            self._burst.pop(method, None)
             return best
-        if self._burst.get(method, 0) > 0:
+        if self._burst.get(method):
             self._burst[method] -= 1
             return 1
         since, interval = self._off.setdefault(method, [self._steps, RETRY_AFTER[0] if promising else PROBE_EVERY])
@@ -277,7 +279,8 @@ class AdaptiveSpeculation:
             return 0
         later = min(2 * interval, RETRY_AFTER[1]) if promising else min(max(2 * interval, PROBE_EVERY), 4 * PROBE_EVERY)
         self._off[method] = [self._steps, later]
-        self._burst[method] = RETRY_BURST - 1 if promising else 0  # the costs turned it off: one step re-measures
+        if promising and RETRY_BURST > 1:  # (the costs turned it off: one step re-measures them)
+            self._burst[method] = RETRY_BURST - 1
         return 1
 
     def _rate(self, rows, method, k, choice, costs, methods, expected) -> float:
@@ -348,9 +351,9 @@ class AdaptiveSpeculation:
             self._methods.setdefault(r.method, _Acceptance()).add(d, a, self.forget)
             self._requests.setdefault(r.request_id, _Acceptance()).add(d, a, REQUEST_FORGET)
         self._nodes.update(nodes)
-        for m in list(self._burst):  # a retry that accepted nothing ends its burst
+        for m in [m for m, left in self._burst.items() if left]:  # a retry that accepted nothing ends its burst
             if not any(a for r, a in zip(rows, accepted) if r.method == m and r.request_id in self._on):
-                self._burst[m] = 0
+                del self._burst[m]
         methods = sorted({r.method for r in rows if r.method != "none"})
         self._cost_model(len(rows), methods).add(ks, seconds)
         bucket = self._buckets.setdefault(_bucket(len(rows)), _Bucket())

@@ -178,9 +178,8 @@ def test_a_saved_acceptance_keeps_a_good_drafter_on_through_an_unlucky_start(tre
 def test_a_drafter_switched_off_by_a_hard_stretch_comes_back_when_it_pays_again(monkeypatch):
     """A tree that accepts little for a while (rightly switched off) and then well again is
     back on for most of the rest: a retry drafts a few steps (``RETRY_BURST``) before it is
-    judged, and a request's recent acceptance counts most (``REQUEST_FORGET``). A one-shot
-    EAGLE request with such a start once stayed off for good (1.12 tokens per target forward
-    against 2.46 drafting throughout); single-step retries that never forget still do."""
+    judged, and a request's recent acceptance counts most (``REQUEST_FORGET``). With
+    single-step retries and a request's acceptance never forgotten, it stays off for good."""
     from specray.policies import controller
 
     run = dict(acceptance=0.85, priors={"m": [0.8] * 5}, steps=60, unlucky=12, tree=True, draft_cost=0.2,
