@@ -181,6 +181,11 @@ class _Costs:
         theta = np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior)
         return np.maximum(theta, 1e-6)
 
+    def seconds(self, theta: np.ndarray, ks: dict[str, int]) -> float:
+        """Predicted seconds of a step whose methods draft ``ks`` (by name: the bucket's model
+        may know methods this step lacks)."""
+        return float(theta @ self._x(ks))
+
     def _x(self, ks: dict[str, int]) -> np.ndarray:
         return np.array([1.0] + [float(ks.get(m, 0)) for m in self.methods])
 
@@ -222,7 +227,8 @@ class AdaptiveSpeculation:
             self._on = set()
             return [r.requested if r.fixed else None for r in rows]
         methods = sorted({r.method for r in rows if r.method != "none"})
-        costs = self._cost_model(len(rows), methods).theta()
+        model = self._cost_model(len(rows), methods)
+        costs = model.theta()
         # A plain probe: the bucket has measured drafting, never a plain step (or long ago).
         probe = costs is not None and bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
         # each row's expected tokens for every k, once per step (not once per candidate k):
@@ -245,13 +251,13 @@ class AdaptiveSpeculation:
             # What the priors promise at this step's measured costs: while a method is new in
             # this bucket it is judged by that alone (a few drafts say little about a drafter;
             # a step's cost says much), and it tells whether an off method is worth retrying.
-            hope = [self._rate(rows, m, k, choice, costs, methods, hoped) for k in options]
+            hope = [self._rate(rows, m, k, choice, model, costs, hoped) for k in options]
             promised = _best(hope)
             if bucket.tries.get(m, 0) < MIN_TRIES:  # exploring: draft unless clearly a loss
                 best = 1 + int(np.argmax(hope[1:]))
                 best = best if hope[best] >= hope[0] * (1 - EXPLORE_SLACK) else 0
             else:
-                best = _best([self._rate(rows, m, k, choice, costs, methods, expected) for k in options])
+                best = _best([self._rate(rows, m, k, choice, model, costs, expected) for k in options])
                 if self.explore_every and self._steps % self.explore_every == 0 and not tree:
                     best = min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
             choice[m] = options[self._retry(m, best, promised > 0)]
@@ -283,7 +289,7 @@ class AdaptiveSpeculation:
             self._burst[method] = RETRY_BURST - 1
         return 1
 
-    def _rate(self, rows, method, k, choice, costs, methods, expected) -> float:
+    def _rate(self, rows, method, k, choice, model, costs, expected) -> float:
         """Expected tokens per second of the whole batch if ``method`` drafts k."""
         tokens, ks = 0.0, {}
         for r in rows:
@@ -293,8 +299,7 @@ class AdaptiveSpeculation:
             table = expected[r.request_id]
             tokens += table[0] if r.method == "none" else table[self._depth(r) if kr is None else kr]
             ks[r.method] = max(ks.get(r.method, 0), nodes)
-        seconds = costs[0] + sum(costs[1 + i] * ks.get(m, 0) for i, m in enumerate(methods))
-        return tokens / seconds
+        return tokens / model.seconds(costs, ks)
 
     def _depth(self, row: RowView) -> int:
         """A tree's draft positions so far, or as measured when it was trained (its expected

@@ -509,16 +509,25 @@ class EagleProposer:
         return plan.root_feature if parent < 0 else plan.nodes[parent].feature
 
     def _finish(self, plan: _RowPlan) -> DraftRow:
-        """Order the chosen nodes parents-first, siblings by rank; cut to the room."""
+        """The nodes to verify, parents first (siblings by rank or score), at most the room.
+
+        A greedy row under a cap (the room: max_tokens, or the self-tuning length) keeps its
+        best-scored nodes, as EAGLE-2 keeps its budget: a path's score only falls along it,
+        so the set is a subtree, and a cap of k is the head's k likeliest continuations, not
+        the first level's k siblings. A sampled static row keeps the first nodes in draw
+        order: each sibling's q assumes the ones drawn before it are there."""
         nodes = plan.nodes
+        best_first = lambda n: (-nodes[n].score, nodes[n].depth)  # noqa: E731 - ties: the parent first
         if plan.tree is not None:
-            chosen = list(range(len(nodes)))  # static trees already list nodes in choice order
+            chosen = list(range(len(nodes)))
+            if not plan.sampled and len(chosen) > plan.room:
+                chosen = sorted(chosen, key=best_first)[: plan.room]
             chosen.sort(key=lambda n: (nodes[n].depth, nodes[n].rank))
         else:
-            budget = plan.row.options.total_tokens - 1
-            chosen = sorted(range(len(nodes)), key=lambda n: (-nodes[n].score, nodes[n].depth))[:budget]
+            budget = min(plan.row.options.total_tokens - 1, plan.room)
+            chosen = sorted(range(len(nodes)), key=best_first)[:budget]
             chosen.sort(key=lambda n: (nodes[n].depth, -nodes[n].score))
-        chosen = chosen[: plan.room]  # depth-ordered: every kept node's parent is kept
+        chosen = chosen[: plan.room]  # sampled static rows: depth-ordered, so every kept node's parent is kept
         index = {n: i + 1 for i, n in enumerate(chosen)}
         parents = [index.get(nodes[n].parent, 0) if nodes[n].parent >= 0 else 0 for n in chosen]
         tokens = [nodes[n].token for n in chosen]

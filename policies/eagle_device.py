@@ -6,7 +6,10 @@ its inputs fused inside the graph from the tokens and the features each node is 
 (``StaticForward.inputs``). The rules are those of the host path in ``policies/eagle.py``,
 which stays the reference:
 
-* static trees, greedy rows: level l's nodes are their parent's top-ranked tokens;
+* static trees, greedy rows: level l's nodes are their parent's top-ranked tokens; under a
+  cap below the tree's size (the self-tuning length, max_tokens), the levels the cap can
+  reach are grown and the cap's best nodes by path log-probability kept (structure on the
+  device, as a dynamic tree's);
 * static trees, sampled rows: each parent's children are draws without replacement from
   the head's distribution under the row's sampling settings (Gumbel top-k over uniforms
   from the row's own generator), each node carrying the distribution it was drawn from
@@ -14,8 +17,8 @@ which stays the reference:
   the tree asks for) is a deterministic proposal, its q one-hot;
 * dynamic trees (EAGLE-2): each frontier node's ``top_k`` children scored by the path's
   log-probability, the best ``top_k`` new nodes expanded next, ``depth`` levels, then the
-  ``total_tokens - 1`` best nodes by (score, depth) kept, ordered by (depth, score) and cut
-  to the row's room. Its size is known on the host (no node is dropped: a candidate
+  ``min(total_tokens - 1, room)`` best nodes by (score, depth) kept, ordered by (depth,
+  score). Its size is known on the host (no node is dropped: a candidate
   outside EAGLE-3's draft vocabulary stays, a deterministic proposal scored last), its
   structure stays on the device (``DeviceTrees``). Each level feeds the frontier's
   root-to-node paths side by side (a fixed block-diagonal layout), each on its parents'
@@ -47,9 +50,13 @@ def grow_on_device(proposer, rows: Sequence[ProposalRow], resolve) -> DeviceDraf
         o = r.options
         if o.dynamic_tree:
             k, depth = o.top_k, min(o.depth, r.num_tokens)  # deeper nodes could never be kept
-            budget = min(o.total_tokens - 1, k + (depth - 1) * k * k)
-            size = min(budget, r.num_tokens)
-            groups.setdefault(("dynamic", k, depth, budget, size), []).append(i)
+            size = min(o.total_tokens - 1, k + (depth - 1) * k * k, r.num_tokens)
+            groups.setdefault(("dynamic", k, depth, size, size), []).append(i)
+            trees.append(None)
+        elif r.sampling.greedy and r.num_tokens < resolve(r).size - 1:
+            # capped: the tree's levels the cap can reach, then its best-scored nodes (as the host)
+            size = r.num_tokens
+            groups.setdefault(("best", id(resolve(r)), size), []).append(i)
             trees.append(None)
         else:
             tree = resolve(r).prefix(r.num_tokens)
@@ -68,6 +75,16 @@ def grow_on_device(proposer, rows: Sequence[ProposalRow], resolve) -> DeviceDraf
             toks, parents = grow_dynamic(proposer, sub, root_feature[sel], root_logits[sel], k, depth, budget, size)
             tokens[sel, :size] = toks
             built.append(DeviceTrees(idx, parents, depth, k))
+            continue
+        if key[0] == "best":
+            tree, size = resolve(sub[0]), key[2]
+            tree = tree.prefix(sum(len(c) <= size for c in tree.choices))  # its levels a cap reaches (no read)
+            toks, score = grow_static(proposer, tree, sub, root_feature[sel], root_logits[sel], sampled=False,
+                                      scored=True)
+            par, dep = (t[1:].to(device).expand_as(toks) for t in (tree.parents - 1, tree.depth))  # par -1: the root
+            toks, parents = _select(toks, par, score, dep, size, size)
+            tokens[sel, :size] = toks
+            built.append(DeviceTrees(idx, parents, tree.max_depth, max(1, int(tree.children_table.shape[1]))))
             continue
         tree = trees[idx[0]]
         if tree.size == 1:
@@ -124,9 +141,10 @@ def _run_nodes(proposer, slots, tokens, feats, layout):
 
 # -- static trees (EAGLE-1) ---------------------------------------------------------------
 def grow_static(proposer, tree: TokenTree, rows: Sequence[ProposalRow], root_feature: torch.Tensor,
-                root_logits: torch.Tensor, sampled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                root_logits: torch.Tensor, sampled: bool, scored: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A static tree's tokens [b, T-1] (and, sampled, the q each node was drawn from
-    [b, T-1, V]) for rows that share it. Level l's forward feeds every node above it (a node
+    [b, T-1, V]; ``scored``, greedy rows: each node's path log-probability [b, T-1] as the
+    host scores it) for rows that share it. Level l's forward feeds every node above it (a node
     sees only its ancestors, so feeding more than the frontier's changes nothing), each on
     its parent's predicted feature; its logits give level l's tokens."""
     shape = _tree_levels(tree)
@@ -138,6 +156,7 @@ def grow_static(proposer, tree: TokenTree, rows: Sequence[ProposalRow], root_fea
     feats = root_feature.new_zeros(b, size, root_feature.shape[-1])  # node n's predicted feature (0: root)
     feats[:, 0] = root_feature
     parent_logits = root_logits[:, None]  # [b, 1, V]: the root's
+    score = torch.zeros(b, size - 1, device=device) if scored else None
     if sampled:
         params = _sampling(rows, device)
         u = uniforms([shape.draws * vocab] * b, [r.generator for r in rows], device).clamp_(1e-12, 1 - 1e-12)
@@ -150,8 +169,13 @@ def grow_static(proposer, tree: TokenTree, rows: Sequence[ProposalRow], root_fea
                                                (mask[0], offsets[0]))
             feats[:, 1 : fed + 1] = hidden
         if not sampled:
-            top = parent_logits[:, parent_cols].topk(k, dim=-1).indices  # [b, n_l, k]
-            tokens[:, nodes - 1] = top[:, each, ranks]
+            top = parent_logits[:, parent_cols].topk(k, dim=-1)  # [b, n_l, k]
+            tokens[:, nodes - 1] = top.indices[:, each, ranks]
+            if scored:
+                logp = top.values.float() - torch.logsumexp(parent_logits[:, parent_cols].float(), dim=-1, keepdim=True)
+                above = (shape.parents[nodes] - 1).to(device)  # -1: the root
+                base = torch.where(above >= 0, score.gather(1, above.clamp(min=0).expand(b, -1)), 0.0)
+                score[:, nodes - 1] = base + logp[:, each, ranks]
             continue
         owners, which = shape.owners[level - 1]  # the level's distinct parents; each node's among them
         m = len(owners)
@@ -161,7 +185,7 @@ def grow_static(proposer, tree: TokenTree, rows: Sequence[ProposalRow], root_fea
         drawn += m * vocab
         tokens[:, nodes - 1] = picks[:, which, ranks]
         probs[:, nodes - 1] = qs[:, which, ranks]
-    return tokens, probs
+    return tokens, (score if scored else probs)
 
 
 def draw_without_replacement(q: torch.Tensor, u: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -212,3 +212,28 @@ def test_a_tree_its_costs_switched_off_is_retried_ever_more_rarely():
     chosen = one_shot(0.8, {"m": [0.8] * 5}, steps=600, tree=True, batch=16, draft_cost=0.5)
     retries = [i for i, k in enumerate(chosen) if k != 0 and i >= 10]
     assert [b - a for a, b in zip(retries, retries[1:])] == [128, 256], chosen
+
+
+def test_a_buckets_costs_are_read_by_method():
+    """A batch-size bucket that has seen two methods judges each by its own cost per node: a
+    drafter whose nodes each cost a whole step, half accepted, is switched off, although the
+    other method the bucket knows drafts almost for free."""
+    import random
+
+    rng = random.Random(0)
+    c = AdaptiveSpeculation(priors={"cheap": [0.9] * 8, "dear": [0.5] * 8})
+
+    def run(method: str, steps: int, per_node: float, rate: float) -> list:
+        rows, chosen = [RowView("r-" + method, method)], []
+        for _ in range(steps):
+            k = c.caps(rows)[0]
+            accepted = 0
+            while accepted < k and rng.random() < rate:
+                accepted += 1
+            c.observe(rows, [k], [accepted], 0.001 * (1 + per_node * k))
+            chosen.append(k)
+        return chosen
+
+    assert sum(run("cheap", 30, 0.02, 0.9)[-10:]) > 0
+    dear = run("dear", 60, 1.0, 0.5)
+    assert sum(k > 0 for k in dear[-30:]) <= 3, dear  # retries only

@@ -218,6 +218,21 @@ def test_trees_are_cut_to_the_room_a_step_has(target):
             assert o.token_ids == hf_greedy(target, p, 20 - len(p))
 
 
+def test_a_capped_tree_keeps_its_best_nodes(tiny_pair, references):
+    """Under a cap below its size (the self-tuning length at a large batch), a greedy row's
+    static tree keeps the head's likeliest nodes, not its first level's siblings: capped at
+    3, this wide tree (3 siblings listed first) still reaches depth 3 along its best path."""
+    from specray.policies.spec_length import SpeculationLengthPolicy
+
+    target, _ = tiny_pair
+    engine = eagle_engine(target, self_head(target), speculation_length=SpeculationLengthPolicy(batch_k_caps=((1, 3),)))
+    tree = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]
+    outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method="eagle", eagle_choices=tree))
+    assert [o.token_ids for o in outs] == references
+    per_pos = np.sum([o.metrics["accepted_per_pos"] + [0] * 3 for o in outs if o.metrics["accepted_per_pos"]], axis=0)
+    assert per_pos[2] > 0, per_pos  # a first-3-nodes cut ([0], [1], [2]) never accepts past position 1
+
+
 def test_training_learns_and_saves_the_public_layout(tmp_path):
     """A short self-distillation on the tiny target: the loss falls, the held-out depth-1
     accuracy beats an untrained head, the fitted tree is saved and serves losslessly."""

@@ -115,19 +115,25 @@ def test_one_host_read_per_step(tiny_pair, name, temperature):
             assert engine.totals.num_drafts > 0
 
 
-@pytest.mark.parametrize("method, spec", [
-    ("eagle", {}), ("eagle", {"tree": "chain"}), ("eagle", {"eagle_choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}),
-    ("eagle3", {}), ("eagle3", {"tree": "chain"}),
-    ("eagle", {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}),
-    ("eagle", {"dynamic_tree": True, "top_k": 3, "depth": 6, "total_tokens": 40}),
-    ("eagle3", {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}),
+EXPLICIT_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("method, spec, cap", [
+    ("eagle", {}, None), ("eagle", {"tree": "chain"}, None), ("eagle", {"eagle_choices": EXPLICIT_TREE}, None),
+    ("eagle3", {}, None), ("eagle3", {"tree": "chain"}, None),
+    ("eagle", {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}, None),
+    ("eagle", {"dynamic_tree": True, "top_k": 3, "depth": 6, "total_tokens": 40}, None),
+    ("eagle3", {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}, None),
+    ("eagle", {"eagle_choices": EXPLICIT_TREE}, 3), ("eagle3", {}, 2),
+    ("eagle", {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}, 3),
 ], ids=["eagle default tree", "eagle chain", "eagle explicit", "eagle3 default tree", "eagle3 chain",
-        "eagle-2", "eagle-2 deep", "eagle3 dynamic"])
-def test_eagle_trees_drafted_on_the_device_equal_the_hosts(tiny_pair, references, method, spec):
+        "eagle-2", "eagle-2 deep", "eagle3 dynamic", "eagle explicit capped", "eagle3 tree capped", "eagle-2 capped"])
+def test_eagle_trees_drafted_on_the_device_equal_the_hosts(tiny_pair, references, method, spec, cap):
     """Trees grown on the device (static, and EAGLE-2's dynamic ones) draft the tokens the
     host path drafts: every request accepts the same number of tokens at every position,
     under eager (host drafting) and the static step (device drafting, one read per step).
-    Losslessness alone would not show it."""
+    Losslessness alone would not show it. Under a cap (the self-tuning length's), both keep
+    the tree's best-scored nodes."""
     from tests.test_eagle import self_head
     from tests.test_eagle3 import random_head3
 
@@ -135,8 +141,8 @@ def test_eagle_trees_drafted_on_the_device_equal_the_hosts(tiny_pair, references
     head = {"eagle": self_head(target), "eagle3": random_head3(target)}[method]
     runs = []
     for step in ("eager", "static"):
-        engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4, step=step,
-                                        speculation_length=SpeculationLengthPolicy()),
+        policy = SpeculationLengthPolicy(batch_k_caps=((1, cap),) if cap else ())
+        engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4, step=step, speculation_length=policy),
                            target_model=copy.deepcopy(target), resources={method: copy.deepcopy(head)})
         outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method=method, **spec))
         assert [o.token_ids for o in outs] == references
