@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterator, Literal, Sequence
@@ -335,6 +336,10 @@ class EagleProposer:
     def propose(self, rows: Sequence[ProposalRow]) -> Draft:
         if not rows:
             return Draft([])
+        with self._undone_on_error(rows):
+            return self._propose(rows)
+
+    def _propose(self, rows: Sequence[ProposalRow]) -> Draft:
         root_feature, root_logits = self._catch_up(rows)  # [B, H], [B, V]
         plans = []
         for i, row in enumerate(rows):
@@ -364,7 +369,24 @@ class EagleProposer:
             return None
         from specray.policies.eagle_device import grow_on_device
 
-        return grow_on_device(self, rows, lambda r: resolve_tree(r.options, self.head.choices))
+        with self._undone_on_error(rows):
+            return grow_on_device(self, rows, lambda r: resolve_tree(r.options, self.head.choices))
+
+    @contextmanager
+    def _undone_on_error(self, rows: Sequence[ProposalRow]):
+        """A draft that raises leaves its rows as they were — their committed pairs still
+        pending, the head's cache at its length before the catch-up — so the executor's
+        row-by-row retry drafts them again (else every row of the batch failed: its pairs
+        were gone)."""
+        saved = {r.slot: (self._pending.get(r.slot), self.runner.lengths[r.slot]) for r in rows}
+        try:
+            yield
+        except BaseException:
+            for slot, (pending, length) in saved.items():
+                if pending is not None:
+                    self._pending[slot] = pending
+                self.runner.set_length(slot, length)
+            raise
 
     def _catch_up(self, rows):
         """Feed each row's committed pairs; f̂ and logits at its last one (the new root)."""
