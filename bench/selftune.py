@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
                         "at smaller batches)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each batch config (the best counts)")
     p.add_argument("--methods", default=",".join(EXPLICIT), help="comma-separated subset of " + ",".join(EXPLICIT))
+    p.add_argument("--caps", default="", metavar="K,K",
+                   help="also run the batch comparison with every row of each method capped at k draft nodes "
+                        "(a static cap; a tree keeps its k best): what a shorter draft would make of a big batch")
     p.add_argument("--recipe", choices=("readme", "quick"), default="readme",
                    help="how the heads are trained (training/recipes.py): the README's recipes (about 15 CPU "
                         "minutes the first time) or the tests' short ones")
@@ -79,6 +82,7 @@ def _run(args, command: str) -> int:
     from specray.demo import held_out_prompts, load_or_build_demo_pair
     from specray.demo.pair import default_cache_dir
     from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
+    from specray.policies.spec_length import SpeculationLengthPolicy
     from specray.training.recipes import cached_heads
 
     pair = load_or_build_demo_pair()
@@ -98,9 +102,12 @@ def _run(args, command: str) -> int:
     prompts = held_out_prompts(args.prompts, pair.tokenizer)  # (the set depends on how many are asked for)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
-    def run(batch: list[str], spec: dict) -> dict:
-        """One engine run of ``batch`` together, the controller fresh (a one-shot process)."""
-        engine.driver.length_policy = engine.driver.length_policy.fresh()
+    controller = engine.driver.length_policy
+
+    def run(batch: list[str], spec: dict, cap: int | None = None) -> dict:
+        """One engine run of ``batch`` together, the controller fresh (a one-shot process), or
+        every row capped at ``cap`` draft nodes."""
+        engine.driver.length_policy = controller.fresh() if cap is None else SpeculationLengthPolicy(batch_k_caps=((1, cap),))
         start = time.process_time()
         outs = engine.generate(batch, sampling, SpeculationParams(**spec))
         seconds = time.process_time() - start
@@ -129,12 +136,14 @@ def _run(args, command: str) -> int:
     if args.batch > 1:
         # Interleaved repeats, each config's least CPU time: a shared machine's noise only adds.
         group = held_out_prompts(args.batch * args.queue, pair.tokenizer)
-        configs = {"plain": {"method": "none"}, **{m: {"method": m} for m in methods},
-                   **{f"{m} explicit": {"method": m, **EXPLICIT[m]} for m in methods}}
+        caps = [int(k) for k in args.caps.split(",") if k]
+        configs = {"plain": ({"method": "none"}, None), **{m: ({"method": m}, None) for m in methods},
+                   **{f"{m} explicit": ({"method": m, **EXPLICIT[m]}, None) for m in methods},
+                   **{f"{m} cap {k}": ({"method": m, **EXPLICIT[m]}, k) for m in methods for k in caps}}
         best: dict[str, dict] = {}
         for _ in range(args.repeats):
-            for name, spec in configs.items():
-                r = run(group, spec)
+            for name, (spec, cap) in configs.items():
+                r = run(group, spec, cap)
                 if name in best:
                     assert r["ids"] == best[name]["ids"]
                 if name not in best or r["seconds"] < best[name]["seconds"]:
@@ -150,7 +159,8 @@ def _run(args, command: str) -> int:
             x_plain, x_explicit = rate(m) / rate("plain"), rate(f"{m} explicit") / rate("plain")
             batch_rows.append({"method": m, "default_tok_s": round(rate(m)), "explicit_tok_s": round(rate(f"{m} explicit")),
                                "plain_tok_s": round(rate("plain")), "x_plain": round(x_plain, 2),
-                               "explicit_x_plain": round(x_explicit, 2), "goal_met": x_plain >= 1.0})
+                               "explicit_x_plain": round(x_explicit, 2), "goal_met": x_plain >= 1.0,
+                               "caps_x_plain": {k: round(rate(f"{m} cap {k}") / rate("plain"), 2) for k in caps}})
     lines = [f"self-tuned (no length given) vs explicit settings, demo pair, one-shot requests at batch 1: "
              f"{args.prompts} prompts x {args.max_tokens} tokens, greedy, a fresh controller each "
              f"(tokens per target forward; goal: default >= {GOAL}x explicit)",
@@ -163,10 +173,11 @@ def _run(args, command: str) -> int:
         lines += [f"\nbatch {args.batch}: {len(group)} prompts through {args.batch} slots, a fresh controller each run "
                   f"(tokens per CPU second, the best of {args.repeats} interleaved runs; goal: default >= plain)",
                   f"{'method':10s} {'default':>8s} {'explicit':>9s} {'plain':>6s} {'default/plain':>14s} "
-                  f"{'explicit/plain':>15s}  goal"]
+                  f"{'explicit/plain':>15s}  goal" + "".join(f"  {f'cap {k}/plain':>11s}" for k in caps)]
         for r in batch_rows:
             lines.append(f"{r['method']:10s} {r['default_tok_s']:8d} {r['explicit_tok_s']:9d} {r['plain_tok_s']:6d} "
-                         f"{r['x_plain']:14.2f} {r['explicit_x_plain']:15.2f}  {'met' if r['goal_met'] else 'MISSED'}")
+                         f"{r['x_plain']:14.2f} {r['explicit_x_plain']:15.2f}  {'met' if r['goal_met'] else 'MISSED':6s}"
+                         + "".join(f"  {r['caps_x_plain'][k]:11.2f}" for k in caps))
     text = "\n".join(lines)
     print(text)  # (announce printed the command)
     out = pathlib.Path(args.out)
