@@ -48,7 +48,7 @@ HEADS_VERSION = "v1"  # of the cached short heads: raise it when QUICK_RECIPES o
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="specray.bench.selftune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=6, help="one-shot requests per config (batch 1)")
+    p.add_argument("--prompts", type=int, default=6, help="one-shot requests per config (batch 1; 0: skip)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="requests running together in the batch comparison (0: skip)")
     p.add_argument("--queue", type=int, default=4, metavar="X",
@@ -120,10 +120,10 @@ def _run(args, command: str) -> int:
         return {"tokens": sum(r["tokens"] for r in runs), "forwards": sum(r["forwards"] for r in runs),
                 "seconds": sum(r["seconds"] for r in runs), "ids": [i for r in runs for i in r["ids"]]}
 
-    run([prompts[0]], {"method": "none"})  # torch's first calls, outside every measurement
-    plain = one_shot({"method": "none"})
+    run(held_out_prompts(1, pair.tokenizer), {"method": "none"})  # torch's first calls, outside every measurement
+    plain = one_shot({"method": "none"}) if prompts else None
     rows, ok = [], True
-    for m in methods:
+    for m in methods if prompts else ():
         default, explicit = one_shot({"method": m}), one_shot({"method": m, **EXPLICIT[m]})
         for r in (default, explicit):
             assert r["ids"] == plain["ids"], f"{m}: output differs from plain decoding"
@@ -168,7 +168,8 @@ def _run(args, command: str) -> int:
     for r in rows:
         lines.append(f"{r['method']:10s} {r['explicit']:24s} {r['default_tpf']:8.2f} {r['explicit_tpf']:9.2f} "
                      f"{r['ratio']:6.2f}  {'met' if r['goal_met'] else 'MISSED'}")
-    lines.append(f"plain decoding: {plain['tokens'] / plain['forwards']:.2f} tokens per target forward")
+    if plain is not None:
+        lines.append(f"plain decoding: {plain['tokens'] / plain['forwards']:.2f} tokens per target forward")
     if batch_rows:
         lines += [f"\nbatch {args.batch}: {len(group)} prompts through {args.batch} slots, a fresh controller each run "
                   f"(tokens per CPU second, the best of {args.repeats} interleaved runs; goal: default >= plain)",

@@ -85,6 +85,11 @@ from the step's). The first probe is a bucket's second step; a bucket whose rows
 plainly anyway needs none."""
 
 
+COSTS_RETRY_AFTER = (PROBE_EVERY, 4 * PROBE_EVERY)
+"""A method its costs switched off (even its priors say it does not pay at this batch size)
+is retried one step after 64 steps, then 128, then every 256."""
+
+
 @dataclass(frozen=True)
 class RowView:
     """What the controller knows of a row: its request and method; ``fixed``: the request set
@@ -269,8 +274,8 @@ class AdaptiveSpeculation:
     def _retry(self, method: str, best: int, promising: bool) -> int:
         """``best``, or 1 (draft again) when the method has been off for its retry interval:
         ``RETRY_AFTER``, doubling, while its priors say it should pay here (its measured
-        acceptance turned it off, and may be stale); ``PROBE_EVERY``, doubling up to four times
-        that, when even they say it does not (the costs turned it off: they change with the
+        acceptance turned it off, and may be stale); ``COSTS_RETRY_AFTER``, doubling, when even
+        they say it does not (the costs turned it off: they change with the
         load, slowly, a batch size of its own has a bucket of its own, and each retry of a big
         tree in a big batch costs several plain steps' time)."""
         if best:
@@ -280,10 +285,11 @@ class AdaptiveSpeculation:
         if self._burst.get(method):
             self._burst[method] -= 1
             return 1
-        since, interval = self._off.setdefault(method, [self._steps, RETRY_AFTER[0] if promising else PROBE_EVERY])
+        first, most = RETRY_AFTER if promising else COSTS_RETRY_AFTER
+        since, interval = self._off.setdefault(method, [self._steps, first])
         if self._steps - since < interval:
             return 0
-        later = min(2 * interval, RETRY_AFTER[1]) if promising else min(max(2 * interval, PROBE_EVERY), 4 * PROBE_EVERY)
+        later = min(2 * interval, most)
         self._off[method] = [self._steps, later]
         if promising and RETRY_BURST > 1:  # (the costs turned it off: one step re-measures them)
             self._burst[method] = RETRY_BURST - 1
