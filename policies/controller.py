@@ -186,6 +186,25 @@ class _Costs:
         theta = np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior)
         return np.maximum(theta, 1e-6)
 
+    def widened(self, methods: Sequence[str]) -> "_Costs":
+        """This model with ``methods`` added, what it measured kept: a method that joins a
+        bucket (per-request speculation: a request of another method arrives) starts from the
+        prior, and every step before it drafted none of its nodes (a new method's column is 0).
+        A fresh model would forget the others' costs and re-learn them (a useless drafter the
+        bucket had switched off drafted again)."""
+        out = _Costs(sorted(set(self.methods) | set(methods)), self.forget, self.prior_weight)
+        at = [0] + [1 + out.methods.index(m) for m in self.methods]  # old coordinates in the new
+        out.xx[np.ix_(at, at)], out.xy[at] = self.xx, self.xy
+        if self.prior is not None:
+            out.prior = np.full(len(out.methods) + 1, 0.15 * self.prior[0])
+            out.prior[at] = self.prior
+        if self._first is not None:
+            x, seconds = self._first
+            first = np.zeros(len(out.methods) + 1)
+            first[at] = x
+            out._first = (first, seconds)
+        return out
+
     def seconds(self, theta: np.ndarray, ks: dict[str, int]) -> float:
         """Predicted seconds of a step whose methods draft ``ks`` (by name: the bucket's model
         may know methods this step lacks)."""
@@ -337,10 +356,10 @@ class AdaptiveSpeculation:
     def _cost_model(self, batch: int, methods: list[str]) -> _Costs:
         bucket = _bucket(batch)
         model = self._costs.get(bucket)
-        if model is None or not set(methods) <= set(model.methods):
-            known = model.methods if model is not None else []
-            model = _Costs(sorted(set(known) | set(methods)), self.forget, self.prior_weight)
-            self._costs[bucket] = model
+        if model is None:
+            model = self._costs[bucket] = _Costs(sorted(methods), self.forget, self.prior_weight)
+        elif not set(methods) <= set(model.methods):
+            model = self._costs[bucket] = model.widened(methods)
         return model
 
     # -- learning ------------------------------------------------------------------------------

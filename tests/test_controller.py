@@ -237,3 +237,20 @@ def test_a_buckets_costs_are_read_by_method():
     assert sum(run("cheap", 30, 0.02, 0.9)[-10:]) > 0
     dear = run("dear", 60, 1.0, 0.5)
     assert sum(k > 0 for k in dear[-30:]) <= 3, dear  # retries only
+
+
+def test_a_method_joining_a_bucket_keeps_what_it_measured():
+    """Per-request speculation: a request of another method joining a batch-size bucket adds
+    that method to the bucket's costs; the costs measured so far stay, so a useless drafter
+    the bucket switched off stays off in the step the newcomer joins (a fresh cost model had
+    every method of that step draft to learn)."""
+    c = AdaptiveSpeculation(priors={"bad": [0.05] * 8, "good": [0.9] * 8})
+    bad = [RowView("r-bad-1", "bad"), RowView("r-bad-2", "bad")]
+    for _ in range(40):  # "bad" drafts, never accepted, each node a tenth of a step
+        ks = c.caps(bad)
+        c.observe(bad, ks, [0, 0], 0.002 * (1 + 0.1 * max(ks)))
+    assert c.caps(bad) == [0, 0]
+    c.observe(bad, [0, 0], [0, 0], 0.002)
+    mixed = [bad[0], RowView("r-good", "good")]  # one "bad" request finished, a "good" one joined
+    ks = c.caps(mixed)
+    assert ks[0] == 0 and ks[1] != 0, ks
