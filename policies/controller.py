@@ -85,6 +85,10 @@ from the step's). The first probe is a bucket's second step; a bucket whose rows
 plainly anyway needs none."""
 
 
+NODE_PRIOR = 0.15
+"""Before a bucket has measured a method, each of its draft nodes is taken to cost this share
+of a plain step."""
+
 COSTS_RETRY_AFTER = (PROBE_EVERY, 4 * PROBE_EVERY)
 """A method its costs switched off (even its priors say it does not pay at this batch size)
 is retried one step after 64 steps, then 128, then every 256."""
@@ -159,14 +163,14 @@ class _Costs:
         n = len(self.methods) + 1
         self.xx, self.xy = np.zeros((n, n)), np.zeros(n)
         self.prior: np.ndarray | None = None
-        self._first: tuple[np.ndarray, float] | None = None  # the first step, while no plain one was seen
+        self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
-            base = seconds / (1.0 + 0.15 * sum(ks.values()))
-            self.prior = np.array([base] + [0.15 * base] * len(self.methods))
-            self._first = (x, seconds) if any(ks.values()) else None
+            base = seconds / (1.0 + NODE_PRIOR * sum(ks.values()))
+            self.prior = np.array([base] + [NODE_PRIOR * base] * len(self.methods))
+            self._first = (dict(ks), seconds) if any(ks.values()) else None
         elif self._first is not None and not any(ks.values()):
             # The first plain step (the bucket's probe): the prior's step cost is measured now,
             # and the first step's extra time is its drafts'. A prior guessed from a drafting
@@ -174,8 +178,9 @@ class _Costs:
             # tree's step shows it to be, and with few plain steps to correct it keeps a losing
             # tree on.
             (first, first_s), self._first = self._first, None
-            per_node = max(first_s - seconds, 0.0) / max(first[1:].sum(), 1.0)
-            self.prior = np.array([seconds] + [per_node if k else 0.15 * seconds for k in first[1:]])
+            per_node = max(first_s - seconds, 0.0) / max(sum(first.values()), 1)
+            self.prior = np.array([seconds] + [per_node if first.get(m) else NODE_PRIOR * seconds
+                                               for m in self.methods])
         self.xx = self.forget * self.xx + np.outer(x, x)
         self.xy = self.forget * self.xy + x * seconds
 
@@ -194,15 +199,10 @@ class _Costs:
         bucket had switched off drafted again)."""
         out = _Costs(sorted(set(self.methods) | set(methods)), self.forget, self.prior_weight)
         at = [0] + [1 + out.methods.index(m) for m in self.methods]  # old coordinates in the new
-        out.xx[np.ix_(at, at)], out.xy[at] = self.xx, self.xy
+        out.xx[np.ix_(at, at)], out.xy[at], out._first = self.xx, self.xy, self._first
         if self.prior is not None:
-            out.prior = np.full(len(out.methods) + 1, 0.15 * self.prior[0])
+            out.prior = np.full(len(out.methods) + 1, NODE_PRIOR * self.prior[0])
             out.prior[at] = self.prior
-        if self._first is not None:
-            x, seconds = self._first
-            first = np.zeros(len(out.methods) + 1)
-            first[at] = x
-            out._first = (first, seconds)
         return out
 
     def seconds(self, theta: np.ndarray, ks: dict[str, int]) -> float:
@@ -310,7 +310,7 @@ class AdaptiveSpeculation:
             return 0
         later = min(2 * interval, most)
         self._off[method] = [self._steps, later]
-        if promising and RETRY_BURST > 1:  # (the costs turned it off: one step re-measures them)
+        if promising:  # (the costs turned it off: one step re-measures them)
             self._burst[method] = RETRY_BURST - 1
         return 1
 

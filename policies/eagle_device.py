@@ -53,11 +53,11 @@ def grow_on_device(proposer, rows: Sequence[ProposalRow], resolve) -> DeviceDraf
             size = min(o.total_tokens - 1, k + (depth - 1) * k * k, r.num_tokens)
             groups.setdefault(("dynamic", k, depth, size, size), []).append(i)
             trees.append(None)
-        elif r.sampling.greedy and r.num_tokens < resolve(r).size - 1:
+        elif r.sampling.greedy and r.num_tokens < (full := resolve(r)).size - 1:
             # capped: the tree's levels the cap can reach, then its best-scored nodes (as the host)
             size = r.num_tokens
-            groups.setdefault(("best", id(resolve(r)), size), []).append(i)
-            trees.append(None)
+            groups.setdefault(("best", id(full), size), []).append(i)
+            trees.append(None)  # (its structure stays on the device: a placeholder on the host)
         else:
             tree = resolve(r).prefix(r.num_tokens)
             size = tree.size - 1
