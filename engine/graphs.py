@@ -283,7 +283,11 @@ class StaticForward:
         return graph.outputs
 
     def _capture(self, dev, kv_keys, extra=()) -> "_Captured":
-        inputs = [t.clone() for t in dev] + [kv_keys.clone()] + [t.clone() for t in extra]
+        # A graph reads its inputs at the addresses it was captured with, so every tensor it
+        # reads must live as long as it does: the copied-into buffers (held by _Captured) and
+        # kv_keys (self._keys' own, never freed). A clone of kv_keys freed after capture was
+        # reused by the allocator, and every later replay masked with whatever it then held.
+        inputs = [t.clone() for t in dev] + [kv_keys] + [t.clone() for t in extra]
         # Warm up on a side stream (compilation, allocator, kernels' lazy init), then
         # capture; every graph of this runner shares one memory pool.
         stream = torch.cuda.Stream()

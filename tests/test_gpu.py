@@ -82,6 +82,7 @@ def _cuda_engine(models, step, dtype=None):
     from specray.engine.llm_engine import LLMEngine
     from specray.policies.spec_length import SpeculationLengthPolicy
     from tests.test_eagle import random_head
+    from tests.test_eagle3 import random_head3
     from tests.test_medusa import random_heads
     from tests.test_redrafter import random_drafter
 
@@ -92,7 +93,8 @@ def _cuda_engine(models, step, dtype=None):
         EngineConfig(target="x", max_num_seqs=4, step=step, device="cuda",
                      speculation_length=SpeculationLengthPolicy()),
         target_model=target, draft_model=draft, medusa_heads=random_heads().cuda(),
-        resources={"eagle": random_head(models[0]).cuda(), "redrafter": random_drafter().cuda()},
+        resources={"eagle": random_head(models[0]).cuda(), "eagle3": random_head3(models[0]).cuda(),
+                   "redrafter": random_drafter().cuda()},
     )
 
 
