@@ -164,7 +164,8 @@ class StaticForward:
         )
         taps: dict[int, torch.Tensor] = {}
         embeds = None if feats is None else self.inputs(ids, feats)  # [Bb, W, H]
-        hidden = runner._run_decoder(ids, positions, ctx, embeds, self._taps, taps)  # [Bb, W, H]
+        hidden = runner._run_decoder(ids, positions, ctx, embeds, self._taps, taps,
+                                     unroll=self.mode not in COMPILED)  # [Bb, W, H]
         return (runner.logits(hidden), hidden, *taps.values())  # taps in layer order (self.layers is sorted)
 
     # -- one forward ---------------------------------------------------------------------
