@@ -320,6 +320,35 @@ class EagleProposer:
             if not row.start:
                 self.runner.reset(row.slot)
             self._pending[row.slot] = ([row.features], list(row.token_ids[row.start + 1 :]) + [row.first_token])
+        if self._caches_prefixes:
+            self._feed_prompts(rows)
+
+    @property
+    def _caches_prefixes(self) -> bool:
+        blocks = getattr(self.runner, "blocks", None)
+        return blocks is not None and blocks.pool.prefix_caching
+
+    @torch.inference_mode()
+    def _feed_prompts(self, rows: Sequence[PrefillRow]) -> None:
+        """Run the head over each prompt now, all but its last pair (the next draft's root): its
+        cache then holds the prompt's blocks when the engine publishes them, so a later request
+        with the same prefix finds them even if this one never drafted (the self-tuning length
+        can keep a request's drafting off throughout; a head that never ran held no blocks, and
+        the next request's cached prefix, the shorter of the target's and the head's, was
+        empty)."""
+        slots, embeds, tokens = [], [], []
+        for row in rows:
+            feats, toks = self._pending[row.slot]
+            if len(toks) < 2:
+                continue
+            f = torch.cat(feats).to(self.runner.dtype)
+            t = torch.tensor(toks[:-1], device=f.device)
+            slots.append(row.slot)
+            embeds.append(self.head.fuse_target(t, f[:-1]))
+            tokens.append(toks[:-1])
+            self._pending[row.slot] = ([f[-1:]], toks[-1:])
+        if slots:
+            self.runner.forward(slots, tokens, embeds=embeds)
 
     def commit(self, rows: Sequence[CommitRow]) -> None:
         for row in rows:
