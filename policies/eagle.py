@@ -336,7 +336,7 @@ class EagleProposer:
         can keep a request's drafting off throughout; a head that never ran held no blocks, and
         the next request's cached prefix, the shorter of the target's and the head's, was
         empty)."""
-        slots, embeds, tokens = [], [], []
+        slots, embeds, tokens, roots = [], [], [], []
         for row in rows:
             feats, toks = self._pending[row.slot]
             if len(toks) < 2:
@@ -346,9 +346,10 @@ class EagleProposer:
             slots.append(row.slot)
             embeds.append(self.head.fuse_target(t, f[:-1]))
             tokens.append(toks[:-1])
-            self._pending[row.slot] = ([f[-1:]], toks[-1:])
+            roots.append(([f[-1:]], toks[-1:]))
         if slots:
             self.runner.forward(slots, tokens, embeds=embeds)
+            self._pending.update(zip(slots, roots))  # only once fed: a failed forward leaves them pending
 
     def commit(self, rows: Sequence[CommitRow]) -> None:
         for row in rows:
