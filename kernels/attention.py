@@ -339,8 +339,13 @@ def softcapped_attention(query, keys, values, mask, scaling, softcap: float):
 
 
 def xformers_attention(query, keys, values, mask, scaling):
-    """The same contract as ``sdpa_attention``, computed by xformers' fused kernels (CUDA)."""
-    import xformers.ops as xops
+    """The same contract as ``sdpa_attention``, computed by xformers' fused kernels (CUDA).
+    Reached only where the start-up probe saw them run; xformers is the optional extra."""
+    try:
+        import xformers.ops as xops
+    except ImportError as exc:
+        raise ImportError("xformers attention needs the optional extra: pip install 'specray[xformers]' "
+                          "(the build matching your torch and CUDA); without it SDPA serves") from exc
 
     b, h, q, d = query.shape
     kv = keys.shape[2]
