@@ -4,12 +4,13 @@ layer call costs around them.
 
 Per layer, transformers calls 13 modules (two norms, seven projections, the attention and MLP
 blocks, the activation), two deprecation wrappers and an attention-function lookup; on a small
-model each call costs as much as the arithmetic it wraps (the demo target's eager decode step
-ran 1.2x faster unrolled). The weights are read once when the runner is built: they are held in
+model each call costs as much as the arithmetic it wraps (``python -m specray.bench.kv``'s
+cached-prefix time to first token, a short forward, shows the difference). The weights are read once when the runner is built: they are held in
 place (hot swaps copy into them, as CUDA graphs need), so the references stay valid.
 
 Eager and uncompiled fixed-shape forwards use them; compiled forwards keep transformers'
-layers (a graph has no module calls to save, and the unrolled layers compiled 7x slower).
+layers (a graph has no module calls to save, and dynamo compiled the unrolled ones far
+more slowly, seen on the demo target).
 Only layers that are exactly transformers' Llama layer are unrolled (plain ``nn.Linear``
 projections, SiLU, RMSNorm, the specray attention); anything else — sharded, quantized,
 an EAGLE-3 head's widened first layer, another architecture — keeps its own forward.

@@ -273,8 +273,8 @@ class ModelRunner:
         """Final-norm hidden states [B, q, H]; ``taps[k]`` = [B, q, H] entering layer k, for k in ``layers``.
 
         unroll: Llama layers run unrolled where they can (``engine/llama_layers.py``); a compiled
-        forward passes False, as its graph has no module calls to save, and dynamo took 7x as long
-        to compile the unrolled layers (514 s against 74 s for the demo target, here).
+        forward passes False, as its graph has no module calls to save, and dynamo compiled the
+        unrolled layers far more slowly (seen on the demo target).
 
         For architectures whose decoder forward is exactly embed -> rotary -> layers ->
         norm, the layers are called directly: transformers' wrapper (mask creation,
