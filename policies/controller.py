@@ -89,6 +89,13 @@ NODE_PRIOR = 0.15
 """Before a bucket has measured a method, each of its draft nodes is taken to cost this share
 of a plain step."""
 
+OUTLIER = 4.0
+"""A step's measured seconds count as at most this many times what the cost model predicted for
+it. A garbage-collector pass or a one-time cost (a lazy import, a new shape's first run) can make
+one step 50x its peers; taken whole, it priced a paying drafter off
+(``test_one_slow_step_does_not_switch_a_paying_drafter_off``). A real change in cost still moves
+the model: each clipped step pulls it up to 4x what it predicted."""
+
 COSTS_RETRY_AFTER = (PROBE_EVERY, 4 * PROBE_EVERY)
 """A method its costs switched off (even its priors say it does not pay at this batch size)
 is retried one step after 64 steps, then 128, then every 256."""
@@ -167,6 +174,9 @@ class _Costs:
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
+        theta = self.theta()
+        if theta is not None:
+            seconds = min(seconds, OUTLIER * float(theta @ x))
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
             base = seconds / (1.0 + NODE_PRIOR * sum(ks.values()))
             self.prior = np.array([base] + [NODE_PRIOR * base] * len(self.methods))

@@ -49,6 +49,65 @@ def test_controller_in_between():
     assert 1 <= mid <= 6 and simulate(0.7, draft_cost=2.0) < mid  # costlier drafts: shorter
 
 
+def test_one_slow_step_does_not_switch_a_paying_drafter_off(monkeypatch):
+    """A step 60x its peers (a full garbage-collector pass, a one-time lazy cost) counts as at
+    most ``OUTLIER`` times what the cost model predicted: the drafter that pays stays on. Taken
+    whole, that one step priced drafting off for the rest of the run."""
+    import math
+    import random
+
+    from specray.policies import controller
+
+    def chosen_after_a_slow_step() -> list[int]:
+        rng, c, rows, chosen = random.Random(0), AdaptiveSpeculation(), [RowView("r", "m")], []
+        for step in range(60):
+            k = c.caps(rows)[0]
+            chosen.append(k)
+            n = 0
+            while n < k and rng.random() < 0.8:
+                n += 1
+            c.observe(rows, [k], [n], 0.001 * (1 + 0.2 * k) * (60.0 if step == 10 else 1.0))
+        return chosen[20:]
+
+    assert sum(k > 0 for k in chosen_after_a_slow_step()) >= 36
+    monkeypatch.setattr(controller, "OUTLIER", math.inf)
+    assert sum(k > 0 for k in chosen_after_a_slow_step()) <= 10
+
+
+@pytest.mark.parametrize("subtracted", [True, False])
+def test_a_gc_pause_is_not_a_steps_cost(make_engine, monkeypatch, subtracted):
+    """A full collection inside a step (0.3 s with a loaded engine in the process) is left out
+    of the seconds the controller is told the step cost (engine/gc_pauses.py); timed whole, it
+    read as the drafts' cost. The pause here: a collector callback that sleeps 0.3 s."""
+    import gc
+    import time
+
+    from specray.engine import driver as driver_module
+    from specray.engine.gc_pauses import gc_seconds
+
+    engine = make_engine(max_num_seqs=2)
+    engine.driver.clock = time.perf_counter
+    policy, seen = engine.driver.length_policy, []
+    observe, verify = policy.observe, engine.driver.executor.verify
+    monkeypatch.setattr(policy, "observe", lambda rows, d, a, s: (seen.append(s), observe(rows, d, a, s)))
+
+    async def collecting_verify(*args):
+        gc.collect()
+        return await verify(*args)
+
+    monkeypatch.setattr(engine.driver.executor, "verify", collecting_verify)
+    if not subtracted:
+        monkeypatch.setattr(driver_module, "gc_seconds", lambda: 0.0)
+    gc_seconds()  # the timer is registered first: the pause below falls inside its window
+    pause = lambda phase, info: time.sleep(0.3) if phase == "start" else None  # noqa: E731
+    gc.callbacks.append(pause)
+    try:
+        engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3, temperature=0), SpeculationParams(method="draft"))
+    finally:
+        gc.callbacks.remove(pause)
+    assert seen and (max(seen) < 0.2 if subtracted else min(seen) >= 0.3), seen
+
+
 def test_fixed_requests_keep_their_k():
     c = AdaptiveSpeculation()
     rows = [RowView("a", "m", requested=3, fixed=True), RowView("b", "n")]
