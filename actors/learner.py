@@ -53,9 +53,11 @@ class OnlineLearningConfig(BaseModel):
     min_tokens: int = Field(8, ge=1, description="Requests with fewer generated tokens are not captured.")
     buffer_mb: float = Field(64.0, gt=0, description="The trace buffer's cap (oldest traces out).")
     round_requests: int = Field(32, ge=2, description="New traces of a method that start a training round.")
-    steps: int = Field(60, ge=1, description="Optimiser steps per round (the method's recipe).")
+    steps: int = Field(100, ge=1, description="Optimiser steps per round (the method's recipe).")
     lr: float = Field(2e-3, gt=0, description="Peak learning rate per round.")
-    batch_size: int = Field(8, ge=1, description="Sequences (draft model) or windows (heads) per step.")
+    batch_size: int = Field(16, ge=1, description="Sequences (draft model) or windows (heads) per step.")
+    greedy_temperature: float = Field(0.25, ge=0, description="The teacher's temperature for greedy requests "
+                                                              "(draft model, EAGLE-3; sampled ones: their own).")
     holdout: float = Field(0.25, gt=0, lt=1, description="Share of the newest traces held out for the gate.")
     min_gain: float = Field(0.01, ge=0, description="Relative gain in mean accepted length a candidate needs.")
     gate_options: dict[str, dict] = Field(default_factory=dict, description="Per method: the request options the "
@@ -72,7 +74,8 @@ class OnlineLearningConfig(BaseModel):
 
     def round_config(self, method: str) -> dict:
         return {"steps": self.steps, "lr": self.lr, "batch_size": self.batch_size, "holdout": self.holdout,
-                "min_gain": self.min_gain, "gate_options": dict(self.gate_options.get(method, {}))}
+                "min_gain": self.min_gain, "greedy_temperature": self.greedy_temperature,
+                "gate_options": dict(self.gate_options.get(method, {}))}
 
 
 def hub_name(model: str) -> str:

@@ -16,6 +16,7 @@ from specray.engine.config import EngineConfig
 from specray.engine.drafter_versions import forget_prefixes, weights_module
 from specray.engine.kv_blocks import PagingConfig, proposer_paging
 from specray.engine.runner import ModelRunner
+from specray.engine.gc_pauses import freeze_loaded_heap
 from specray.policies.base import CommitRow, Draft, PrefillRow, ProposalRow
 from specray.policies.registry import ProposerContext, method_spec
 
@@ -76,6 +77,7 @@ class ProposerWorker(Placed):
         self.proposer = spec.build(replace(ctx, resource=self.resource))
         self._generators: dict[int, torch.Generator] = {}
         self._tokens: dict[int, list[int]] = {}  # each slot's committed tokens (sent as tails)
+        freeze_loaded_heap()
 
     def _rows(self, rows: Sequence[tuple[int, ProposalRow]]) -> list[ProposalRow]:
         """Rows arrive as (offset, row with only the tokens from offset on): rebuild them."""

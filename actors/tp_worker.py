@@ -23,6 +23,7 @@ from specray.actors.proposer_worker import Placed, on_this_device, set_worker_th
 from specray.engine.collectives import GroupLostError, init_groups, leave_groups
 from specray.engine.config import EngineConfig
 from specray.engine.mirror import Follower, ShardedRunners
+from specray.engine.gc_pauses import freeze_loaded_heap
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class TensorParallelRank(Placed):
         self.groups = init_groups(address, rank, size, config.resolved_device)
         self.follower = Follower(self.groups, config.resolved_device)
         self.error: str | None = None
+        freeze_loaded_heap()
         self._thread = threading.Thread(target=self._serve, name=f"tp-rank-{rank}", daemon=True)
         self._thread.start()
 

@@ -15,21 +15,27 @@ trained demo pair instead (``--shape tiny`` builds a small synthetic one anywher
 Side by side in one process, greedy, EOS ignored, ``--max-tokens`` per request, at each
 ``--batch``: specray ``none``, ``draft`` k=4, ``draft`` with the self-tuning speculation length,
 ``ngram`` k=4, in each ``--modes`` step mode (``engine/graphs.py``), and HF ``generate`` eager and
-with its static cache (which compiles itself on CUDA); ``--repeats N`` keeps each row's fastest
-of N timed runs (for shared CPU machines). Reported per row: ms per token (the
-request's wall time / tokens; prefill included), tokens/s, the fraction of the bandwidth
+with its static cache (which compiles itself on CUDA; ``compiled``: a static cache and
+``torch.compile(model.forward)``, HF's own compiled path, what it takes on a CPU). The
+``--prompts`` prompts run ``--batch`` at a time (batch 1: one after another); on the CPU with the
+demo pair they are held-out demo prompts of ``--prompt-len`` tokens (default 20-30), elsewhere
+random ones. Each row's first pass is a warm-up (compilation, captures), timed and printed apart
+(``warm s``); ``--repeats N`` keeps each row's fastest of N timed runs (for shared CPU machines).
+Reported per row: ms per token (the request's wall time / tokens; prefill included), tokens/s, the fraction of the bandwidth
 bound (weights bytes / measured device copy bandwidth, per token of one sequence), the ratio
 to HF static, accepted tokens per step, for draft rows the Leviathan bound
 (1 - a^(k+1)) / ((1 - a)(k c + 1)) with measured alpha (teacher-forced) and c (one-token
 forward times) and measured/bound, and where a step's time goes: on CUDA, from torch.profiler
 over ``--profile-steps`` steps, device-busy time per step against wall time (host share =
 1 - busy / wall), kernel and graph launches and device-to-host copies per step; on the CPU,
-host reads of tensors per step (``bench/probes.py``); and greedy agreement with plain decoding
+host reads of tensors per step (``bench/probes.py``) and, for compiled rows, the host share of a
+step: its wall time minus the time inside the compiled callables (``policies/compiled.py``),
+timed around them; and greedy agreement with plain decoding
 (bf16 random weights make logits flat, so differently shaped computations may diverge there:
 ``--dtype float32`` checks identity).
 
-Writes ``gpu.txt``, ``gpu.csv``, ``gpu.json`` and ``gpu.png`` to ``--out`` (default
-``./specray-bench/gpu``).
+Writes ``gpu.txt`` (the table, the goals of issue 28 and the profile summary), ``gpu.csv``,
+``gpu.json`` and ``gpu.png`` to ``--out`` (default ``./specray-bench/gpu``).
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ import torch
 
 from specray.bench.probes import host_reads, profile_steps
 from specray.bench.speed import _aligned, speedup_bound
+from specray.engine.graphs import COMPILED
+from specray.policies.compiled import timing
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +120,21 @@ def demo_pair(dtype: torch.dtype, device: str):
     pair = load_or_build_demo_pair()
     load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # noqa: E731
     return load(pair.target), load(pair.draft)
+
+
+def demo_prompts(n: int, lengths: tuple[int, int]) -> list[list[int]]:
+    """``n`` held-out demo prompts of lengths[0]..lengths[1] tokens, spread over the range:
+    longer held-out prompts (whole lines) cut to length (short runs of whole lines are
+    mostly found in the training text too)."""
+    from transformers import AutoTokenizer
+
+    from specray.demo import held_out_prompts, load_or_build_demo_pair
+
+    low, high = lengths
+    tokenizer = load_or_build_demo_pair().tokenizer
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    texts = held_out_prompts(n, tokenizer, min_tokens=max(32, high), max_tokens=max(256, 2 * high))
+    return [tok.encode(t, add_special_tokens=False)[: low + (i * (high - low + 1)) // n] for i, t in enumerate(texts)]
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -183,13 +206,42 @@ def run_specray(engine, prompts, max_tokens: int, spec):
     return engine.generate(prompts, params, SpeculationParams(**spec))
 
 
-def run_hf(model, prompts, max_tokens: int, static: bool):
-    ids = torch.tensor(prompts, device=model.device)  # equal lengths: no padding needed
-    kw = {"cache_implementation": "static"} if static else {}
+def run_hf(model, prompts, max_tokens: int, static: bool, max_cache_len: int | None = None):
+    """Greedy ``generate``; ``static``: HF's static cache, sized ``max_cache_len`` for every call.
+
+    A fixed size matters for the compiled row: HF keeps one static cache across calls and
+    reallocates it when a call needs more, and a cache of another size fails the compiled
+    graphs' guards, so each prompt length would recompile in the timed runs."""
+    width = max(map(len, prompts))
+    pad = model.config.pad_token_id or 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)  # left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    kw = {"cache_implementation": "static", "max_cache_len": max_cache_len} if static else {}
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, **kw)
-    return out[:, ids.shape[1]:].tolist()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                             do_sample=False, pad_token_id=pad, **kw)
+    return out[:, width:].tolist()
+
+
+@contextlib.contextmanager
+def hf_compiled(model):
+    """HF's compiled path as a user takes it on a CPU: a static cache and the model's forward
+    under ``torch.compile(dynamic=False, fullgraph=True)`` (one graph per prefill length, and
+    one for decoding)."""
+    import torch._dynamo
+
+    forward, limit = model.forward, torch._dynamo.config.cache_size_limit
+    torch._dynamo.config.cache_size_limit = 64  # a graph per prompt length
+    model.forward = torch.compile(forward, dynamic=False, fullgraph=True)
+    try:
+        yield
+    finally:
+        model.forward, torch._dynamo.config.cache_size_limit = forward, limit
+
+
+def batches(prompts, b: int):
+    """The prompts ``b`` at a time (batch 1: one after another)."""
+    return [prompts[i : i + b] for i in range(0, len(prompts), b)]
 
 
 def teacher_forced_alpha(target, draft, prompts, continuations) -> float:
@@ -226,7 +278,7 @@ def step_profile(engine, prompts, spec, steps: int, device: str) -> dict:
     """Where a decode step's time goes (requests admitted first, then ``steps`` steps)."""
     from specray.engine import SamplingParams, SpeculationParams
 
-    long = SamplingParams(max_tokens=3 * steps * 6 + 16, temperature=0, ignore_eos=True)  # never done early
+    long = SamplingParams(max_tokens=4 * steps * 6 + 16, temperature=0, ignore_eos=True)  # never done early
     ids = [engine.add_request(p, long, SpeculationParams(**spec)) for p in prompts]
     engine.step()
     engine.step()  # admitted, and one step for lazy captures
@@ -244,6 +296,14 @@ def step_profile(engine, prompts, spec, steps: int, device: str) -> dict:
                 engine.step()
             reads.append(n["reads"])
         out["reads"] = max(reads)
+    if engine.step_mode in COMPILED:  # wall time minus the time inside compiled callables
+        with timing() as clock:
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            wall = time.perf_counter() - start
+        out["compiled_ms"] = 1e3 * clock.seconds / steps
+        out["host_share"] = max(0.0, 1 - clock.seconds / wall)
     for rid in ids:
         engine.abort(rid)
     return out
@@ -259,12 +319,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the pair: auto (llama3-8b on CUDA, demo on CPU), demo (the trained demo pair), or a synthetic shape")
     p.add_argument("--draft-layers", type=int, default=2, help="synthetic draft: the target's first N layers")
     p.add_argument("--scale", type=float, default=0.03, help="synthetic: later layers' residual scale (sets alpha)")
-    p.add_argument("--batch", default="1,8,32", help="batch sizes")
+    p.add_argument("--batch", default="auto", help="batch sizes (auto: 1,8,32 on CUDA, 1,8 on CPU)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts, run --batch at a time (default: the largest batch)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per request")
-    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
-    p.add_argument("--modes", default="auto", help="step modes: auto (graphs on CUDA; eager,static,compile on CPU)")
+    p.add_argument("--prompt-len", default="auto",
+                   help="prompt tokens: N, or MIN-MAX for held-out demo prompts (auto: 20-30 with the demo pair, else 64)")
+    p.add_argument("--modes", default="auto", help="step modes: auto (graphs on CUDA; eager,compile on CPU)")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"specray configs, of: {', '.join(CONFIGS)}")
-    p.add_argument("--hf", default="auto", help="HF baselines: eager, static, none (auto: eager,static on CUDA, eager on CPU)")
+    p.add_argument("--hf", default="auto", help="HF baselines: eager, static, compiled (a static cache and a compiled "
+                   "forward), none (auto: eager,static on CUDA, eager,compiled on CPU)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per row, the fastest kept (shared machines)")
     p.add_argument("--profile-steps", type=int, default=16, help="steps profiled per row (0: no profile)")
     p.add_argument("--out", default="specray-bench/gpu", help="output folder")
@@ -277,10 +340,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.shape == "auto":
         args.shape = "llama3-8b" if cuda else "demo"
     if args.modes == "auto":
-        args.modes = "graphs" if cuda else "eager,static,compile"
+        args.modes = "graphs" if cuda else "eager,compile"
     if args.hf == "auto":
-        args.hf = "eager,static" if cuda else "eager"
+        args.hf = "eager,static" if cuda else "eager,compiled"
+    if args.batch == "auto":
+        args.batch = "1,8,32" if cuda else "1,8"
+    if args.prompt_len == "auto":
+        args.prompt_len = "20-30" if args.shape == "demo" else "64"
+    low, _, high = args.prompt_len.partition("-")
+    args.prompt_lengths = (int(low), int(high or low))
     args.batches = [int(b) for b in args.batch.split(",")]
+    args.prompts = args.prompts or max(args.batches)
     args.mode_list = [m for m in args.modes.split(",") if m]
     args.config_list = [c for c in args.configs.split(",") if c]
     unknown = [c for c in args.config_list if c not in CONFIGS]
@@ -304,46 +374,69 @@ def main(argv: Sequence[str] | None = None) -> int:
                      else demo_pair(dtype, device))
     print(f"{label}: built in {time.perf_counter() - t0:.1f} s; {args.dtype} on {device}", flush=True)
     vocab = target.config.vocab_size
-    prompts = make_prompts(max(args.batches), args.prompt_len, vocab)
+    if synthetic:
+        prompts = make_prompts(args.prompts, args.prompt_lengths[1], vocab)
+    else:
+        prompts = demo_prompts(args.prompts, args.prompt_lengths)
+    print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{args.max_tokens} new tokens each", flush=True)
     bw = copy_bandwidth(device)
     bound_ms = 1e3 * weight_bytes(target) / bw  # one sequence reads every weight once per token
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes(target) / 1e9:.2f} GB; "
           f"bound {bound_ms:.2f} ms/token", flush=True)
 
     rows = []
-    for b in args.batches:  # HF baselines
-        for kind in args.hf_list:
-            with hf_attention(target):
-                run_hf(target, prompts[:b], 8 if kind == "eager" else args.max_tokens, kind == "static")  # warm-up
-                dt, toks = timed(lambda: run_hf(target, prompts[:b], args.max_tokens, kind == "static"), device,
-                                 args.repeats)
-            rows.append(_row(f"hf {kind}", "-", b, dt, args, bound_ms, tokens=toks))
-            print(_progress(rows[-1]), flush=True)
+    ceiling = max(map(len, prompts)) + args.max_tokens  # one static cache size for every HF call
+    for kind in args.hf_list:  # HF baselines
+        with hf_attention(target), (hf_compiled(target) if kind == "compiled" else contextlib.nullcontext()):
+            for b in args.batches:
+                groups = batches(prompts, b)
+                # warm-up: the compiled path compiles per shape (each prompt length, the cache's)
+                warm = 8 if kind == "eager" else args.max_tokens
+                start = time.perf_counter()
+                for group in groups if kind != "eager" else groups[:1]:
+                    run_hf(target, group, warm, kind != "eager", ceiling)
+                warm_s = time.perf_counter() - start
+                dt, toks = timed(lambda: [t for g in groups for t in run_hf(target, g, args.max_tokens, kind != "eager", ceiling)],
+                                 device, args.repeats)
+                rows.append(_row(f"hf {kind}", "-", b, dt, args, bound_ms, tokens=toks, runs=len(groups),
+                                 warm_s=warm_s))
+                print(_progress(rows[-1]), flush=True)
 
     alpha = c = None
+    compile_s = {}  # step mode -> the engine's warm-up (compile) seconds
     for mode in args.mode_list:
         from specray.engine import EngineConfig, LLMEngine
 
+        longest = max(map(len, prompts))
         engine = LLMEngine(EngineConfig(target="synthetic" if synthetic else "demo", max_num_seqs=max(args.batches),
-                                        max_model_len=args.prompt_len + max(args.max_tokens, 18 * args.profile_steps + 16) + 8, step=mode, dtype=args.dtype,
-                                        device=device),
+                                        max_model_len=longest + max(args.max_tokens, 24 * args.profile_steps + 16) + 8,
+                                        step=mode, dtype=args.dtype, device=device),
                            target_model=target, draft_model=draft)
+        if engine.warmup_seconds is not None:
+            print(f"  {mode}: the engine compiled its step in {engine.warmup_seconds:.1f} s (warm-up)", flush=True)
+            compile_s[mode] = engine.warmup_seconds
         if c is None:
             c = forward_ms(engine.resources["draft"], device) / forward_ms(engine.target, device)
         for b in args.batches:
+            groups = batches(prompts, b)
             plain = None
             for name in args.config_list:
                 spec = CONFIGS[name]
-                run_specray(engine, prompts[:b], min(16, args.max_tokens), spec)  # warm-up: captures, compiles
-                dt, outs = timed(lambda: run_specray(engine, prompts[:b], args.max_tokens, spec), device, args.repeats)
+                start = time.perf_counter()
+                for group in groups:  # warm-up: captures, compiles
+                    run_specray(engine, group, min(16, args.max_tokens), spec)
+                warm_s = time.perf_counter() - start
+                dt, outs = timed(lambda: [o for g in groups for o in run_specray(engine, g, args.max_tokens, spec)],
+                                 device, args.repeats)
                 tokens = [o.token_ids for o in outs]
                 if name == "none":
                     plain = tokens
                     if alpha is None and b == min(args.batches):
-                        alpha = teacher_forced_alpha(target, draft, prompts[:b], tokens)
+                        alpha = teacher_forced_alpha(target, draft, prompts, tokens)
                 steps = sum(o.metrics["target_forward_passes"] for o in outs) / len(outs)
                 row = _row(f"specray {name}", mode, b, dt, args, bound_ms, tokens=tokens, plain=plain,
-                           accepted=args.max_tokens / max(steps, 1))
+                           accepted=args.max_tokens / max(steps, 1), runs=len(groups), warm_s=warm_s)
                 if args.profile_steps:
                     row.update(step_profile(engine, prompts[:b], spec, args.profile_steps, device))
                 rows.append(row)
@@ -352,15 +445,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     _finish(rows, alpha, c)
     summary = {"pair": label, "device": _device_name(device), "dtype": args.dtype, "bandwidth_GBps": bw / 1e9,
                "weights_GB": weight_bytes(target) / 1e9, "bound_ms_per_token": bound_ms, "alpha": alpha, "c": c,
-               "command": command, "host": platform.node()}
+               "command": command, "host": platform.node(), "compile_s": compile_s, "load": _load()}
     _write(Path(args.out), rows, summary)
     return 0
 
 
-def _row(name, mode, batch, seconds, args, bound_ms, tokens=None, plain=None, accepted=None) -> dict:
-    ms = 1e3 * seconds / args.max_tokens
-    row = {"config": name, "mode": mode, "batch": batch, "ms_per_token": ms, "tok_s": batch * args.max_tokens / seconds,
-           "of_bound": bound_ms / ms, "accepted_per_step": accepted}
+def _row(name, mode, batch, seconds, args, bound_ms, tokens=None, plain=None, accepted=None, runs=1,
+         warm_s=None) -> dict:
+    """seconds: the ``runs`` batches' wall time together."""
+    ms = 1e3 * seconds / (args.max_tokens * runs)
+    row = {"config": name, "mode": mode, "batch": batch, "ms_per_token": ms,
+           "tok_s": args.prompts * args.max_tokens / seconds, "of_bound": bound_ms / ms, "accepted_per_step": accepted,
+           "warm_s": warm_s}
     if tokens is not None and plain is not None:
         same = sum(t == p for t, p in zip(tokens, plain))
         row["agree_rows"] = f"{same}/{len(tokens)}"
@@ -369,10 +465,16 @@ def _row(name, mode, batch, seconds, args, bound_ms, tokens=None, plain=None, ac
 
 def _finish(rows: list[dict], alpha, c) -> None:
     """Ratios to HF static (or eager) at the same batch, and the Leviathan bound for draft rows."""
+    def find(config, batch, mode="-"):
+        return next((h for h in rows if h["batch"] == batch and h["config"] == config and h["mode"] == mode), None)
+
     for r in rows:
-        hf = next((h for h in rows if h["batch"] == r["batch"] and h["config"] == "hf static"), None) or \
-            next((h for h in rows if h["batch"] == r["batch"] and h["config"] == "hf eager"), None)
+        hf = find("hf compiled", r["batch"]) or find("hf static", r["batch"]) or find("hf eager", r["batch"])
         r["x_hf"] = r["tok_s"] / hf["tok_s"] if hf else None
+        hf_eager = find("hf eager", r["batch"])
+        r["x_hf_eager"] = r["tok_s"] / hf_eager["tok_s"] if hf_eager else None
+        eager = find(r["config"], r["batch"], "eager") if r["config"].startswith("specray") else None
+        r["x_eager"] = r["tok_s"] / eager["tok_s"] if eager and r["mode"] != "eager" else None
         plain = next((p for p in rows if p["batch"] == r["batch"] and p["mode"] == r["mode"]
                       and p["config"] == "specray none"), None)
         r["x_plain"] = r["tok_s"] / plain["tok_s"] if plain else None
@@ -385,15 +487,26 @@ def _finish(rows: list[dict], alpha, c) -> None:
 COLUMNS = [  # (key, heading, align, digits)
     ("config", "config", "<"), ("mode", "mode", "<"), ("batch", "batch", ">"), ("ms_per_token", "ms/token", ">", 2),
     ("tok_s", "tok/s", ">", 1), ("of_bound", "of bound", ">", 2), ("x_plain", "x plain", ">", 2),
-    ("x_hf", "x HF", ">", 2), ("accepted_per_step", "tok/step", ">", 2), ("leviathan", "Leviathan", ">", 2),
+    ("x_hf", "x HF", ">", 2), ("x_hf_eager", "x HF eager", ">", 2), ("x_eager", "x eager", ">", 2),
+    ("warm_s", "warm s", ">", 1), ("accepted_per_step", "tok/step", ">", 2), ("leviathan", "Leviathan", ">", 2),
     ("of_leviathan", "of Lev.", ">", 2), ("wall_ms", "step ms", ">", 2), ("device_ms", "busy ms", ">", 2),
-    ("host_share", "host", ">", 2), ("launches", "launch/step", ">", 0), ("graph_launches", "graphs/step", ">", 0),
+    ("compiled_ms", "compiled ms", ">", 2), ("host_share", "host", ">", 2), ("launches", "launch/step", ">", 0), ("graph_launches", "graphs/step", ">", 0),
     ("d2h_copies", "D2H/step", ">", 1), ("reads", "reads/step", ">", 0), ("agree_rows", "= plain", ">"),
 ]
 
 
 def _progress(r: dict) -> str:
     return f"  {r['config']:<18} {r['mode']:<8} batch {r['batch']:>3}: {r['tok_s']:8.1f} tok/s, {r['ms_per_token']:.2f} ms/token"
+
+
+def _load() -> str:
+    """The machine's load average over 1, 5, 15 minutes (shared CPU machines)."""
+    import os
+
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
 
 
 def _device_name(device: str) -> str:
@@ -409,8 +522,11 @@ def _write(out: Path, rows: list[dict], summary: dict) -> None:
     head = [f"{summary['pair']} on {summary['device']}, {summary['dtype']}",
             f"bound: {summary['weights_GB']:.2f} GB of weights / {summary['bandwidth_GBps']:.0f} GB/s copy = "
             f"{summary['bound_ms_per_token']:.2f} ms/token; alpha {_f(summary['alpha'])} (teacher-forced), "
-            f"c {_f(summary['c'])}", f"command: {summary['command']}"]
-    table = "\n".join(head) + "\n\n" + _aligned(rows, columns)
+            f"c {_f(summary['c'])}", f"command: {summary['command']}",
+            "compile (engine warm-up, apart from the timings): "
+            + (", ".join(f"{m} {s:.1f} s" for m, s in summary["compile_s"].items()) or "none")
+            + f"; load average {summary['load']}"]
+    table = "\n".join(head) + "\n\n" + _aligned(rows, columns) + "\n\n" + goals(rows)
     print("\n" + table)
     (out / "gpu.txt").write_text(table + "\n")
     with open(out / "gpu.csv", "w", newline="") as f:
@@ -420,6 +536,31 @@ def _write(out: Path, rows: list[dict], summary: dict) -> None:
     (out / "gpu.json").write_text(json.dumps({"summary": summary, "rows": rows}, indent=1, default=str))
     _plot(out / "gpu.png", rows, summary)
     print(f"\nwrote {out}/gpu.txt, gpu.csv, gpu.json, gpu.png")
+
+
+def goals(rows: list[dict]) -> str:
+    """Issue 28's goals at batch 1, as this run measured them (lines for the rows present)."""
+    def get(config, mode, batch=1):
+        return next((r for r in rows if r["config"] == config and r["mode"] == mode and r["batch"] == batch), None)
+
+    lines = ["goals (batch 1):"]
+    plain, draft = get("specray none", "compile"), get("specray draft k=4", "compile")
+    hf_eager, hf_compiled = get("hf eager", "-"), get("hf compiled", "-")
+    draft_eager = get("specray draft k=4", "eager")
+    if plain and hf_eager:
+        x = plain["tok_s"] / hf_eager["tok_s"]
+        lines.append(f"  specray plain compile / HF eager      {x:5.2f}  (goal >= 2.5: {'met' if x >= 2.5 else 'NOT met'})")
+    if plain and hf_compiled:
+        x = plain["tok_s"] / hf_compiled["tok_s"]
+        lines.append(f"  specray plain compile / HF compiled   {x:5.2f}  (goal > 1: {'met' if x > 1 else 'NOT met'})")
+    if draft and draft_eager:
+        x = draft["tok_s"] / draft_eager["tok_s"]
+        lines.append(f"  draft k=4 compile / draft k=4 eager   {x:5.2f}  (goal >= 1.5: {'met' if x >= 1.5 else 'NOT met'})")
+    for r in (plain, draft):
+        if r and r.get("host_share") is not None:
+            lines.append(f"  host share, {r['config']} compile  {r['host_share']:5.2f}  (goal <= 0.15: "
+                         f"{'met' if r['host_share'] <= 0.15 else 'NOT met'})")
+    return "\n".join(lines)
 
 
 def _f(v) -> str:

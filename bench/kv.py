@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-tokens", type=int, default=6144,
                    help="the KV budget, in target tokens (the contiguous cache holds this / 1536 sequences)")
     p.add_argument("--method", default="none", help="speculation of the capacity run (none: the cache alone)")
-    p.add_argument("--questions", type=int, default=6, help="requests timed for time to first token")
+    p.add_argument("--questions", type=int, default=24, help="requests timed for time to first token (their mean)")
     p.add_argument("--repeated", type=int, default=6, help="distinct prompts of the hit-rate run (each 4 times)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="capacity,ttft,hit_rate", help="measurements to run (comma-separated)")

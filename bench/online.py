@@ -2,8 +2,9 @@
 requests, learning on against off, for the draft model and EAGLE on the demo pair.
 
     python -m specray.bench.online [--methods draft,eagle] [--requests 300] [--max-tokens 32]
-                                   [--wave 10] [--window 30] [--round-requests 60] [--steps 60]
-                                   [--eagle DIR] [--out bench/results]
+                                   [--wave 10] [--window 30] [--round-requests 60] [--steps 100]
+                                   [--batch-size 16] [--greedy-temperature 0.25] [--eagle DIR]
+                                   [--out bench/results]
     python -m specray.bench.online --overhead [--requests 100] [--repeats 3]   # capture's cost
 
 The workload (``bench/shifted.py``) is German, French and Spanish sentences — the demo pair and
@@ -39,8 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wave", type=int, default=10, help="requests served together (continuous batching)")
     p.add_argument("--window", type=int, default=30, help="requests per point of the curve")
     p.add_argument("--round-requests", type=int, default=60, help="captured requests per training round")
-    p.add_argument("--steps", type=int, default=60, help="optimiser steps per round")
+    p.add_argument("--steps", type=int, default=100, help="optimiser steps per round")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences (draft) or windows (heads) per step")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--greedy-temperature", type=float, default=0.25,
+                   help="the teacher's temperature for greedy requests (draft model; 1: the target's distribution)")
     p.add_argument("--eagle", default=None, help="an EAGLE head dir (default: train one on the demo target, cached)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overhead", action="store_true",
@@ -77,7 +81,8 @@ def _serve(method: str, learn: bool, prompts, args, pair, eagle: str | None) -> 
     from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
 
     cfg = OnlineLearningConfig(enabled=True, methods=[method], round_requests=args.round_requests, steps=args.steps,
-                               lr=args.lr, gate_options={method: {k: v for k, v in SPECS[method].items()
+                               batch_size=args.batch_size, lr=args.lr, greedy_temperature=args.greedy_temperature,
+                               gate_options={method: {k: v for k, v in SPECS[method].items()
                                                                   if k != "method"}})
     engine = LLMEngine(EngineConfig(target=pair.target, tokenizer=pair.tokenizer, max_num_seqs=args.wave,
                                     draft=pair.draft if method == "draft" else None,

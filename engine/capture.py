@@ -8,8 +8,9 @@ the methods that learn, and assembles one ``Trace`` per request:
 * feature-level drafters (EAGLE, EAGLE-3, Medusa, ReDrafter): the target's hidden states its
   recipe trains on — exactly the ones the commit hands its proposer (``MethodSpec.
   feature_layers``) — at every prompt position and every verified position;
-* the draft model (OSD's distillation): the target's top-k log-probabilities at every verified
-  position, the teacher distribution that produced each emitted token (k <= 20 bounds the bytes).
+* the draft model (OSD's distillation) and EAGLE-3 (its labels are the target's distribution):
+  the target's top-k log-probabilities at every verified position, the teacher distribution
+  that produced each emitted token (k <= 20 bounds the bytes), and the request's temperature.
 
 Finished traces wait in an outbox that the engine's owner drains (``take``) and ships off the
 step's path: a step only appends views of tensors it computed anyway and takes one top-k over
@@ -31,6 +32,8 @@ from specray.policies.base import CommitRow, PrefillRow
 from specray.policies.registry import method_spec, registered_methods
 
 MAX_TOP_K = 20
+# Checkpoint kinds whose recipes learn from the target's distribution (top-k at verified positions).
+TEACHER_CHECKPOINTS = ("draft", "eagle3")
 
 
 def capture_kind(method: str) -> str | None:
@@ -42,6 +45,12 @@ def capture_kind(method: str) -> str | None:
     if spec.checkpoint == "draft":
         return "topk"
     return None
+
+
+def wants_teacher(method: str) -> bool:
+    """Whether ``method``'s recipe learns from the target's top-k at verified positions: the
+    draft model (OSD's teacher) and EAGLE-3 (its labels, the target's next-token distribution)."""
+    return capture_kind(method) is not None and method_spec(method).checkpoint in TEACHER_CHECKPOINTS
 
 
 def learnable_methods() -> list[str]:
@@ -76,13 +85,16 @@ class CaptureConfig:
 class Trace:
     """One served request as its drafter's recipe reads it.
 
-    tokens:        [L] committed tokens (prompt + emitted)
+    tokens:        [L] committed tokens (prompt + emitted); for a feature method from the first
+                   position the target computed (a request started from a cached prefix is
+                   kept from there, its prompt cut to what follows the prefix)
     prompt_len:    P
     features:      [L - 1, F] float32 the target's hidden states at positions 0 .. L - 2 (each
                    position's state predicts the next token), feature methods; else None
     topk_ids:      [L - P, k] int64 the target's k most likely tokens at the position that
-                   emitted output token j (draft model); else None
+                   emitted output token j (draft model, EAGLE-3); else None
     topk_logprobs: [L - P, k] float32 their log-probabilities (log_softmax of the raw logits)
+    temperature:   the request's sampling temperature (0: greedy), what its tokens were drawn at
     version:       the drafter version that served it
     """
 
@@ -93,6 +105,7 @@ class Trace:
     features: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
+    temperature: float = 0.0
     accepted_length: float = 1.0
     finished_at: float = field(default_factory=time.time)
 
@@ -164,6 +177,7 @@ class _Open:
     tokens: list[int]
     prompt_len: int
     version: str
+    temperature: float = 0.0
     features: list[torch.Tensor] = field(default_factory=list)
     topk_ids: list[torch.Tensor] = field(default_factory=list)
     topk_logprobs: list[torch.Tensor] = field(default_factory=list)
@@ -197,8 +211,9 @@ class Capture:
         for i, r in enumerate(reqs):
             if r.output_ids or not self.wants(r.request_id, r.method):  # resumed requests: not captured
                 continue
-            self._open[r.slot] = _Open(r.method, [], len(r.prompt_ids), self.versions.get(r.method, "base"))
-            if capture_kind(r.method) == "topk":
+            self._open[r.slot] = _Open(r.method, [], len(r.prompt_ids), self.versions.get(r.method, "base"),
+                                       float(r.sampling.temperature or 0.0))
+            if wants_teacher(r.method):
                 self._topk(self._open[r.slot], logits[i, -1:])
 
     def verified(self, reqs: Sequence, logits: torch.Tensor, paths: Sequence[Sequence[int]],
@@ -210,7 +225,7 @@ class Capture:
                 continue
             t.drafts += 1
             t.accepted += len(paths[i]) - 1
-            if capture_kind(t.method) == "topk":
+            if wants_teacher(t.method):
                 nodes = torch.tensor(list(paths[i])[: len(emitted[i])], dtype=torch.long, device=logits.device)
                 self._topk(t, logits[i, nodes])
 
@@ -221,7 +236,12 @@ class Capture:
             if t is None:
                 continue
             if isinstance(row, PrefillRow):
-                t.tokens = list(row.token_ids) + [row.first_token]
+                # From a cached prefix (paged KV; Medusa and ReDrafter, whose heads keep no KV of
+                # their own) the target computed no features before ``row.start``: the trace
+                # begins there, as a request whose prompt starts at that token.
+                cut = row.start if row.features is not None else 0
+                t.tokens = list(row.token_ids[cut:]) + [row.first_token]
+                t.prompt_len -= cut
             else:
                 t.tokens += list(row.tokens)
             if row.features is not None:
@@ -255,5 +275,5 @@ class Capture:
         if t.topk_ids:
             ids = torch.cat(t.topk_ids).cpu()[:n_out]
             lps = torch.cat(t.topk_logprobs).cpu()[:n_out]
-        return Trace(t.method, t.tokens, t.prompt_len, t.version, feats, ids, lps,
+        return Trace(t.method, t.tokens, t.prompt_len, t.version, feats, ids, lps, t.temperature,
                      1.0 + t.accepted / t.drafts if t.drafts else 1.0)

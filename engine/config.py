@@ -16,6 +16,10 @@ from specray.policies.spec_length import SpeculationLengthPolicy
 log = logging.getLogger(__name__)
 
 STEP_CHOICES = ("auto", "eager", "static", "compile", "cudagraph", "graphs")
+# What ``step: auto`` runs on a CPU for a server (which compiles while it warms up, before it
+# says ready). A one-shot run (``specray generate``) stays eager whatever this says: the
+# compile costs it more than it gains (``one_shot_step``).
+CPU_AUTO_STEP = "eager"
 
 # Without an explicit max_model_len, contexts are capped here: the KV cache is
 # preallocated for max_num_seqs x context tokens.
@@ -82,6 +86,8 @@ class EngineConfig:
     online_learning: capture for online learning (``engine/capture.py``) and versioned
         drafters that can be swapped between steps (``engine/drafter_versions.py``); None
         (default): neither.
+    warm_up: under a compiled step, compile every loaded method's graphs when the engine
+        starts (``engine/warmup.py``), not on the first requests.
     paged_kv: keep every model's KV in blocks of ``block_size`` tokens taken from one pool
         per model as sequences grow (default; ``engine/kv_blocks.py``), or False: each of the
         ``max_num_seqs`` rows holds a whole ``max_model_len`` context (the contiguous layout).
@@ -112,6 +118,7 @@ class EngineConfig:
     default_speculation: MethodOptions | None = None
     speculation_length: SpeculationLengthPolicy | None = None
     online_learning: CaptureConfig | None = None
+    warm_up: bool = True
     paged_kv: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None
@@ -153,12 +160,20 @@ class EngineConfig:
     def step_mode(self, device: torch.device) -> str:
         """The step mode this config runs on ``device`` (``auto`` resolved)."""
         if self.step == "auto":
-            return "graphs" if device.type == "cuda" else "eager"
+            return "graphs" if device.type == "cuda" else CPU_AUTO_STEP
         if self.step in ("cudagraph", "graphs") and device.type != "cuda":
             raise ValueError(f"step {self.step!r} captures CUDA graphs and needs a CUDA device; on CPU use "
                              "'compile' (or 'static', or 'eager')")
         return self.step
 
+    def one_shot(self) -> "EngineConfig":
+        """This config for one short run (``specray generate``): ``auto`` on a CPU runs eager,
+        as compiling takes longer than a few hundred tokens gain."""
+        from dataclasses import replace
+
+        if self.step == "auto" and not resolve_device(self.device).startswith("cuda"):
+            return replace(self, step="eager")
+        return self
     def paging(self, capacity: int, bytes_per_token: int) -> PagingConfig | None:
         """The target's paged layout (None: contiguous): its pool from ``num_kv_blocks``, else
         ``kv_cache_memory_bytes`` (``bytes_per_token``: the model's K and V of one token over

@@ -30,10 +30,14 @@ from specray.kernels.acceptance import rejection_accept
 from specray.kernels.batch_acceptance import (
     BatchAcceptance,
     greedy_accept_batch,
+    parent_nodes,
     tree_rejection_accept_batch,
     tree_uniform_count,
 )
 from specray.kernels.sampling import uniforms
+from specray.kernels.tree import TokenTree, device_children, device_layout
+from specray.engine.graphs import COMPILED
+from specray.policies.compiled import compile_fn
 from specray.policies.base import DeviceDraft, DraftRow
 
 
@@ -54,24 +58,35 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
     static = target.static
     inputs = S.verify_inputs(reqs, drafts)
     device = target.device
-    spliced = []
+    spliced, trees, built = [], [], {}  # built: batch row -> (its DeviceTrees, its index there)
     for idx, part in device_parts.values():
         rows = torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
         spliced.append((rows, 1, part.device_tokens))
-    out = static.run([r.slot for r in reqs], inputs.tokens, inputs.layout, spliced)
-    batch, width = len(reqs), out.ids.shape[1]
+        for t in part.trees:  # trees built on the device: their structure goes in as tensors
+            anc, depth = device_layout(t.parents, t.max_depth)  # [m, T + 1, T + 1], [m, T + 1]
+            at = torch.tensor([idx[n] for n in t.rows], dtype=torch.long).to(device, non_blocking=True)
+            trees.append((at, anc[:, 1:, 1:], depth[:, 1:]))
+            built.update({idx[n]: (t, j) for j, n in enumerate(t.rows)})
+    out = static.run([r.slot for r in reqs], inputs.tokens, inputs.layout, spliced, trees=trees)
+    batch, (rows_b, width) = len(reqs), out.ids.shape
     ids, anc, depth = out.ids[:batch], out.tree[:batch], out.offsets[:batch]
     raw = out.logits[:batch]  # [B, W, V]
-    logits = processed(raw, reqs, Positions(ids, anc, depth))  # as each row samples (its history at each node)
-    best = logits.argmax(dim=-1)  # [B, W]
-    sizes = torch.tensor([d.size for d in drafts], dtype=torch.long).to(device, non_blocking=True)
-    acc = greedy_accept_batch(ids, anc, depth, sizes, best)
-    host_rows = _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc)
+    scored = out.logits  # [Bb, W, V]: the padded batch, as the compiled forward's shapes
+    if any(r.sampling.processes_logits for r in reqs):  # as each row samples (its history at each node)
+        scored = scored.clone()
+        scored[:batch] = processed(raw, reqs, Positions(ids, anc, depth))
+    sizes = torch.tensor([d.size for d in drafts] + [0] * (rows_b - batch), dtype=torch.long).to(device, non_blocking=True)
+    num, path, emitted_t, best_t, packed = _greedy(static.mode, device)(out.ids, out.tree, out.offsets, sizes, scored)
+    acc = BatchAcceptance(num[:batch], path[:batch], emitted_t[:batch])
+    logits = scored[:batch]
+    host_rows = _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc, built)
     if any(not d.is_chain for d in drafts):
         bases = torch.tensor([r.num_tokens - 1 for r in reqs], dtype=torch.long).to(device, non_blocking=True)
         target.compact_paths(out.rows[:batch], bases, acc.path, acc.num_accepted)
+    if any(not r.sampling.greedy for r in reqs):  # rejection sampling rewrote rows of acc
+        packed = _pack(acc.num_accepted, acc.path, acc.emitted, best_t[:batch], ids, packed[:batch, 1 + 4 * width :])
     # The one read-back of the step.
-    host = torch.cat([acc.num_accepted[:, None], acc.path, acc.emitted, best, ids], dim=1).tolist()
+    host = packed[:batch].tolist()
     accepted, emitted, paths, extra_best, filled = [], [], [], [], list(drafts)
     device_rows = {i for idx, _ in device_parts.values() for i in idx}
     for i, row in enumerate(host):
@@ -84,6 +99,8 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
                           if d.extra is not None else None)
         if i in device_rows:
             filled[i] = replace(d, tokens=row[2 + 3 * width : 2 + 3 * width + d.size])
+        if i in built:
+            filled[i] = replace(filled[i], tree=TokenTree.from_parents(row[2 + 4 * width : 2 + 4 * width + d.size]))
     result = StepResult(accepted, emitted, paths)
     if host_rows:  # typical acceptance (lossy, opt-in): the per-row host rule
         scores = TargetScores.from_logits(logits[host_rows], list(range(len(host_rows))))
@@ -94,7 +111,38 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
     return DeviceVerification(Verified(result, filled, extra_best, logprobs), out.hidden, out.layers, raw)
 
 
-def _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc: BatchAcceptance) -> list[int]:
+def greedy_pass(ids, anc, depth, sizes, logits):
+    """Token-match acceptance of the whole padded batch and the step's read-back buffer,
+    from the verification's tensors (compiled under ``step=compile``: one graph, no host
+    work per op). ids [Bb, W], anc [Bb, W, W], depth [Bb, W], sizes [Bb], logits [Bb, W, V].
+    Returns (num_accepted [Bb], path [Bb, W], emitted [Bb, W], best [Bb, W], buffer), the
+    buffer per row: [num_accepted | path (W) | emitted (W) | target argmax (W) | verified
+    tokens (W) | parents (W)]."""
+    best = logits.argmax(dim=-1)  # [Bb, W]
+    acc = greedy_accept_batch(ids, anc, depth, sizes, best)
+    parents = parent_nodes(anc, depth)
+    return acc.num_accepted, acc.path, acc.emitted, best, _pack(acc.num_accepted, acc.path, acc.emitted, best, ids,
+                                                               parents)
+
+
+def _pack(num_accepted, path, emitted, best, ids, parents):
+    return torch.cat([num_accepted[:, None], path, emitted, best, ids, parents], dim=1)
+
+
+_GREEDY: dict[tuple[str, str], object] = {}
+
+
+def _greedy(mode: str, device: torch.device):
+    """``greedy_pass`` as the step mode runs it (compiled once per process and device type
+    under compile)."""
+    key = (mode, device.type)
+    fn = _GREEDY.get(key)
+    if fn is None:
+        fn = _GREEDY[key] = compile_fn(greedy_pass, device) if mode in COMPILED else greedy_pass
+    return fn
+
+
+def _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc: BatchAcceptance, built) -> list[int]:
     """Rejection sampling for the sampled rows, written into ``acc``; returns the rows left
     to the host (typical acceptance)."""
     chains, trees, host = [], [], []
@@ -130,19 +178,28 @@ def _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc: BatchAcce
         parts.append(BatchAcceptance(res.num_accepted, path, emitted))
     if trees:
         t = len(trees)
-        structures = [drafts[i].structure for i in trees]
-        levels = max(s.max_depth for s in structures)
-        strides = [s.children_table.shape[1] for s in structures]
-        counts = [tree_uniform_count(s.max_depth, c) for s, c in zip(structures, strides)]
+        # (depth, max children) per row: the tree's, or the bounds of a tree built on the device
+        bounds = [(built[i][0].max_depth, built[i][0].max_children) if i in built
+                  else (drafts[i].structure.max_depth, drafts[i].structure.children_table.shape[1]) for i in trees]
+        levels = max(d for d, _ in bounds)
+        strides = [c for _, c in bounds]
+        counts = [tree_uniform_count(d, c) for d, c in bounds]
         u = uniforms(counts, generators[len(chains):], device)
         kids = torch.full((t, width, max(strides)), -1, dtype=torch.long)
-        for j, s in enumerate(structures):
-            table = s.children_table
-            kids[j, : table.shape[0], : table.shape[1]] = table
+        for j, i in enumerate(trees):
+            if i not in built:
+                table = drafts[i].structure.children_table
+                kids[j, : table.shape[0], : table.shape[1]] = table
+        kids = kids.to(device, non_blocking=True)
+        for j, i in enumerate(trees):  # device trees: their children, found on the device
+            if i in built:
+                tree, n = built[i]
+                table = device_children(tree.parents[n : n + 1], tree.max_children)[0]  # [T + 1, C]
+                kids[j, : table.shape[0], : table.shape[1]] = table
         sel = idx[len(chains):]
         has_q = _has_q(trees, drafts, device_parts)
         parts.append(tree_rejection_accept_batch(
-            ids[sel], anc[sel], depth[sel], kids.to(device, non_blocking=True), probs[len(chains):], u,
+            ids[sel], anc[sel], depth[sel], kids, probs[len(chains):], u,
             strides=torch.tensor(strides).to(device, non_blocking=True),
             finals=torch.tensor([c - 1 for c in counts]).to(device, non_blocking=True), levels=levels,
             draft_probs=None if q is None else q[len(chains):],
@@ -160,8 +217,8 @@ def _draft_probs(rows, drafts, device_parts, width, vocab, device) -> torch.Tens
     j, the root's column unused), or None when no sampled row carries one."""
     by_row = {}
     for idx, part in device_parts.values():
-        if part.device_probs is not None:
-            for n, i in enumerate(idx):
+        for n, i in enumerate(idx):
+            if part.carries_probs(n):
                 by_row[i] = part.device_probs[n]  # [k, V]
     if not any(drafts[i].probs is not None or i in by_row for i in rows):
         return None
@@ -175,6 +232,6 @@ def _draft_probs(rows, drafts, device_parts, width, vocab, device) -> torch.Tens
 
 def _has_q(rows, drafts, device_parts) -> torch.Tensor | None:
     """[S] bool: the row's nodes carry draft probabilities (else they are one-hot proposals)."""
-    with_q = {i for idx, part in device_parts.values() if part.device_probs is not None for i in idx}
+    with_q = {i for idx, part in device_parts.values() for n, i in enumerate(idx) if part.carries_probs(n)}
     flags = [drafts[i].probs is not None or i in with_q for i in rows]
     return torch.tensor(flags) if any(flags) else None

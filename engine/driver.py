@@ -18,6 +18,7 @@ from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
 from specray.engine.accept import TargetScores, Verified, sampled_rows
 from specray.engine.collectives import GroupLostError
+from specray.engine.gc_pauses import gc_seconds
 from specray.kernels.sampling import sample
 from specray.policies.base import Draft, DraftRow
 from specray.policies.controller import AdaptiveSpeculation
@@ -106,7 +107,7 @@ class StepDriver:
         return self._apply(S.commit_prefill(reqs, tokens, self.capacity, self.tokenizer, scores))
 
     async def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
-        start, cost = time.perf_counter(), self.clock()
+        start, cost, paused = time.perf_counter(), self.clock(), gc_seconds()
         views = [S.row_view(r) for r in batch]
         plan = S.plan_proposals(batch, self.capacity, self.length_policy.caps(views))
         drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
@@ -127,8 +128,9 @@ class StepDriver:
             self.phase_seconds["verify"] += time.perf_counter() - proposed
             self.phase_seconds["steps"] += 1
             outputs = self._apply(S.commit_step(batch, verified, self.capacity, self.tokenizer))
-            self.length_policy.observe(views, [d.size for d in drafts], verified.result.num_accepted,
-                                       self.clock() - cost)
+            # A collector pause that fell in this step is no cost of its drafts (gc_pauses.py).
+            seconds = max(self.clock() - cost - (gc_seconds() - paused), 0.0)
+            self.length_policy.observe(views, [d.size for d in drafts], verified.result.num_accepted, seconds)
         return ended + self._fail_after(outputs, failed)
 
     def _make_room(self, batch: list[Request], drafts: list[DraftRow], views: list):

@@ -20,6 +20,7 @@ from specray.engine.device_step import verify_on_device
 from specray.engine.accept import TargetScores, accept_verified, sampled_rows
 from specray.engine.kv_blocks import KVCacheFull
 from specray.engine.logits import host_positions, processed
+from specray.kernels.tree import TokenTree
 from specray.policies.base import EMPTY, Draft, DraftRow, PrefillRow
 from specray.policies.registry import method_spec, registered_methods
 
@@ -232,10 +233,12 @@ class LocalExecutor:
         out = list(drafts)
         for idx, part in self._device_parts.values():  # drafts made on the device: read them back
             tokens = part.device_tokens.tolist()
+            trees = {n: parents for t in part.trees for n, parents in zip(t.rows, t.parents.tolist())}
             for n, i in enumerate(idx):
                 d = drafts[i]
-                probs = None if reqs[i].sampling.greedy or part.device_probs is None else part.device_probs[n][: d.size]
-                out[i] = DraftRow(tokens[n][: d.size], d.tree, probs, d.extra)
+                probs = None if reqs[i].sampling.greedy or not part.carries_probs(n) else part.device_probs[n][: d.size]
+                tree = TokenTree.from_parents(trees[n][: d.size]) if n in trees else d.tree
+                out[i] = DraftRow(tokens[n][: d.size], tree, probs, d.extra)
         self._device_parts = {}
         return out
 
@@ -254,7 +257,8 @@ class LocalExecutor:
                 continue
             rows = [(i, self._started(row)) for i, row in rows]
             if method_spec(method).needs_features:
-                rows = [(i, _with_features(row, self._row_features(method, i))) for i, row in rows]
+                feats = self._features(method)
+                rows = [(i, _with_features(row, feats[i])) for i, row in rows]
             rows = [row for _, row in rows]
             self._tap("handed_over", method, rows)
             try:
@@ -308,12 +312,13 @@ class LocalExecutor:
                 layers.update(taps or ())
         return {"features": final, "layers": tuple(sorted(layers))}
 
-    def _row_features(self, method: str, i: int):
-        """Row i's features of the last forward as ``method`` reads them: [q, H] or [q, n*H]."""
+    def _features(self, method: str):
+        """The last forward's features as ``method`` reads them, [B, q, H] or [B, q, n*H]: one
+        concatenation for the batch, not one per row."""
         taps = self.proposers.feature_layers(method)
         if taps is None:
-            return self._last.features[i]
-        return torch.cat([self._last.layers[k][i] for k in taps], dim=-1)
+            return self._last.features
+        return torch.cat([self._last.layers[k] for k in taps], dim=-1)
 
 
 @dataclass

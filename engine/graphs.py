@@ -26,6 +26,10 @@ tree). Nothing in the function reads a tensor back or branches on a value, so it
   same way),
 * ``graphs`` (CUDA) — the compiled function captured the same way.
 
+The same forward serves feature-level heads (EAGLE, EAGLE-3: ``inputs`` fuses each token with
+the feature it is fed on inside the graph) and trees built on the device (``run(trees=...)``:
+EAGLE-2's and ReDrafter's, whose structure the host never reads).
+
 The eager ``ModelRunner.forward`` stays the reference: tests check the static path
 against it token for token.
 """
@@ -40,6 +44,7 @@ from typing import Literal, Sequence
 import torch
 
 from specray.kernels import attention
+from specray.policies.compiled import compile_options, timed
 
 log = logging.getLogger(__name__)
 
@@ -96,13 +101,18 @@ class StaticForward:
     >>> out = static.run([0, 3], [[7], [9]])                       # two rows decode
     """
 
-    def __init__(self, runner, mode: StepMode = "static", kv_block: int = KV_BLOCK, layers: Sequence[int] = ()):
+    def __init__(self, runner, mode: StepMode = "static", kv_block: int = KV_BLOCK, layers: Sequence[int] = (),
+                 inputs=None):
         if mode not in STEP_MODES or mode == "eager":
             raise ValueError(f"StaticForward mode must be one of {', '.join(STEP_MODES[1:])}; got {mode!r}")
         if mode in CAPTURED and runner.device.type != "cuda":
             raise ValueError(f"mode {mode!r} captures CUDA graphs and needs a CUDA device; use 'compile' on CPU")
         self.runner, self.mode, self.kv_block = runner, mode, kv_block
-        self.layers = tuple(layers)  # decoder layers whose inputs every forward returns (EAGLE-3's taps)
+        self.layers = tuple(sorted(set(layers)))  # decoder layers whose inputs every forward returns (EAGLE-3's taps)
+        self._taps = _Layers(self.layers, runner.num_layers)
+        # inputs(ids [Bb, W], feats [Bb, W, F]) -> [Bb, W, H] input embeddings, computed inside
+        # the graph from the features ``run`` is given (a feature-level head's input fusion)
+        self.inputs = inputs
         self.limit = runner.num_slots
         # Compiled forwards never see a batch or width of 1 (see the module docstring).
         self.min_size = 2 if mode in COMPILED else 1
@@ -113,15 +123,19 @@ class StaticForward:
             # Dynamo caches compiled code per code object: give each runner (draft, target) a
             # copy of _forward's, so that each model compiles once and neither shows up as a
             # recompile of the other.
-            own = types.FunctionType(StaticForward._forward.__code__.replace(), globals(), "_forward")
+            own = types.FunctionType(StaticForward._forward.__code__.replace(), globals(), "_forward",
+                                     StaticForward._forward.__defaults__)
             fn = types.MethodType(own, self)
             # No "duck sizing": a batch of 2 must not be tied to a width of 2, or to the cache's
             # 2 kv heads, which would recompile when either changes.
             torch.fx.experimental._config.use_duck_shape = False
+            # The KV cache never changes shape: static, or every buffer's dims become symbols of
+            # their own (with duck sizing off), which slowed tracing and every call's guards.
+            for buf in (*getattr(runner.cache, "keys", ()), *getattr(runner.cache, "values", ())):
+                torch._dynamo.mark_static(buf)
             # The model's modules never change after start-up, so their guards are skipped:
             # checking every parameter on each call cost more than a small model's forward.
-            fn = torch.compile(fn, dynamic=True, fullgraph=True,
-                               options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            fn = timed(torch.compile(fn, dynamic=True, fullgraph=True, options=compile_options(runner.device)))
         self._fn = fn
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
         self._chains: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (Bb, W) -> chain layout
@@ -129,13 +143,14 @@ class StaticForward:
         self._pool = None
 
     # -- the pure fixed-shape function -------------------------------------------------
-    def _forward(self, ids, lengths, q_lens, rows, tree_mask, offsets, kv_keys):
+    def _forward(self, ids, lengths, q_lens, rows, tree_mask, offsets, kv_keys, feats=None):
         """ids [Bb, W] int64; lengths [Bb] cached tokens per row; q_lens [Bb] new tokens per
         row; rows [Bb] cache rows; tree_mask [Bb, W, W] bool (new token j sees new token i);
         offsets [Bb, W] position offsets of the new tokens; kv_keys [kv] = arange(kv), whose
         length is the number of keys attended (a shape, not a value, so a compiled graph
-        keeps it symbolic). Returns (logits [Bb, W, V] float32, hidden [Bb, W, H], and the
-        tapped layers' inputs, one [Bb, W, H] each)."""
+        keeps it symbolic); feats [Bb, W, F] or None: the inputs are ``self.inputs(ids, feats)``
+        instead of the ids' embeddings. Returns (logits [Bb, W, V] float32, hidden [Bb, W, H],
+        and the tapped layers' inputs, one [Bb, W, H] each)."""
         runner = self.runner
         width = ids.shape[1]
         col = torch.arange(width, device=ids.device)
@@ -148,8 +163,10 @@ class StaticForward:
             mask=mask, lengths=lengths, positions=positions, offsets=offsets,
         )
         taps: dict[int, torch.Tensor] = {}
-        hidden = runner._run_decoder(ids, positions, ctx, None, self.layers, taps)  # [Bb, W, H]
-        return (runner.logits(hidden), hidden, *(taps[k] for k in self.layers))
+        embeds = None if feats is None else self.inputs(ids, feats)  # [Bb, W, H]
+        hidden = runner._run_decoder(ids, positions, ctx, embeds, self._taps, taps,
+                                     unroll=self.mode not in COMPILED)  # [Bb, W, H]
+        return (runner.logits(hidden), hidden, *taps.values())  # taps in layer order (self.layers is sorted)
 
     # -- one forward ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -159,6 +176,8 @@ class StaticForward:
         tokens: Sequence[Sequence[int]],
         layout: tuple[torch.Tensor, torch.Tensor] | None = None,
         spliced: Sequence[tuple[torch.Tensor, int, torch.Tensor]] = (),
+        feats: torch.Tensor | None = None,
+        trees: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
     ) -> StaticOutput:
         """Append ``tokens[i]`` to ``slots[i]`` and run the model at a fixed shape.
 
@@ -167,6 +186,11 @@ class StaticForward:
         spliced: (rows [n] int64, column c, tokens [n, k] int64): device tensors written
                  into the inputs at those rows' columns c..c+k-1 (drafts made on the
                  device, never read back; ``tokens`` holds placeholders there).
+        feats:   [B, q, F] device features the runner's ``inputs`` turns into the input
+                 embeddings inside the graph (right-padded like ``tokens``; a head's inputs).
+        trees:   (rows [n] int64, mask [n, T, T] bool, offsets [n, T] int64): trees built on
+                 the device, written into ``layout`` at those rows' nodes 1..T (the root's
+                 row and column as ``layout`` has them: every node sees the root).
         Host lengths advance by len(tokens[i]), as the eager forward's do.
         """
         runner = self.runner
@@ -186,17 +210,27 @@ class StaticForward:
         for r, col, toks in spliced:  # device drafts
             ids[r, col : col + toks.shape[1]] = toks
         if layout is None:  # chains: constant per shape, built once
+            if trees:
+                raise ValueError("trees built on the device need a layout (their rows are trees)")
             tree, offsets = self._chain(rows_b, width)
         else:
             tree, offsets = self._tree(layout, rows_b, width)
+        for r, m, o in trees:  # device trees
+            tree[r, 1 : 1 + m.shape[1], 1 : 1 + m.shape[1]] = m
+            offsets[r, 1 : 1 + o.shape[1]] = o
         dev = [ids, lens, q, rows, tree, offsets]
+        extra = []
+        if feats is not None:  # [B, q, F] -> [Bb, W, F]
+            padded = feats.new_zeros(rows_b, width, feats.shape[-1])
+            padded[:batch, : feats.shape[1]] = feats
+            extra.append(padded)
         if self.mode in CAPTURED:
-            logits, hidden, *taps = self._replay((rows_b, width, kv), dev, self._keys(kv))
+            logits, hidden, *taps = self._replay((rows_b, width, kv, len(extra)), dev, self._keys(kv), extra)
             # The graph rewrites its outputs at its next replay: features handed to proposers
             # (kept across steps) get memory of their own; logits are read before then.
             hidden, taps = hidden.clone(), [t.clone() for t in taps]
         else:
-            logits, hidden, *taps = self._fn(*dev, self._keys(kv))
+            logits, hidden, *taps = self._fn(*dev, self._keys(kv), *extra)
         for s, n in zip(slots, q_lens):
             runner.lengths[s] += n
         return StaticOutput(logits, hidden, dict(zip(self.layers, taps)), ids, tree, offsets, rows, batch)
@@ -239,18 +273,22 @@ class StaticForward:
         return keys
 
     # -- CUDA graphs -----------------------------------------------------------------------
-    def _replay(self, key, dev, kv_keys):
+    def _replay(self, key, dev, kv_keys, extra=()):
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = self._capture(dev, kv_keys)
-            log.info("captured a CUDA graph for batch %d, width %d, %d keys (%d graphs)", *key, len(self._graphs))
-        for buf, new in zip(graph.inputs, dev):
+            graph = self._graphs[key] = self._capture(dev, kv_keys, extra)
+            log.info("captured a CUDA graph for batch %d, width %d, %d keys (%d graphs)", *key[:3], len(self._graphs))
+        for buf, new in zip(graph.inputs, [*dev, *extra]):
             buf.copy_(new, non_blocking=True)
         graph.graph.replay()
         return graph.outputs
 
-    def _capture(self, dev, kv_keys) -> "_Captured":
-        inputs = [t.clone() for t in dev] + [kv_keys.clone()]
+    def _capture(self, dev, kv_keys, extra=()) -> "_Captured":
+        # A graph reads its inputs at the addresses it was captured with, so every tensor it
+        # reads must live as long as it does: the copied-into buffers (held by _Captured) and
+        # kv_keys (self._keys' own, never freed). A clone of kv_keys freed after capture was
+        # reused by the allocator, and every later replay masked with whatever it then held.
+        inputs = [t.clone() for t in dev] + [kv_keys] + [t.clone() for t in extra]
         # Warm up on a side stream (compilation, allocator, kernels' lazy init), then
         # capture; every graph of this runner shares one memory pool.
         stream = torch.cuda.Stream()
@@ -263,7 +301,26 @@ class StaticForward:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = self._fn(*inputs)
-        return _Captured(graph, inputs[:-1], outputs)
+        return _Captured(graph, inputs[: len(dev)] + inputs[len(dev) + 1 :], outputs)
+
+
+class _Layers:
+    """The tapped layers as the graph reads them: membership by flags. Under dynamic=True a
+    tuple of ints read from an object becomes symbolic (``k in layers`` is then never true,
+    and no dict lookup by one works); bools stay constants."""
+
+    def __init__(self, layers: Sequence[int], num_layers: int):
+        self.ids = tuple(layers)
+        self.flags = tuple(k in self.ids for k in range(num_layers))
+
+    def __contains__(self, k: int) -> bool:
+        return self.flags[k]
+
+    def __iter__(self):
+        return iter(self.ids)
+
+    def __bool__(self) -> bool:
+        return bool(self.ids)
 
 
 @dataclass

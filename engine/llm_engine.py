@@ -25,6 +25,7 @@ from specray.engine.delta import StepDelta
 from specray.engine.drafter_versions import DrafterVersion, DrafterVersions, read_version
 from specray.engine.driver import StepDriver, run_sync
 from specray.engine.executor import LocalExecutor, ProposerTable
+from specray.engine.graphs import COMPILED
 from specray.engine.intake import RequestMaker
 from specray.engine.kv_blocks import proposer_paging
 from specray.engine.memory import kv_bytes_per_token
@@ -32,6 +33,7 @@ from specray.engine.params import SamplingParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
 from specray.engine.scheduler import Scheduler
+from specray.engine.warmup import warm_up
 from specray.policies.checkpoint_files import measured_acceptance
 from specray.policies.controller import AdaptiveSpeculation
 from specray.policies.registry import Limits, MethodOptions, ProposerContext, method_spec, registered_methods
@@ -93,6 +95,7 @@ class LLMEngine:
         context = ProposerContext(
             vocab_size=self.target.vocab_size, max_num_seqs=config.max_num_seqs, capacity=self.capacity,
             device=str(self.target.device), dtype=config.resolved_dtype, target=self.target, runner_for=self._runner_for,
+            step=self.step_mode,
         )
         given = dict(resources or {})
         if draft_model is not None:
@@ -127,7 +130,7 @@ class LLMEngine:
         # wall seconds where a device or another process works for it.
         cpu_bound = self.target.device.type == "cpu" and not proposers
         self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, length,
-                                 clock=time.process_time if cpu_bound else time.perf_counter)
+                                 clock=cpu_clock() if cpu_bound else time.perf_counter)
         self.capture = self.versions = None
         if config.online_learning is not None:  # online learning: capture, versioned drafters
             self.versions = DrafterVersions(self.proposers, list(self.limits.methods), self.driver.length_policy)
@@ -137,6 +140,9 @@ class LLMEngine:
             self.executor.taps += [self.versions, self.capture]
             self.executor.rebuilds_heads = True
         self._text_sent: dict[str, int] = {}  # request id -> characters of its text in deltas so far
+        self.warmup_seconds = None  # what compiling the step took at start-up (compiled steps)
+        if self.step_mode in COMPILED and config.warm_up and not proposers:  # remote proposers warm up there
+            self.warmup_seconds = warm_up(self)
 
     def _runner_for(self, model, extra_capacity: int = 0, shift: int = 0, name: str = "draft") -> ModelRunner:
         """A runner for a proposer's model (a draft model, an EAGLE head): its cache paged like
@@ -348,6 +354,16 @@ def available_methods(resources: Mapping[str, object], remote_facts: Mapping[str
         elif name in resources:
             facts[name] = spec.facts(resources[name]) if spec.facts else {}
     return facts
+
+
+def cpu_clock():
+    """The CPU seconds a step costs: the thread's where torch computes in it alone (one
+    intra-op thread, as on shared CPU machines), else the process's. ``process_time`` sums
+    every thread's time in the kernel, which cost up to milliseconds per call here (a
+    compiled step's whole host budget); ``thread_time`` reads one."""
+    import torch
+
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
 
 
 def _per_prompt(value, n: int) -> list:

@@ -7,7 +7,7 @@ the *mean accepted length* is 1 + accepted / drafts (the bonus token included).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -74,7 +74,14 @@ class SpecMetrics:
         return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["mean_accepted_length"] = self.mean_accepted_length
-        d["acceptance_rate"] = self.acceptance_rate
-        return d
+        # Every step's output carries these: spelled out, as asdict's deep copy cost more
+        # than the rest of a compiled step's bookkeeping.
+        return {
+            "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
+            "target_forward_passes": self.target_forward_passes, "num_generated_tokens": self.num_generated_tokens,
+            "num_preemptions": self.num_preemptions, "num_cached_tokens": self.num_cached_tokens,
+            "drafter_version": self.drafter_version,
+            "accepted_by_version": {k: list(v) for k, v in self.accepted_by_version.items()},
+            "mean_accepted_length": self.mean_accepted_length, "acceptance_rate": self.acceptance_rate,
+        }

@@ -110,11 +110,8 @@ class Mirror:
 
     def install(self, runner: ModelRunner, name: str) -> ModelRunner:
         """Mirror ``runner``'s calls to the followers' runner ``name`` (wrapped on the instance)."""
-        # Methods of an owner the runner does not have yet (runner.static, made by enable_static):
-        # wrapped once a mirrored call has made it, then never looked for again.
-        pending = [m for m in MIRRORED if not self._wrap(runner, name, m, pending=None)]
         for method in MIRRORED:
-            self._wrap(runner, name, method, pending)
+            self._wrap(runner, name, method)
         return runner
 
     def build(self, name: str, source, load: dict, runner: dict) -> None:
@@ -127,14 +124,14 @@ class Mirror:
         self.groups.send([("", _STOP, (), {})])
         self.groups.settle()
 
-    def _wrap(self, runner, name: str, method: str, pending: list | None) -> bool:
-        """Wrap ``method`` (False: its owner does not exist yet). ``pending=None`` only asks."""
+    def _wrap(self, runner, name: str, method: str) -> None:
+        """Wrap ``method`` on its owner. An owner the runner does not have yet (runner.static) is
+        made by ``enable_static``: its methods are wrapped when that call returns, so no other
+        call on the step's path looks for owners."""
         owner_path, _, attr = method.rpartition(".")
         owner = operator.attrgetter(owner_path)(runner) if owner_path else runner
-        if owner is None:
-            return False
-        if pending is None or getattr(getattr(owner, attr), "_mirrored", False):
-            return True
+        if owner is None or getattr(getattr(owner, attr), "_mirrored", False):
+            return
         fn = getattr(owner, attr)
         collective = method in COLLECTIVE
 
@@ -146,13 +143,13 @@ class Mirror:
                 return fn(*args, **kwargs)
             finally:
                 self._depth -= 1
-                if self._depth == 0 and (pending or method == "enable_static"):  # it made an owner
-                    left = pending + [m for m in MIRRORED if "." in m] if method == "enable_static" else pending
-                    pending[:] = [m for m in dict.fromkeys(left) if not self._wrap(runner, name, m, pending)]
+                if method == "enable_static":  # it made (or remade) runner.static
+                    for m in MIRRORED:
+                        if "." in m:
+                            self._wrap(runner, name, m)
 
         mirrored._mirrored = True
         setattr(owner, attr, mirrored)
-        return True
 
     def _record(self, name: str, method: str, args, kwargs, now: bool) -> None:
         start = time.perf_counter()

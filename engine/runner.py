@@ -15,6 +15,7 @@ import torch
 
 from specray.engine.architectures import check_architecture
 from specray.engine.kv_blocks import BlockPool, BlockTables, PagingConfig
+from specray.engine.llama_layers import run_layer, unrolled
 from specray.kernels import attention
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ class ModelRunner:
         self._direct = text_config.model_type in DIRECT_LAYER_LOOP and all(
             hasattr(self.decoder, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")
         )
+        # Llama layers run unrolled (engine/llama_layers.py: the same ops, without the module calls).
+        self._unrolled = unrolled(self.decoder) if self._direct else None
 
     # -- lengths (rollback is an integer) --------------------------------------------
     def set_length(self, slot: int, length: int) -> None:
@@ -266,8 +269,12 @@ class ModelRunner:
         )
         return ctx, ids.to(self.device), pos_ids.to(self.device)
 
-    def _run_decoder(self, ids, pos_ids, ctx, inputs=None, layers=(), taps=None) -> torch.Tensor:
+    def _run_decoder(self, ids, pos_ids, ctx, inputs=None, layers=(), taps=None, unroll=True) -> torch.Tensor:
         """Final-norm hidden states [B, q, H]; ``taps[k]`` = [B, q, H] entering layer k, for k in ``layers``.
+
+        unroll: Llama layers run unrolled where they can (``engine/llama_layers.py``); a compiled
+        forward passes False, as its graph has no module calls to save, and dynamo compiled the
+        unrolled layers far more slowly (seen on the demo target).
 
         For architectures whose decoder forward is exactly embed -> rotary -> layers ->
         norm, the layers are called directly: transformers' wrapper (mask creation,
@@ -283,10 +290,15 @@ class ModelRunner:
         dec = self.decoder
         hidden = dec.embed_tokens(ids) if inputs is None else inputs
         rope = dec.rotary_emb(hidden, position_ids=pos_ids)
+        fast = self._unrolled if unroll else None
         for k, layer in enumerate(dec.layers):
             if k in layers:
                 taps[k] = hidden
-            hidden = layer(hidden, attention_mask=None, position_embeddings=rope, position_ids=pos_ids, specray_batch=ctx)
+            if fast is not None:
+                hidden = run_layer(fast[k], hidden, rope[0], rope[1], ctx)
+            else:
+                hidden = layer(hidden, attention_mask=None, position_embeddings=rope, position_ids=pos_ids,
+                               specray_batch=ctx)
         return dec.norm(hidden)
 
 
@@ -337,12 +349,13 @@ class ModelRunner:
         dst = torch.where(keep, bases[:, None] + col[None, :], scratch)
         self.cache.move(rows, src, dst)
 
-    def enable_static(self, mode: str, layers: Sequence[int] = ()) -> None:
+    def enable_static(self, mode: str, layers: Sequence[int] = (), inputs=None) -> None:
         """Serve fixed-shape forwards (``engine/graphs.py``) beside the eager one; ``layers``:
-        the decoder layers whose inputs every fixed-shape forward also returns."""
+        the decoder layers whose inputs every fixed-shape forward also returns; ``inputs``:
+        a head's input fusion, run inside the graph (``StaticForward``)."""
         from specray.engine.graphs import StaticForward
 
-        self.static = StaticForward(self, mode, layers=layers)
+        self.static = StaticForward(self, mode, layers=layers, inputs=inputs)
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu",

@@ -112,8 +112,8 @@ def _generate(args, option_flags: list[F.OptionFlag]) -> int:
     F.check_weights(engine_cfg, args, file_data)
     if engine_cfg.tensor_parallel_size > 1:  # ranks are actors: a local Ray, as `specray serve` starts
         out = _generate_on_ray(engine_cfg, args.prompt, sampling, speculation)
-    else:
-        out = vars(LLMEngine(engine_cfg.engine_config()).generate([args.prompt], sampling, speculation)[0])
+    else:  # one short run: `auto` on a CPU runs eager (EngineConfig.one_shot)
+        out = vars(LLMEngine(engine_cfg.engine_config().one_shot()).generate([args.prompt], sampling, speculation)[0])
     if args.json:
         print(json.dumps({"text": out["text"], "token_ids": out["token_ids"], "finish_reason": out["finish_reason"],
                           "method": speculation.method, "metrics": out["metrics"]}))

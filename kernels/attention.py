@@ -339,8 +339,13 @@ def softcapped_attention(query, keys, values, mask, scaling, softcap: float):
 
 
 def xformers_attention(query, keys, values, mask, scaling):
-    """The same contract as ``sdpa_attention``, computed by xformers' fused kernels (CUDA)."""
-    import xformers.ops as xops
+    """The same contract as ``sdpa_attention``, computed by xformers' fused kernels (CUDA).
+    Reached only where the start-up probe saw them run; xformers is the optional extra."""
+    try:
+        import xformers.ops as xops
+    except ImportError as exc:
+        raise ImportError("xformers attention needs the optional extra: pip install 'specray[xformers]' "
+                          "(the build matching your torch and CUDA); without it SDPA serves") from exc
 
     b, h, q, d = query.shape
     kv = keys.shape[2]
@@ -358,9 +363,19 @@ def xformers_attention(query, keys, values, mask, scaling):
     )
 
 
+_XFORMERS: bool | None = None  # resolved once, outside any compiled graph (register())
+
+
 def _use_xformers() -> bool:
-    """xformers only where its CUDA kernels were seen to run (``kernels/backends.py``)."""
-    return attention_backend("cuda")[0] == "xformers"
+    """xformers only where its CUDA kernels were seen to run (``kernels/backends.py``).
+
+    The probe runs CUDA work and logging calls that torch.compile cannot trace, so it is
+    resolved eagerly (``register``, when a model is loaded) and a compiled forward reads a
+    plain module constant here."""
+    global _XFORMERS
+    if _XFORMERS is None:
+        _XFORMERS = attention_backend("cuda")[0] == "xformers"
+    return _XFORMERS
 
 
 def _no_mask(*args, **kwargs):
@@ -375,4 +390,6 @@ def register() -> str:
 
     AttentionInterface.register(ATTENTION_NAME, cached_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    if torch.cuda.is_available():
+        _use_xformers()  # probe now: never inside a compiled forward
     return ATTENTION_NAME

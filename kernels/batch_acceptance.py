@@ -89,7 +89,9 @@ def _assemble(tokens, anc, depth, end, final) -> BatchAcceptance:
     path = torch.zeros(b, width + 1, dtype=torch.long, device=tokens.device).scatter_(1, slot, nodes)[:, :width]
     col = torch.arange(width, device=tokens.device)
     path = torch.where(col[None, :] <= num_accepted[:, None], path, 0)
-    emitted = tokens.gather(1, torch.cat([path[:, 1:], path[:, :1]], dim=1))  # node tokens after the root
+    # node tokens after the root; a roll, not cat(path[:, 1:], path[:, :1]): a slice of width
+    # W - 1 made dynamo specialise W = 2 (its size-1 case) and recompile for every other width
+    emitted = tokens.gather(1, torch.roll(path, -1, dims=1))
     emitted = torch.where(col[None, :] < num_accepted[:, None], emitted, 0)
     emitted = emitted.scatter(1, num_accepted[:, None], final)
     return BatchAcceptance(num_accepted, path, emitted)

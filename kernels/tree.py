@@ -242,3 +242,38 @@ NAMED_TREES = {
     "trtllm_example": [[0, 0, 0, 0], [0, 1, 0], [1, 0], [1, 1]],
     "wide": [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [0, 0, 0], [0, 1, 0], [1, 0, 0]],
 }
+
+
+# -- trees built on the device (EAGLE-2, ReDrafter): their structure never leaves it ---------
+def device_layout(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trees given by their parents, as tensors on the parents' device (no read-back).
+
+    parents:   [B, T] int64, node i + 1 hangs under node parents[b, i] (0 = the root); a
+               parent precedes its children
+    max_depth: an upper bound of the trees' depth (a host int: how many hops to walk)
+    returns:   (anc [B, T + 1, T + 1] bool, anc[b, j, i]: node i is node j's ancestor or j
+               itself; depth [B, T + 1] int64, 0 at the root)
+    """
+    b, t = parents.shape
+    up = torch.cat([parents.new_zeros(b, 1), parents], dim=1)  # [B, T + 1]: the root is its own parent
+    cur = torch.arange(t + 1, device=parents.device).expand(b, -1)
+    anc = torch.zeros(b, t + 1, t + 1, dtype=torch.bool, device=parents.device)
+    anc.scatter_(2, cur[..., None], True)
+    for _ in range(max_depth):
+        cur = up.gather(1, cur)
+        anc.scatter_(2, cur[..., None], True)
+    return anc, anc.sum(dim=-1) - 1
+
+
+def device_children(parents: torch.Tensor, max_children: int) -> torch.Tensor:
+    """[B, T + 1, C] each node's children in node order, padded with -1 (C = max_children,
+    an upper bound), from parents [B, T] as in ``device_layout``."""
+    b, t = parents.shape
+    nodes = torch.arange(1, t + 1, device=parents.device)
+    owner = torch.arange(t + 1, device=parents.device)
+    is_child = parents[:, None, :] == owner[None, :, None]  # [B, T + 1, T]: node i + 1 hangs under j
+    key = torch.where(is_child, nodes, t + 1)
+    kids = key.sort(dim=-1).values[..., :max_children]
+    if kids.shape[-1] < max_children:
+        kids = torch.cat([kids, kids.new_full((b, t + 1, max_children - kids.shape[-1]), t + 1)], dim=-1)
+    return torch.where(kids > t, -1, kids)

@@ -181,16 +181,52 @@ class Draft:
         return out
 
 
+@dataclass(frozen=True)
+class DeviceTrees:
+    """Trees built on the device for some rows of a ``DeviceDraft`` (EAGLE-2, ReDrafter):
+    their structure, like their tokens, stays there until the step's one read-back.
+
+    rows:         [m] the part's row indices (their ``DraftRow`` holds a placeholder tree
+                  of the right size, ``placeholder_tree``)
+    parents:      [m, T] int64 device, node i + 1 hangs under node parents[j, i] (0 = root;
+                  rows with fewer nodes are right-padded)
+    max_depth:    an upper bound of the trees' depth
+    max_children: an upper bound of any node's children
+    """
+
+    rows: list[int]
+    parents: torch.Tensor
+    max_depth: int
+    max_children: int
+
+
+def placeholder_tree(size: int) -> TokenTree:
+    """The host's stand-in for a tree of ``size`` nodes built on the device: every node
+    under the root (the device writes the real structure into the verification)."""
+    return TokenTree.from_parents([0] * size)
+
+
 class DeviceDraft(Draft):
     """Drafts made on the device whose tokens stay there until the step's one read-back
     (``engine/device_step.py``). ``rows`` hold placeholder tokens and each row's tree (None
     for chains); device_tokens: [n, k] int64, row i's nodes 1..rows[i].size (right-padded);
-    device_probs: [n, k, V] float32 the distribution each node was drawn from (sampled
-    rows; greedy rows' entries unused), or None for deterministic proposals."""
+    device_probs: [n, k, V] float32 the distribution each node was drawn from, or None for
+    deterministic proposals; with_probs: [n] which rows' nodes carry those (None: every
+    sampled row, when device_probs is given); trees: rows whose tree structure was built on
+    the device."""
 
-    def __init__(self, rows: Sequence[DraftRow], device_tokens: torch.Tensor, device_probs: torch.Tensor | None):
+    def __init__(self, rows: Sequence[DraftRow], device_tokens: torch.Tensor, device_probs: torch.Tensor | None,
+                 with_probs: Sequence[bool] | None = None, trees: Sequence[DeviceTrees] = ()):
         super().__init__(rows)
         self.device_tokens, self.device_probs = device_tokens, device_probs
+        self.with_probs = None if with_probs is None else list(with_probs)
+        self.trees = list(trees)
+
+    def carries_probs(self, n: int) -> bool:
+        """Whether row n's nodes carry the distribution they were drawn from."""
+        if self.device_probs is None:
+            return False
+        return True if self.with_probs is None else self.with_probs[n]
 
 
 @dataclass(frozen=True)

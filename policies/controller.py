@@ -65,14 +65,47 @@ step's, perhaps a cold one), promise this much less than plain decoding: so a dr
 break-even is measured, and one far from it (a big tree in a big batch) is not."""
 
 RETRY_AFTER = (4, 32)
-"""A method switched off is tried again after 4 steps, then 8, 16, ... at most 32 (its
-acceptance or the load may have changed; a method that stays useless costs little)."""
+"""A method switched off is tried again (``RETRY_BURST`` steps) after 4 steps, then 8, 16, ...
+at most 32 (its acceptance or the load may have changed; a method that stays useless costs
+little)."""
+
+RETRY_BURST = MIN_TRIES
+"""Steps a retried method drafts before it is judged again, as a new one explores: one step
+says little, and a request whose first drafts were unlucky stayed off for good when retries
+were single steps (``test_a_drafter_switched_off_by_a_hard_stretch_comes_back_when_it_pays_again``). A
+retry step that accepts nothing ends the burst, so a useless drafter costs one step per retry,
+and a method the costs turned off (not its acceptance) is retried one step at a time."""
+
+REQUEST_FORGET = 0.9
+"""Per step a request drafts, the weight left on its older acceptance: a text's acceptance
+changes along it (a hard stretch, then an easy one), so what a request accepted lately counts
+most; ``pseudo_counts`` of the method's estimate keep a few misses from deciding alone."""
 
 PROBE_EVERY = 64
 """A bucket's steps between plain probes: one step with every self-tuned row at k = 0, so the
 cost of a plain step stays measured (without it a tree's size alone could not tell its cost
 from the step's). The first probe is a bucket's second step; a bucket whose rows decode
 plainly anyway needs none."""
+
+
+NODE_PRIOR = 0.15
+"""Before a bucket has measured a method, each of its draft nodes is taken to cost this share
+of a plain step."""
+
+BLOCK_PRIOR, BLOCK_NODE_PRIOR = 0.3, 0.05
+"""A block method (PARD, DFlash) before it is measured: its one drafting forward costs 0.3 of a
+plain step, and each node it drafts only its verification, 0.05."""
+
+OUTLIER = 4.0
+"""A step's measured seconds count as at most this many times what the cost model predicted for
+it. A garbage-collector pass or a one-time cost (a lazy import, a new shape's first run) can make
+one step 50x its peers; taken whole, it priced a paying drafter off
+(``test_one_slow_step_does_not_switch_a_paying_drafter_off``). A real change in cost still moves
+the model: each clipped step pulls it up to 4x what it predicted."""
+
+COSTS_RETRY_AFTER = (PROBE_EVERY, 4 * PROBE_EVERY)
+"""A method its costs switched off (even its priors say it does not pay at this batch size)
+is retried one step after 64 steps, then 128, then every 256."""
 
 
 @dataclass(frozen=True)
@@ -149,18 +182,35 @@ class _Costs:
         n = len(self.methods) + len(self.blocks) + 1
         self.xx, self.xy = np.zeros((n, n)), np.zeros(n)
         self.prior: np.ndarray | None = None
+        self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
+        theta = self.theta()
+        if theta is not None:
+            seconds = min(seconds, OUTLIER * float(theta @ x))
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
-            base = seconds / (1.0 + 0.15 * sum(ks.values()))
-            self.prior = np.array([base] + [(0.05 if m in self.blocks else 0.15) * base for m in self.methods]
-                                  + [0.3 * base] * len(self.blocks))  # a block method: verifying + one forward
+            base = seconds / (1.0 + NODE_PRIOR * sum(ks.values()))
+            self.prior = self._guess(base, {})
+            self._first = (dict(ks), seconds) if any(ks.values()) else None
+        elif self._first is not None and not any(ks.values()):
+            # The first plain step (the bucket's probe): the prior's step cost is measured now,
+            # and the first step's extra time is its drafts'. A prior guessed from a drafting
+            # step alone (each node 15% of a step) makes a plain step far dearer than a big
+            # tree's step shows it to be, and with few plain steps to correct it keeps a losing
+            # tree on.
+            (first, first_s), self._first = self._first, None
+            fixed = sum(BLOCK_PRIOR * seconds for m in self.blocks if first.get(m))  # the block forwards
+            per_node = max(first_s - seconds - fixed, 0.0) / max(sum(first.values()), 1)
+            self.prior = self._guess(seconds, {m: per_node for m in first if first[m]})
         self.xx = self.forget * self.xx + np.outer(x, x)
         self.xy = self.forget * self.xy + x * seconds
 
-    def seconds(self, theta: np.ndarray, ks: dict[str, int]) -> float:
-        return float(self._x(ks) @ theta)
+    def _guess(self, plain: float, per_node: Mapping[str, float]) -> np.ndarray:
+        """A prior: a plain step's seconds, each method's per-node cost (``per_node`` where
+        measured, else a share of the plain step), and each block method's one forward."""
+        nodes = [per_node.get(m, (BLOCK_NODE_PRIOR if m in self.blocks else NODE_PRIOR) * plain) for m in self.methods]
+        return np.array([plain] + nodes + [BLOCK_PRIOR * plain] * len(self.blocks))
 
     def theta(self) -> np.ndarray | None:
         if self.prior is None:
@@ -168,6 +218,27 @@ class _Costs:
         lam = self.prior_weight * np.eye(len(self.prior))
         theta = np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior)
         return np.maximum(theta, 1e-6)
+
+    def widened(self, methods: Sequence[str], blocks: Sequence[str] = ()) -> "_Costs":
+        """This model with ``methods`` added, what it measured kept: a method that joins a
+        bucket (per-request speculation: a request of another method arrives) starts from the
+        prior, and every step before it drafted none of its nodes (a new method's column is 0).
+        A fresh model would forget the others' costs and re-learn them (a useless drafter the
+        bucket had switched off drafted again)."""
+        out = _Costs(sorted(set(self.methods) | set(methods)), self.forget, self.prior_weight,
+                     frozenset(self.blocks) | frozenset(blocks))
+        at = ([0] + [1 + out.methods.index(m) for m in self.methods]  # old coordinates in the new
+              + [1 + len(out.methods) + out.blocks.index(m) for m in self.blocks])
+        out.xx[np.ix_(at, at)], out.xy[at], out._first = self.xx, self.xy, self._first
+        if self.prior is not None:
+            out.prior = out._guess(self.prior[0], {})
+            out.prior[at] = self.prior
+        return out
+
+    def seconds(self, theta: np.ndarray, ks: dict[str, int]) -> float:
+        """Predicted seconds of a step whose methods draft ``ks`` (by name: the bucket's model
+        may know methods this step lacks)."""
+        return float(theta @ self._x(ks))
 
     def _x(self, ks: dict[str, int]) -> np.ndarray:
         return np.array([1.0] + [float(ks.get(m, 0)) for m in self.methods]
@@ -194,6 +265,7 @@ class AdaptiveSpeculation:
         self._steps = 0
         self._buckets: dict[int, _Bucket] = {}  # per batch-size bucket: its exploration so far
         self._off: dict[str, list[int]] = {}  # method switched off -> [since step, retry interval]
+        self._burst: dict[str, int] = {}  # method retried -> steps it still drafts before it is judged
         self._blocks: set[str] = set()  # methods that draft a whole block in one forward
 
     def fresh(self) -> "AdaptiveSpeculation":
@@ -205,12 +277,15 @@ class AdaptiveSpeculation:
     def caps(self, rows: Sequence[RowView]) -> list[int | None]:
         """Per row: the most draft nodes it may take this step (None: the method's own size)."""
         self._steps += 1
-        methods = sorted({r.method for r in rows if r.method != "none"})
         self._blocks.update(r.method for r in rows if r.block)
-        model = self._cost_model(len(rows), methods)
-        costs = model.theta()
         bucket = self._buckets.setdefault(_bucket(len(rows)), _Bucket())
         bucket.steps += 1
+        if all(r.fixed or r.method == "none" for r in rows):  # nothing to decide (plain rows, given k)
+            self._on = set()
+            return [r.requested if r.fixed else None for r in rows]
+        methods = sorted({r.method for r in rows if r.method != "none"})
+        model = self._cost_model(len(rows), methods)
+        costs = model.theta()
         # A plain probe: the bucket has measured drafting, never a plain step (or long ago).
         probe = costs is not None and bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
         # each row's expected tokens for every k, once per step (not once per candidate k):
@@ -233,13 +308,13 @@ class AdaptiveSpeculation:
             # What the priors promise at this step's measured costs: while a method is new in
             # this bucket it is judged by that alone (a few drafts say little about a drafter;
             # a step's cost says much), and it tells whether an off method is worth retrying.
-            hope = [self._rate(rows, m, k, choice, costs, model, hoped) for k in options]
+            hope = [self._rate(rows, m, k, choice, model, costs, hoped) for k in options]
             promised = _best(hope)
             if bucket.tries.get(m, 0) < MIN_TRIES:  # exploring: draft unless clearly a loss
                 best = 1 + int(np.argmax(hope[1:]))
                 best = best if hope[best] >= hope[0] * (1 - EXPLORE_SLACK) else 0
             else:
-                best = _best([self._rate(rows, m, k, choice, costs, model, expected) for k in options])
+                best = _best([self._rate(rows, m, k, choice, model, costs, expected) for k in options])
                 if self.explore_every and self._steps % self.explore_every == 0 and not tree:
                     best = min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
             choice[m] = options[self._retry(m, best, promised > 0)]
@@ -251,18 +326,28 @@ class AdaptiveSpeculation:
     def _retry(self, method: str, best: int, promising: bool) -> int:
         """``best``, or 1 (draft again) when the method has been off for its retry interval:
         ``RETRY_AFTER``, doubling, while its priors say it should pay here (its measured
-        acceptance turned it off, and may be stale); ``PROBE_EVERY`` when even they say it
-        does not (the costs turned it off: they change with the load, slowly)."""
+        acceptance turned it off, and may be stale); ``COSTS_RETRY_AFTER``, doubling, when even
+        they say it does not (the costs turned it off: they change with the
+        load, slowly, a batch size of its own has a bucket of its own, and each retry of a big
+        tree in a big batch costs several plain steps' time)."""
         if best:
             self._off.pop(method, None)
+            self._burst.pop(method, None)
             return best
-        since, interval = self._off.setdefault(method, [self._steps, RETRY_AFTER[0] if promising else PROBE_EVERY])
+        if self._burst.get(method):
+            self._burst[method] -= 1
+            return 1
+        first, most = RETRY_AFTER if promising else COSTS_RETRY_AFTER
+        since, interval = self._off.setdefault(method, [self._steps, first])
         if self._steps - since < interval:
             return 0
-        self._off[method] = [self._steps, min(2 * interval, RETRY_AFTER[1]) if promising else PROBE_EVERY]
+        later = min(2 * interval, most)
+        self._off[method] = [self._steps, later]
+        if promising:  # (the costs turned it off: one step re-measures them)
+            self._burst[method] = RETRY_BURST - 1
         return 1
 
-    def _rate(self, rows, method, k, choice, costs, model, expected) -> float:
+    def _rate(self, rows, method, k, choice, model, costs, expected) -> float:
         """Expected tokens per second of the whole batch if ``method`` drafts k."""
         tokens, ks = 0.0, {}
         for r in rows:
@@ -304,10 +389,10 @@ class AdaptiveSpeculation:
     def _cost_model(self, batch: int, methods: list[str]) -> _Costs:
         bucket = _bucket(batch)
         model = self._costs.get(bucket)
-        if model is None or not set(methods) <= set(model.methods):
-            known = model.methods if model is not None else []
-            model = _Costs(sorted(set(known) | set(methods)), self.forget, self.prior_weight, frozenset(self._blocks))
-            self._costs[bucket] = model
+        if model is None:
+            model = self._costs[bucket] = _Costs(sorted(methods), self.forget, self.prior_weight, frozenset(self._blocks))
+        elif not set(methods) <= set(model.methods):
+            model = self._costs[bucket] = model.widened(methods, self._blocks)
         return model
 
     # -- learning ------------------------------------------------------------------------------
@@ -327,8 +412,11 @@ class AdaptiveSpeculation:
                 nodes[r.method] = max(nodes.get(r.method, 0), d)
                 d = a + 1 if a < d else d  # trees: depth positions up to the first miss were reached
             self._methods.setdefault(r.method, _Acceptance()).add(d, a, self.forget)
-            self._requests.setdefault(r.request_id, _Acceptance()).add(d, a, 1.0)
+            self._requests.setdefault(r.request_id, _Acceptance()).add(d, a, REQUEST_FORGET)
         self._nodes.update(nodes)
+        for m in [m for m, left in self._burst.items() if left]:  # a retry that accepted nothing ends its burst
+            if not any(a for r, a in zip(rows, accepted) if r.method == m and r.request_id in self._on):
+                del self._burst[m]
         methods = sorted({r.method for r in rows if r.method != "none"})
         self._blocks.update(r.method for r in rows if r.block)
         self._cost_model(len(rows), methods).add(ks, seconds)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Iterator, Literal, Sequence
@@ -166,6 +167,10 @@ class EagleHead(nn.Module):
 
     # EAGLE-1 reads the target's features and its own predicted ones the same way (EAGLE-3 does not).
     fuse_target = fuse
+
+    def target_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features as ``fuse`` reads them ([.., H]: EAGLE-1's as they are)."""
+        return features
 
     def forward_sequence(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Training/eval: f̂ [B, T, H] for pairs (features[:, t], tokens[:, t]) (causal, no cache)."""
@@ -315,6 +320,36 @@ class EagleProposer:
             if not row.start:
                 self.runner.reset(row.slot)
             self._pending[row.slot] = ([row.features], list(row.token_ids[row.start + 1 :]) + [row.first_token])
+        if self._caches_prefixes:
+            self._feed_prompts(rows)
+
+    @property
+    def _caches_prefixes(self) -> bool:
+        blocks = getattr(self.runner, "blocks", None)
+        return blocks is not None and blocks.pool.prefix_caching
+
+    @torch.inference_mode()
+    def _feed_prompts(self, rows: Sequence[PrefillRow]) -> None:
+        """Run the head over each prompt now, all but its last pair (the next draft's root): its
+        cache then holds the prompt's blocks when the engine publishes them, so a later request
+        with the same prefix finds them even if this one never drafted (the self-tuning length
+        can keep a request's drafting off throughout; a head that never ran held no blocks, and
+        the next request's cached prefix, the shorter of the target's and the head's, was
+        empty)."""
+        slots, embeds, tokens, roots = [], [], [], []
+        for row in rows:
+            feats, toks = self._pending[row.slot]
+            if len(toks) < 2:
+                continue
+            f = torch.cat(feats).to(self.runner.dtype)
+            t = torch.tensor(toks[:-1], device=f.device)
+            slots.append(row.slot)
+            embeds.append(self.head.fuse_target(t, f[:-1]))
+            tokens.append(toks[:-1])
+            roots.append(([f[-1:]], toks[-1:]))
+        if slots:
+            self.runner.forward(slots, tokens, embeds=embeds)
+            self._pending.update(zip(slots, roots))  # only once fed: a failed forward leaves them pending
 
     def commit(self, rows: Sequence[CommitRow]) -> None:
         for row in rows:
@@ -331,6 +366,10 @@ class EagleProposer:
     def propose(self, rows: Sequence[ProposalRow]) -> Draft:
         if not rows:
             return Draft([])
+        with self._undone_on_error(rows):
+            return self._propose(rows)
+
+    def _propose(self, rows: Sequence[ProposalRow]) -> Draft:
         root_feature, root_logits = self._catch_up(rows)  # [B, H], [B, V]
         plans = []
         for i, row in enumerate(rows):
@@ -353,53 +392,31 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose_on_device(self, rows: Sequence[ProposalRow]) -> DeviceDraft | None:
-        """Static trees for greedy rows, their tokens never leaving the device: the levels of
-        ``propose`` with each level's ranked children taken by index on the device (no read
-        back). None — the host path — when a row grows a dynamic tree (EAGLE-2 ranks nodes
-        across the tree on the host) or samples."""
-        if not rows or any(r.options.dynamic_tree or not r.sampling.greedy for r in rows):
+        """Every row's tree grown on the device, tokens and (EAGLE-2) structure never leaving
+        it (``policies/eagle_device.py``): static and dynamic trees, greedy and sampled rows.
+        None — the host path — when the head has no fixed-shape forward."""
+        if not rows or self.runner.static is None:
             return None
-        root_feature, root_logits = self._catch_up(rows)  # [B, H], [B, V]
-        trees = [resolve_tree(r.options, self.head.choices).prefix(r.num_tokens) for r in rows]
-        device = root_logits.device
-        tokens = torch.zeros(len(rows), max(t.size for t in trees) - 1, dtype=torch.long, device=device)
-        groups: dict[int, tuple[TokenTree, list[int]]] = {}
-        for i, t in enumerate(trees):
-            groups.setdefault(id(t), (t, []))[1].append(i)
-        for tree, idx in groups.values():
-            if tree.size > 1:
-                sel = torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
-                tokens[sel, : tree.size - 1] = self._grow(tree, [rows[i].slot for i in idx], root_feature[sel],
-                                                          root_logits[sel])
-        return DeviceDraft([DraftRow([0] * (t.size - 1), t) for t in trees], tokens, None)
+        from specray.policies.eagle_device import grow_on_device
 
-    def _grow(self, tree: TokenTree, slots: list[int], root_feature: torch.Tensor,
-              root_logits: torch.Tensor) -> torch.Tensor:
-        """A static tree's tokens [b, T-1] for rows that share it. Level l's forward feeds
-        every node above it (depth < l, under the tree's mask: a node sees only its
-        ancestors, so feeding more nodes than the frontier's ancestors changes nothing), each
-        on its parent's predicted feature; its logits give level l's tokens by rank."""
-        shape = _tree_levels(tree)
-        b, size = len(slots), tree.size
-        tokens = torch.zeros(b, size - 1, dtype=torch.long, device=root_logits.device)
-        feats = root_feature.new_zeros(b, size, root_feature.shape[-1])  # node n's predicted feature (0: root)
-        feats[:, 0] = root_feature
-        parent_logits = root_logits[:, None]  # [b, 1, V]: the root's
-        for level, (nodes, parent_cols, each, ranks, k) in enumerate(shape.levels, start=1):
-            if level > 1:
-                fed = shape.starts[level - 1] - 1  # nodes 1..fed sit above this level
-                embeds = self.head.fuse(tokens[:, :fed], feats[:, shape.parents[1 : fed + 1]].to(self.runner.dtype))
-                mask, offsets = shape.layouts[level - 1]
-                base = [self.runner.lengths[s] for s in slots]
-                out = self.runner.forward(slots, [[0] * fed] * b, shape.columns[:fed][None].expand(b, -1),
-                                          layout=(mask.expand(b, -1, -1), offsets.expand(b, -1)), embeds=embeds)
-                for s, n in zip(slots, base):
-                    self.runner.set_length(s, n)  # the tree's head KV is never kept
-                feats[:, 1 : fed + 1] = out.hidden
-                parent_logits = out.logits
-            top = parent_logits[:, parent_cols].topk(k, dim=-1).indices  # [b, len(nodes), k]
-            tokens[:, nodes - 1] = top[:, each, ranks]
-        return tokens
+        with self._undone_on_error(rows):
+            return grow_on_device(self, rows, lambda r: resolve_tree(r.options, self.head.choices))
+
+    @contextmanager
+    def _undone_on_error(self, rows: Sequence[ProposalRow]):
+        """A draft that raises leaves its rows as they were — their committed pairs still
+        pending, the head's cache at its length before the catch-up — so the executor's
+        row-by-row retry drafts them again (else every row of the batch failed: its pairs
+        were gone)."""
+        saved = {r.slot: (self._pending.get(r.slot), self.runner.lengths[r.slot]) for r in rows}
+        try:
+            yield
+        except BaseException:
+            for slot, (pending, length) in saved.items():
+                if pending is not None:
+                    self._pending[slot] = pending
+                self.runner.set_length(slot, length)
+            raise
 
     def _catch_up(self, rows):
         """Feed each row's committed pairs; f̂ and logits at its last one (the new root)."""
@@ -544,70 +561,30 @@ class EagleProposer:
         return plan.root_feature if parent < 0 else plan.nodes[parent].feature
 
     def _finish(self, plan: _RowPlan) -> DraftRow:
-        """Order the chosen nodes parents-first, siblings by rank; cut to the room."""
+        """The nodes to verify, parents first (siblings by rank or score), at most the room.
+
+        A greedy row under a cap (the room: max_tokens, or the self-tuning length) keeps its
+        best-scored nodes, as EAGLE-2 keeps its budget: a path's score only falls along it,
+        so the set is a subtree, and a cap of k is the head's k likeliest continuations, not
+        the first level's k siblings. A sampled static row keeps the first nodes in draw
+        order: each sibling's q assumes the ones drawn before it are there."""
         nodes = plan.nodes
+        best_first = lambda n: (-nodes[n].score, nodes[n].depth)  # noqa: E731 - ties: the parent first
         if plan.tree is not None:
-            chosen = list(range(len(nodes)))  # static trees already list nodes in choice order
+            chosen = list(range(len(nodes)))
+            if not plan.sampled and len(chosen) > plan.room:
+                chosen = sorted(chosen, key=best_first)[: plan.room]
             chosen.sort(key=lambda n: (nodes[n].depth, nodes[n].rank))
         else:
-            budget = plan.row.options.total_tokens - 1
-            chosen = sorted(range(len(nodes)), key=lambda n: (-nodes[n].score, nodes[n].depth))[:budget]
+            budget = min(plan.row.options.total_tokens - 1, plan.room)
+            chosen = sorted(range(len(nodes)), key=best_first)[:budget]
             chosen.sort(key=lambda n: (nodes[n].depth, -nodes[n].score))
-        chosen = chosen[: plan.room]  # depth-ordered: every kept node's parent is kept
+        chosen = chosen[: plan.room]  # sampled static rows: depth-ordered, so every kept node's parent is kept
         index = {n: i + 1 for i, n in enumerate(chosen)}
         parents = [index.get(nodes[n].parent, 0) if nodes[n].parent >= 0 else 0 for n in chosen]
         tokens = [nodes[n].token for n in chosen]
         probs = torch.stack([nodes[n].q for n in chosen]) if plan.sampled and chosen else None
         return DraftRow(tokens, TokenTree.from_parents(parents), probs)
-
-
-@dataclass(frozen=True)
-class _Levels:
-    """A static tree's constants for growing it level by level on the device (cached).
-
-    levels:  per level l >= 1: (its nodes [n_l], their parents' columns in the level's
-             parent logits [n_l], arange(n_l), their ranks [n_l], the top-k it needs)
-    starts:  first node index of each level (levels[l - 1] starts at starts[l - 1])
-    parents: [T] each node's parent (root: 0)
-    columns: [T] 0 .. T-1, the fed nodes' logit columns
-    layouts: per level l >= 2, (mask [1, m, m], offsets [1, m]) over nodes 1..m above it
-    """
-
-    levels: list
-    starts: list
-    parents: torch.Tensor
-    columns: torch.Tensor
-    layouts: dict
-
-
-_LEVELS: dict[int, tuple[TokenTree, _Levels]] = {}  # id(tree) -> (the tree, its levels); trees are cached
-
-
-def _tree_levels(tree: TokenTree) -> _Levels:
-    hit = _LEVELS.get(id(tree))
-    if hit is None or hit[0] is not tree:
-        if len(_LEVELS) > 256:
-            _LEVELS.clear()
-        hit = _LEVELS[id(tree)] = (tree, _levels(tree))
-    return hit[1]
-
-
-def _levels(tree: TokenTree) -> _Levels:
-    depth = tree.depth.numpy()
-    parents = tree.parents.clamp(min=0)
-    starts, levels, layouts = [], [], {}
-    for level in range(1, tree.max_depth + 1):
-        nodes = np.flatnonzero(depth == level)
-        starts.append(int(nodes[0]))
-        par = parents[nodes]
-        # the parents' columns: the root's logits alone at level 1, else the fed nodes 1..m
-        cols = par * 0 if level == 1 else par - 1
-        ranks = torch.tensor([tree.choices[n - 1][-1] for n in nodes])
-        levels.append((torch.from_numpy(nodes), cols, torch.arange(len(nodes)), ranks, tree.topk[level - 1]))
-        if level > 1:
-            m = starts[-1] - 1
-            layouts[level - 1] = (tree.mask[1 : m + 1, 1 : m + 1][None], (tree.depth[1 : m + 1] - 1)[None])
-    return _Levels(levels, starts, parents, torch.arange(tree.size), layouts)
 
 
 def _read_topk(jobs) -> "Iterator[tuple[list, list]]":
@@ -658,8 +635,18 @@ def _bind(head: EagleHead, ctx):
 def _build(ctx) -> EagleProposer:
     head = _bind(ctx.resource, ctx)  # in-memory heads too: the target's dtype and device
     # The head's cache holds the committed pairs plus one step's expanded nodes.
-    runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256, shift=1)  # entry i reads token i + 1
+    runner = head_runner(ctx, head)
     return EagleProposer(head, runner, ctx.vocab_size)
+
+
+def head_runner(ctx, head):
+    """The head's runner: its KV cache holds the committed pairs plus one step's expanded
+    nodes; under a fixed-shape step it gets the target's kind of forward (compiled under
+    ``compile``), the head's input fusion inside the graph."""
+    runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256, shift=1)  # entry i reads token i + 1
+    if ctx.step != "eager":
+        runner.enable_static(ctx.step, inputs=head.fuse)
+    return runner
 
 
 def _check(options: EagleOptions, facts: dict, limits) -> None:

@@ -42,7 +42,7 @@ from torch import nn
 
 from specray.policies.checkpoint_files import building
 from specray.policies.eagle import (
-    EagleOptions, EagleProposer, MAX_DEPTH, _check, _offline_facts, llama_config, read_extras, read_head_config,
+    EagleOptions, EagleProposer, _check, _offline_facts, head_runner, llama_config, read_extras, read_head_config,
     read_head_weights, write_head_dir,
 )
 from specray.policies.registry import MethodSpec, register_method
@@ -222,6 +222,10 @@ class Eagle3Head(nn.Module):
         """Pairs from the target's taps [.., 3 Ht] and tokens [..]: [.., 2H] = [embed; fc(taps)]."""
         return self.fuse(tokens, self.fc(taps))
 
+    def target_features(self, taps: torch.Tensor) -> torch.Tensor:
+        """The target's taps [.., 3 Ht] as ``fuse`` reads them: g = fc(taps) [.., H]."""
+        return self.fc(taps)
+
     def fuse(self, tokens: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """Pairs from the head's own h (or fused g) [.., H] and tokens [..]: [.., 2H]."""
         return torch.cat([self.embed_tokens(tokens).to(g.dtype), g], dim=-1)
@@ -341,8 +345,7 @@ def _bind(head: Eagle3Head, ctx) -> Eagle3Head:
 
 def _build(ctx) -> EagleProposer:
     head = _bind(ctx.resource, ctx)  # in-memory heads too: the target's dtype, device and depth
-    runner = ctx.runner_for(head, extra_capacity=MAX_DEPTH * 32 + 256, shift=1)  # entry i reads token i + 1
-    return EagleProposer(head, runner, ctx.vocab_size)
+    return EagleProposer(head, head_runner(ctx, head), ctx.vocab_size)
 
 
 def _inspect(path: str, target) -> dict:

@@ -24,6 +24,7 @@ from torch import nn
 from specray.kernels.tree import NAMED_TREES, TokenTree, TreeError, build_tree, normalize_choices
 from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, PrefillRow, ProposalRow
 from specray.policies.checkpoint_files import building, read_json_config, read_tensors
+from specray.policies.compiled import at_least_two, compile_fn
 from specray.policies.registry import MethodSpec, TreeAcceptanceOptions, register_method
 
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -162,9 +163,12 @@ class MedusaProposer:
     """Drafts from the target's final hidden state at the row's last emitted position,
     which each commit (and prefill) hands it as the last of the row's features."""
 
-    def __init__(self, medusa_heads: MedusaHeads, **_ignored):
+    def __init__(self, medusa_heads: MedusaHeads, step: str = "eager", **_ignored):
         self.heads = medusa_heads
         self._last: dict[int, torch.Tensor] = {}  # slot -> [H]
+        # the heads' forward, compiled under step=compile (``policies/compiled.py``)
+        self._forward = (compile_fn(medusa_heads.forward, next(medusa_heads.parameters()).device) if step == "compile"
+                         else None)
 
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
         for row in rows:
@@ -198,7 +202,10 @@ class MedusaProposer:
             raise ValueError("medusa needs the target's hidden state for every row (prefill/commit features)")
         trees = [_fit(resolve_tree(r.options, self.heads.num_heads, self.heads.choices), r.num_tokens) for r in rows]
         hidden = torch.stack([self._last[r.slot] for r in rows]).to(next(self.heads.parameters()).dtype)
-        logits = self.heads(hidden)  # [B, K, V]
+        if self._forward is not None:
+            logits = self._forward(at_least_two(hidden))[: len(rows)]  # [B, K, V]
+        else:
+            logits = self.heads(hidden)  # [B, K, V]
         k = max(max(t.topk) for t in trees)
         return trees, logits.topk(k, dim=-1).indices
 
@@ -223,7 +230,7 @@ def _offline_facts(path: str) -> dict:
 register_method(MethodSpec(
     name="medusa",
     options=MedusaOptions,
-    build=lambda ctx: MedusaProposer(ctx.place(ctx.resource)),
+    build=lambda ctx: MedusaProposer(ctx.place(ctx.resource), ctx.step),
     needs_features=True,
     drafts_trees=True,
     placement="target",

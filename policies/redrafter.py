@@ -62,7 +62,10 @@ from torch import nn
 
 from specray.kernels.tree import TokenTree
 from specray.policies.checkpoint_files import building, read_json_config, read_tensors
-from specray.policies.base import CommitRow, Draft, DraftRow, PrefillRow, ProposalRow
+from specray.policies.base import (
+    CommitRow, DeviceDraft, DeviceTrees, Draft, DraftRow, PrefillRow, ProposalRow, placeholder_tree,
+)
+from specray.policies.compiled import at_least_two, compile_fn
 from specray.policies.medusa import ResBlock
 from specray.policies.registry import Limits, MethodSpec, TreeAcceptanceOptions, register_method
 
@@ -132,6 +135,22 @@ class Drafter(nn.Module):
             states.append(state)
         states = torch.stack(states, dim=1)
         return self.logits(context[:, None].expand_as(states), states)
+
+    def beam_level(self, context: torch.Tensor, states: torch.Tensor, last: torch.Tensor, scores: torch.Tensor,
+                   embed: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One level of the beam search for every row (tensor ops only; what ``propose_on_device``
+        runs, compiled under ``step=compile``). context, states [B, M, H] (s_{k-1}; zeros at the
+        first level: U 0 + b = b), last [B, M] the beams' last tokens, scores [B, M] (the first
+        level: 0 for beam 0, -inf for the others, so the M best tokens of one beam are taken).
+        Returns the new scores [B, M], each new beam's parent beam [B, M], its token [B, M]
+        and its state [B, M, H]."""
+        dtype = context.dtype
+        states = self.next_state(embed(last).to(dtype), states)  # [B, M, H]
+        logp = self.log_probs(context, states)  # [B, M, V]
+        b, m, vocab = logp.shape
+        scores, idx = (scores[..., None] + logp).view(b, m * vocab).topk(m, dim=-1)  # [B, M]
+        parent = idx // vocab
+        return scores, parent, idx % vocab, states.gather(1, parent[..., None].expand(-1, -1, states.shape[-1]))
 
     @torch.inference_mode()
     def beam_search(self, context: torch.Tensor, roots: torch.Tensor, embed: nn.Module, num_beams: int,
@@ -264,6 +283,35 @@ def pack_beams(beams: Sequence[Sequence[int]], budget: int) -> tuple[list[int], 
     return tokens, parents, kept
 
 
+def pack_on_device(beams: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_beams`` for a batch on the device: beams [B, M, L] (best first, distinct) ->
+    node tokens [B, size], parents [B, size] (node i + 1 under node parents[:, i], 0 = root)
+    and [3] (rows, packed tokens, unpacked tokens) summed over the batch. Node (m, d) — beam
+    m's token at depth d — is new unless an earlier beam has the same tokens up to d; new
+    nodes are numbered beam by beam, depth by depth, the first ``size`` kept. Nodes past the
+    merged count are copies of node 1 (a root child with the same token)."""
+    b, m, length = beams.shape
+    device = beams.device
+    same = (beams[:, :, None, :] == beams[:, None, :, :]).long().cumprod(dim=-1)  # [B, M, M', L] equal up to d
+    owner = same.argmax(dim=2)  # [B, M, L]: the first beam with that prefix (m itself at the latest)
+    new = owner == torch.arange(m, device=device)[None, :, None]
+    flat = new.reshape(b, m * length).long()
+    number = (flat.cumsum(dim=1) * flat).view(b, m, length)  # 1-based node numbers of new nodes, 0 else
+    node = number.gather(1, owner)  # [B, M, L] every (m, d)'s node, new or shared
+    parent = torch.cat([node.new_zeros(b, m, 1), node[..., :-1]], dim=-1)
+    kept = new & (number <= size)
+    at = torch.where(kept, number - 1, size).view(b, -1)  # dropped nodes go to a dump column
+    tokens = beams[:, :1, 0].expand(-1, size + 1).contiguous()  # pads: node 1's token under the root
+    tokens.scatter_(1, at, beams.reshape(b, -1))
+    parents = torch.zeros(b, size + 1, dtype=torch.long, device=device).scatter_(1, at, parent.reshape(b, -1))
+    own = kept.any(dim=-1)  # [B, M] beams with a node of their own in the tree
+    depth = (node <= size).sum(dim=-1)  # how deep the tree holds each beam
+    packed = 1 + torch.minimum(flat.sum(dim=1), torch.tensor(size, device=device))
+    unpacked = torch.where(own, 1 + depth, 0).sum(dim=1)
+    counts = torch.stack([torch.tensor(b, device=device), packed.sum(), unpacked.sum()])
+    return tokens[:, :size], parents[:, :size], counts
+
+
 # -- the proposer --------------------------------------------------------------------------
 class ReDrafterProposer:
     """Beam search from the target's hidden state at each row's last emitted position (handed
@@ -274,10 +322,13 @@ class ReDrafterProposer:
     as ReDrafter verifies without tree attention) — the packing's saving, for benchmarks.
     """
 
-    def __init__(self, drafter: Drafter, embed: nn.Module):
+    def __init__(self, drafter: Drafter, embed: nn.Module, step: str = "eager"):
         self.drafter, self.embed = drafter, embed
         self._last: dict[int, torch.Tensor] = {}  # slot -> [H]
-        self.counts = {"rows": 0, "packed": 0, "unpacked": 0}
+        self._counts = {"rows": 0, "packed": 0, "unpacked": 0}
+        self._device_counts: torch.Tensor | None = None  # [3] the same, summed on the device
+        # one level of the beam search, compiled under step=compile (``policies/compiled.py``)
+        self._level = compile_fn(drafter.beam_level, embed.weight.device) if step == "compile" else None
 
     def prefill(self, rows: Sequence[PrefillRow]) -> None:
         for row in rows:
@@ -308,11 +359,69 @@ class ReDrafterProposer:
                 out[i] = self._pack(row_beams, rows[i].num_tokens)
         return Draft(out)
 
+    @torch.inference_mode()
+    def propose_on_device(self, rows: Sequence[ProposalRow]) -> DeviceDraft:
+        """The same beams, searched and packed on the device (``pack_on_device``): tokens and
+        tree structure never leave it. A row's tree has min(room, M x L) nodes whatever its
+        beams share (the host must know the size): shared prefixes are merged as ``pack_beams``
+        does, and the nodes they free are padded with copies of node 1 (a sibling with the
+        same token: never accepted in its stead, so the draft stays exact)."""
+        if any(r.slot not in self._last for r in rows):
+            raise ValueError("redrafter needs the target's hidden state for every row (prefill/commit features)")
+        device = self.embed.weight.device
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, r in enumerate(rows):
+            m, length = r.options.num_beams, min(r.options.draft_len_per_beam, r.num_tokens)
+            groups.setdefault((m, length, min(r.num_tokens, m * length)), []).append(i)
+        sizes = [0] * len(rows)
+        for (m, length, size), idx in groups.items():
+            for i in idx:
+                sizes[i] = size
+        tokens = torch.zeros(len(rows), max(sizes), dtype=torch.long, device=device)
+        trees = []
+        for (m, length, size), idx in groups.items():
+            context = torch.stack([self._last[rows[i].slot] for i in idx])  # [b, H]
+            roots = torch.tensor([rows[i].token_ids[-1] for i in idx]).to(device, non_blocking=True)
+            beams = self._search(context, roots, m, length)  # [b, M, L]
+            toks, parents, counts = pack_on_device(beams, size)
+            sel = torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
+            tokens[sel, :size] = toks
+            # the root may hold every beam's first token and every pad
+            trees.append(DeviceTrees(idx, parents, length, m + size - min(size, length + m - 1)))
+            self._device_counts = counts if self._device_counts is None else self._device_counts + counts
+        return DeviceDraft([DraftRow([0] * s, placeholder_tree(s)) for s in sizes], tokens, None, trees=trees)
+
+    def _search(self, context: torch.Tensor, roots: torch.Tensor, m: int, length: int) -> torch.Tensor:
+        """Beam search on the device, a level at a time: beams [b, M, L] (best first)."""
+        dtype = next(self.drafter.parameters()).dtype
+        b, device = context.shape[0], context.device
+        level = self._level if self._level is not None and m >= 2 else self.drafter.beam_level
+        n = max(b, 2) if level is self._level else b  # a compiled graph never sees a batch of 1
+        context = at_least_two(context.to(dtype))[:n, None].expand(-1, m, -1)  # [n, M, H]
+        states = context.new_zeros(context.shape)
+        last = at_least_two(roots)[:n, None].expand(-1, m).contiguous()
+        scores = torch.full((n, m), float("-inf"), device=device)
+        scores[:, 0] = 0.0
+        beams = torch.zeros(n, m, 0, dtype=torch.long, device=device)
+        for _ in range(length):
+            scores, parent, last, states = level(context, states, last, scores, self.embed)
+            beams = torch.cat([beams.gather(1, parent[..., None].expand(-1, -1, beams.shape[-1])), last[..., None]], -1)
+        return beams[:b]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Rows drafted and verification tokens with and without the packing (host and device drafts)."""
+        out = dict(self._counts)
+        if self._device_counts is not None:
+            for key, v in zip(("rows", "packed", "unpacked"), self._device_counts.tolist()):
+                out[key] += v
+        return out
+
     def _pack(self, beams: list[list[int]], room: int) -> DraftRow:
         tokens, parents, kept = pack_beams(beams, room)
-        self.counts["rows"] += 1
-        self.counts["packed"] += 1 + len(tokens)
-        self.counts["unpacked"] += sum(1 + k for k in kept if k)
+        self._counts["rows"] += 1
+        self._counts["packed"] += 1 + len(tokens)
+        self._counts["unpacked"] += sum(1 + k for k in kept if k)
         return DraftRow(tokens, TokenTree.from_parents(parents))
 
 
@@ -325,7 +434,7 @@ def _load(path: str, ctx) -> Drafter:
 def _build(ctx) -> ReDrafterProposer:
     embed = ctx.target.decoder.get_input_embeddings()  # the target's own table
     drafter = ctx.place(ctx.resource)
-    return ReDrafterProposer(drafter, embed)
+    return ReDrafterProposer(drafter, embed, ctx.step)
 
 
 def _check(options: ReDrafterOptions, facts: dict, limits: Limits) -> None:

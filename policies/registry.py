@@ -177,6 +177,8 @@ class ProposerContext:
         target's (given by the engine core, which owns the runner); ``shift``: tokens past a
         cache entry that the entry depends on (1 for EAGLE-style heads: entry i reads the
         target's feature at i and token i + 1), for prefix caching.
+    step: the engine's step mode (``engine/graphs.py``): proposers that run models of their
+        own give them the same fixed-shape (and compiled) forwards as the target's.
     """
 
     vocab_size: int
@@ -187,6 +189,7 @@ class ProposerContext:
     target: Any = None
     resource: Any = None
     runner_for: Callable[..., Any] | None = None
+    step: str = "eager"
 
     def place(self, module):
         """``module`` (a head, a drafter) on the target's device and in the target's dtype:

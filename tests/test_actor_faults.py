@@ -9,15 +9,6 @@ from specray.actors.coordinator import Coordinator, StartError
 from tests.test_actors import GREEDY, PROMPTS, references, shutdown  # noqa: F401
 
 
-def test_colocated_mode_matches(ray_session, tiny_checkpoints, references):
-    c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 2, "placement": {"mode": "colocated"}})
-    try:
-        outs = ray.get(c.generate.remote(PROMPTS, GREEDY, {"method": "draft", "num_speculative_tokens": 3}))
-        assert [o["token_ids"] for o in outs] == references
-    finally:
-        shutdown(c)
-
-
 def test_infeasible_placement_fails_fast(ray_session, tiny_checkpoints):
     """The placement check itself answers in seconds (actor start-up is not counted), as the
     coordinator's StartError naming the cause."""
@@ -101,16 +92,19 @@ def test_engine_worker_loss_loses_no_request(ray_session, tiny_checkpoints, tiny
 
 
 @pytest.mark.parametrize("mode", ["separate", "colocated"])
-def test_medusa_through_the_coordinator(ray_session, tiny_checkpoints, tmp_path, references, mode):
+def test_draft_model_and_medusa_through_the_coordinator(ray_session, tiny_checkpoints, tmp_path, references, mode):
+    """Both layouts, more prompts than slots: greedy output as plain decoding's for a draft
+    model and for Medusa heads on the target."""
     from tests.test_medusa import random_heads
 
     random_heads().save(tmp_path / "heads")
-    c = Coordinator.remote({**tiny_checkpoints, "medusa": str(tmp_path / "heads"), "max_num_seqs": 3,
+    c = Coordinator.remote({**tiny_checkpoints, "medusa": str(tmp_path / "heads"), "max_num_seqs": 2,
                             "placement": {"mode": mode}})
     try:
-        outs = ray.get(c.generate.remote(PROMPTS, GREEDY, {"method": "medusa", "tree": "trtllm_example"}))
-        assert [o["token_ids"] for o in outs] == references
-        assert sum(o["metrics"]["num_drafts"] for o in outs) > 0
+        for spec in ({"method": "draft", "num_speculative_tokens": 3}, {"method": "medusa", "tree": "trtllm_example"}):
+            outs = ray.get(c.generate.remote(PROMPTS, GREEDY, spec))
+            assert [o["token_ids"] for o in outs] == references, spec
+            assert sum(o["metrics"]["num_drafts"] for o in outs) > 0, spec
     finally:
         shutdown(c)
 

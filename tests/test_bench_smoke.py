@@ -89,8 +89,9 @@ def test_selftune_benchmark(tmp_path):
     from specray.bench import selftune
 
     selftune.main(["--methods", "draft", "--prompts", "2", "--max-tokens", "16", "--batch", "2", "--repeats", "1",
-                   "--out", str(tmp_path)])
+                   "--caps", "1", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "selftune.json").read_text())
     (row,) = report["one_shot"]
     assert row["method"] == "draft" and row["default_tpf"] > 1 and row["explicit_tpf"] > 1
     assert [r["method"] for r in report["batch"]] == ["draft"] and (tmp_path / "selftune.png").stat().st_size > 0
+    assert report["batch"][0]["caps_x_plain"]["1"] > 0 and "cap 1/plain" in (tmp_path / "selftune.txt").read_text()

@@ -63,6 +63,65 @@ def test_a_block_drafter_is_priced_as_one_forward_per_block():
     assert simulate(0.0, block=0.9, verify_cost=0.025) == 0
 
 
+def test_one_slow_step_does_not_switch_a_paying_drafter_off(monkeypatch):
+    """A step 60x its peers (a full garbage-collector pass, a one-time lazy cost) counts as at
+    most ``OUTLIER`` times what the cost model predicted: the drafter that pays stays on. Taken
+    whole, that one step priced drafting off for the rest of the run."""
+    import math
+    import random
+
+    from specray.policies import controller
+
+    def chosen_after_a_slow_step() -> list[int]:
+        rng, c, rows, chosen = random.Random(0), AdaptiveSpeculation(), [RowView("r", "m")], []
+        for step in range(60):
+            k = c.caps(rows)[0]
+            chosen.append(k)
+            n = 0
+            while n < k and rng.random() < 0.8:
+                n += 1
+            c.observe(rows, [k], [n], 0.001 * (1 + 0.2 * k) * (60.0 if step == 10 else 1.0))
+        return chosen[20:]
+
+    assert sum(k > 0 for k in chosen_after_a_slow_step()) >= 36
+    monkeypatch.setattr(controller, "OUTLIER", math.inf)
+    assert sum(k > 0 for k in chosen_after_a_slow_step()) <= 10
+
+
+@pytest.mark.parametrize("subtracted", [True, False])
+def test_a_gc_pause_is_not_a_steps_cost(make_engine, monkeypatch, subtracted):
+    """A full collection inside a step (0.3 s with a loaded engine in the process) is left out
+    of the seconds the controller is told the step cost (engine/gc_pauses.py); timed whole, it
+    read as the drafts' cost. The pause here: a collector callback that sleeps 0.3 s."""
+    import gc
+    import time
+
+    from specray.engine import driver as driver_module
+    from specray.engine.gc_pauses import gc_seconds
+
+    engine = make_engine(max_num_seqs=2)
+    engine.driver.clock = time.perf_counter
+    policy, seen = engine.driver.length_policy, []
+    observe, verify = policy.observe, engine.driver.executor.verify
+    monkeypatch.setattr(policy, "observe", lambda rows, d, a, s: (seen.append(s), observe(rows, d, a, s)))
+
+    async def collecting_verify(*args):
+        gc.collect()
+        return await verify(*args)
+
+    monkeypatch.setattr(engine.driver.executor, "verify", collecting_verify)
+    if not subtracted:
+        monkeypatch.setattr(driver_module, "gc_seconds", lambda: 0.0)
+    gc_seconds()  # the timer is registered first: the pause below falls inside its window
+    pause = lambda phase, info: time.sleep(0.3) if phase == "start" else None  # noqa: E731
+    gc.callbacks.append(pause)
+    try:
+        engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3, temperature=0), SpeculationParams(method="draft"))
+    finally:
+        gc.callbacks.remove(pause)
+    assert seen and (max(seen) < 0.2 if subtracted else min(seen) >= 0.3), seen
+
+
 def test_fixed_requests_keep_their_k():
     c = AdaptiveSpeculation()
     rows = [RowView("a", "m", requested=3, fixed=True), RowView("b", "n")]
@@ -150,10 +209,11 @@ def test_the_engine_honours_an_explicit_k(tiny_pair, fakes):
 
 # -- where it starts: the acceptance saved with trained weights, and a short exploration ------
 def one_shot(acceptance: float, priors: dict, steps: int = 24, unlucky: int = 0, tree: bool = False,
-             batch: int = 1, draft_cost: float = 0.1) -> list:
+             batch: int = 1, draft_cost: float = 0.1, unlucky_acceptance: float = 0.0) -> list:
     """A fresh controller over ``steps`` steps of ``batch`` rows of method "m" (a tree of 8 nodes
-    and depth 5, or a chain of k): each position accepted with ``acceptance``, none in the first
-    ``unlucky`` steps; a step costs sqrt(batch) * (1 + draft_cost * nodes) ms. The caps it chose."""
+    and depth 5, or a chain of k): each position accepted with ``acceptance``, with
+    ``unlucky_acceptance`` in the first ``unlucky`` steps (the steps, drafting or not, a text's
+    hard part lasts); a step costs sqrt(batch) * (1 + draft_cost * nodes) ms. The caps it chose."""
     import random
 
     rng = random.Random(0)
@@ -166,7 +226,8 @@ def one_shot(acceptance: float, priors: dict, steps: int = 24, unlucky: int = 0,
         accepted = []
         for k in ks:
             n = 0
-            while n < (5 if k is None else k) and step >= unlucky and rng.random() < acceptance:
+            rate = acceptance if step >= unlucky else unlucky_acceptance
+            while n < (5 if k is None else k) and rate > 0 and rng.random() < rate:
                 n += 1
             accepted.append(n)
         c.observe(rows, drafted, accepted, 0.001 * batch ** 0.5 * (1 + draft_cost * max(drafted)))
@@ -177,13 +238,31 @@ def one_shot(acceptance: float, priors: dict, steps: int = 24, unlucky: int = 0,
 @pytest.mark.parametrize("tree", [False, True])
 def test_a_saved_acceptance_keeps_a_good_drafter_on_through_an_unlucky_start(tree):
     """A one-shot request of a drafter trained to 0.8 acceptance whose first drafts all miss:
-    it drafts every step but the plain probe (a fresh controller once switched EAGLE off after
-    two drafts and decoded plainly for the rest of a 64-token `generate`)."""
+    it drafts every step but the plain probe, the bucket's second (a fresh controller once
+    switched EAGLE off after two drafts and decoded plainly for the rest of a 64-token
+    `generate`)."""
     saved = {"m": [0.8] * 5}
     chosen = one_shot(0.8, saved, unlucky=3, tree=tree)
-    assert chosen[1] == 0 and sum(k != 0 for k in chosen) >= len(chosen) - 2, chosen
+    assert [i for i, k in enumerate(chosen) if k == 0] == [1], chosen
     if tree:  # without the saved acceptance the same unlucky start switches the tree off
         assert sum(k != 0 for k in one_shot(0.8, {}, unlucky=3, tree=True)) < len(chosen) // 2
+
+
+def test_a_drafter_switched_off_by_a_hard_stretch_comes_back_when_it_pays_again(monkeypatch):
+    """A tree that accepts little for a while (rightly switched off) and then well again is
+    back on for most of the rest: a retry drafts a few steps (``RETRY_BURST``) before it is
+    judged, and a request's recent acceptance counts most (``REQUEST_FORGET``). With
+    single-step retries and a request's acceptance never forgotten, it stays off for good."""
+    from specray.policies import controller
+
+    run = dict(acceptance=0.85, priors={"m": [0.8] * 5}, steps=60, unlucky=12, tree=True, draft_cost=0.2,
+               unlucky_acceptance=0.2)
+    chosen = one_shot(**run)
+    assert sum(k == 0 for k in chosen[4:12]) >= 4, chosen  # the hard stretch: off
+    assert sum(k != 0 for k in chosen[30:]) >= 24, chosen  # and on again once drafts pay
+    monkeypatch.setattr(controller, "RETRY_BURST", 1)
+    monkeypatch.setattr(controller, "REQUEST_FORGET", 1.0)
+    assert sum(k != 0 for k in one_shot(**run)[30:]) < 24
 
 
 @pytest.mark.parametrize("tree", [False, True])
@@ -198,3 +277,74 @@ def test_saved_acceptance_that_serving_contradicts_is_dropped(tree):
 def test_a_costly_tree_in_a_big_batch_is_turned_off_whatever_was_saved():
     chosen = one_shot(0.8, {"m": [0.8] * 5}, steps=40, tree=True, batch=16, draft_cost=0.5)
     assert sum(k != 0 for k in chosen[10:]) <= 3, chosen
+
+
+def test_a_tree_its_costs_switched_off_is_retried_ever_more_rarely():
+    """Retries of a tree the costs switched off come 64, 128, then 256 steps apart: each costs
+    several plain steps' time at a big batch, and a new batch size has a bucket of its own."""
+    chosen = one_shot(0.8, {"m": [0.8] * 5}, steps=600, tree=True, batch=16, draft_cost=0.5)
+    retries = [i for i, k in enumerate(chosen) if k != 0 and i >= 10]
+    assert [b - a for a, b in zip(retries, retries[1:])] == [128, 256], chosen
+
+
+def test_a_buckets_costs_are_read_by_method():
+    """A batch-size bucket that has seen two methods judges each by its own cost per node: a
+    drafter whose nodes each cost a whole step, half accepted, is switched off, although the
+    other method the bucket knows drafts almost for free."""
+    import random
+
+    rng = random.Random(0)
+    c = AdaptiveSpeculation(priors={"cheap": [0.9] * 8, "dear": [0.5] * 8})
+
+    def run(method: str, steps: int, per_node: float, rate: float) -> list:
+        rows, chosen = [RowView("r-" + method, method)], []
+        for _ in range(steps):
+            k = c.caps(rows)[0]
+            accepted = 0
+            while accepted < k and rng.random() < rate:
+                accepted += 1
+            c.observe(rows, [k], [accepted], 0.001 * (1 + per_node * k))
+            chosen.append(k)
+        return chosen
+
+    assert sum(run("cheap", 30, 0.02, 0.9)[-10:]) > 0
+    dear = run("dear", 60, 1.0, 0.5)
+    assert sum(k > 0 for k in dear[-30:]) <= 3, dear  # retries only
+
+
+def test_a_method_joining_a_bucket_keeps_what_it_measured():
+    """Per-request speculation: a request of another method joining a batch-size bucket adds
+    that method to the bucket's costs; the costs measured so far stay, so a useless drafter
+    the bucket switched off stays off in the step the newcomer joins (a fresh cost model had
+    every method of that step draft to learn)."""
+    c = AdaptiveSpeculation(priors={"bad": [0.05] * 8, "good": [0.9] * 8})
+    bad = [RowView("r-bad-1", "bad"), RowView("r-bad-2", "bad")]
+    for _ in range(40):  # "bad" drafts, never accepted, each node a tenth of a step
+        ks = c.caps(bad)
+        c.observe(bad, ks, [0, 0], 0.002 * (1 + 0.1 * max(ks)))
+    assert c.caps(bad) == [0, 0]
+    c.observe(bad, [0, 0], [0, 0], 0.002)
+    mixed = [bad[0], RowView("r-good", "good")]  # one "bad" request finished, a "good" one joined
+    ks = c.caps(mixed)
+    assert ks[0] == 0 and ks[1] != 0, ks
+
+
+def test_a_block_method_joining_a_bucket_gets_its_forward_column():
+    """A block drafter (PARD, DFlash) joining a bucket: the costs measured so far stay where
+    they were, and its one forward per block is a column of its own, priced from the plain
+    step until it is measured."""
+    from specray.policies import controller
+
+    c = AdaptiveSpeculation()
+    per_token = [RowView("a", "m"), RowView("b", "m")]
+    for _ in range(30):
+        ks = c.caps(per_token)
+        c.observe(per_token, ks, [0, 0], 0.002 * (1 + 0.1 * max(ks)))
+    before = c._costs[2].theta()
+    mixed = [per_token[0], RowView("c", "blk", block=True)]
+    c.caps(mixed)
+    model = c._costs[2]
+    assert model.methods == ["blk", "m"] and model.blocks == ["blk"]
+    theta = model.theta()
+    assert theta[0] == pytest.approx(before[0], rel=0.05) and theta[2] == pytest.approx(before[1], rel=0.05)
+    assert theta[3] == pytest.approx(controller.BLOCK_PRIOR * model.prior[0])  # nothing measured: the prior

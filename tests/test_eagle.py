@@ -218,6 +218,47 @@ def test_trees_are_cut_to_the_room_a_step_has(target):
             assert o.token_ids == hf_greedy(target, p, 20 - len(p))
 
 
+def test_a_capped_tree_keeps_its_best_nodes(tiny_pair, references):
+    """Under a cap below its size (the self-tuning length at a large batch), a greedy row's
+    static tree keeps the head's likeliest nodes, not its first level's siblings: capped at
+    3, this wide tree (3 siblings listed first) still reaches depth 3 along its best path."""
+    from specray.policies.spec_length import SpeculationLengthPolicy
+
+    target, _ = tiny_pair
+    engine = eagle_engine(target, self_head(target), speculation_length=SpeculationLengthPolicy(batch_k_caps=((1, 3),)))
+    tree = [[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]
+    outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method="eagle", eagle_choices=tree))
+    assert [o.token_ids for o in outs] == references
+    per_pos = np.sum([o.metrics["accepted_per_pos"] + [0] * 3 for o in outs if o.metrics["accepted_per_pos"]], axis=0)
+    assert per_pos[2] > 0, per_pos  # a first-3-nodes cut ([0], [1], [2]) never accepts past position 1
+
+
+@pytest.mark.parametrize("step", ["eager", "static"])
+def test_a_batch_draft_that_raises_is_retried_row_by_row(tiny_pair, references, monkeypatch, step):
+    """A head that fails once on a whole batch (after its catch-up) costs that step's drafts,
+    not the requests: the executor drafts each row alone, which finds the rows as they were."""
+    from specray.policies import eagle, eagle_device
+
+    target, _ = tiny_pair
+    failed = []
+
+    def fail_once(real):
+        def wrapper(*args, **kwargs):
+            if not failed:
+                failed.append(True)
+                raise RuntimeError("a transient fault")
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(eagle.EagleProposer, "_finish", fail_once(eagle.EagleProposer._finish))
+    monkeypatch.setattr(eagle_device, "grow_static", fail_once(eagle_device.grow_static))
+    engine = eagle_engine(target, self_head(target), step=step)
+    outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method="eagle"))
+    assert failed and [o.token_ids for o in outs] == references
+    assert all(o.finish_reason == "length" for o in outs)
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
+
+
 def test_training_learns_and_saves_the_public_layout(tmp_path):
     """A short self-distillation on the tiny target: the loss falls, the held-out depth-1
     accuracy beats an untrained head, the fitted tree is saved and serves losslessly."""

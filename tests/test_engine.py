@@ -194,3 +194,15 @@ def test_speculation_turns_off_above_a_batch_size(tiny_pair, references):
     assert all(o.metrics["num_drafts"] == 0 for o in busy)
     quiet = engine.generate(ragged_prompts(1), GREEDY, spec)[0]
     assert quiet.token_ids == references[0] and quiet.metrics["num_drafts"] > 0
+
+
+def test_metrics_dict_has_every_field():
+    """``SpecMetrics.to_dict`` spells its fields out (for speed): a field added later must be in it."""
+    from dataclasses import fields
+
+    from specray.engine.metrics import SpecMetrics
+
+    m = SpecMetrics()
+    m.record_draft(3, 2)
+    d = m.to_dict()
+    assert {f.name for f in fields(SpecMetrics)} <= set(d) and SpecMetrics.from_dict(d) == m

@@ -82,6 +82,7 @@ def _cuda_engine(models, step, dtype=None):
     from specray.engine.llm_engine import LLMEngine
     from specray.policies.spec_length import SpeculationLengthPolicy
     from tests.test_eagle import random_head
+    from tests.test_eagle3 import random_head3
     from tests.test_medusa import random_heads
     from tests.test_redrafter import random_drafter
 
@@ -92,7 +93,8 @@ def _cuda_engine(models, step, dtype=None):
         EngineConfig(target="x", max_num_seqs=4, step=step, device="cuda",
                      speculation_length=SpeculationLengthPolicy()),
         target_model=target, draft_model=draft, medusa_heads=random_heads().cuda(),
-        resources={"eagle": random_head(models[0]).cuda(), "redrafter": random_drafter().cuda()},
+        resources={"eagle": random_head(models[0]).cuda(), "eagle3": random_head3(models[0]).cuda(),
+                   "redrafter": random_drafter().cuda()},
     )
 
 
@@ -118,3 +120,26 @@ def test_gpu_benchmark_runs(tmp_path):
     assert gpu.main(["--shape", "tiny", "--batch", "1,2", "--max-tokens", "16", "--profile-steps", "4",
                      "--modes", "cudagraph,graphs", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "gpu.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("mode", ["static", "cudagraph"])
+def test_captured_greedy_equals_hf_generate_after_many_replays(tiny_pair, mode):
+    """float32: every prompt's greedy output equals HF ``generate``'s, plain and drafted, at batch
+    8 and 1. Each graph is replayed many times after its capture: a tensor it reads that was
+    freed after capture (first seen on an H100) corrupts the replays, not the first step."""
+    from specray.engine.config import EngineConfig
+    from specray.engine.llm_engine import LLMEngine
+    from specray.engine.params import SpeculationParams
+    from tests.test_engine import GREEDY, ragged_prompts
+
+    target, draft = (m.to("cuda") for m in copy.deepcopy(tiny_pair))
+    prompts = ragged_prompts(8)
+    ref = [target.generate(torch.tensor([p], device="cuda"), attention_mask=torch.ones(1, len(p), dtype=torch.long,
+                                                                                           device="cuda"),
+                           max_new_tokens=GREEDY.max_tokens, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=8, step=mode, device="cuda"),
+                       target_model=target, draft_model=draft)
+    for spec in ({"method": "none"}, {"method": "draft", "num_speculative_tokens": 4}):
+        for group in (prompts, prompts[:1]):
+            outs = [o.token_ids for o in engine.generate(group, GREEDY, SpeculationParams(**spec))]
+            assert outs == ref[: len(group)], (spec, len(group))

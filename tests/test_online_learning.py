@@ -14,13 +14,18 @@ from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from tests.conftest import tiny_llama
 from tests.test_eagle import random_head, self_head
+from tests.test_eagle3 import random_head3
+from tests.test_medusa import random_heads
+from tests.test_redrafter import random_drafter
 from tests.test_engine import GREEDY, ragged_prompts
 
 ONLINE = CaptureConfig(top_k=4, min_tokens=2)
 
 
-def online_engine(target, draft=None, head=None, max_num_seqs=4, **kw):
+def online_engine(target, draft=None, head=None, max_num_seqs=4, heads=None, **kw):
+    """heads: other methods' resources (EAGLE-3, Medusa, ReDrafter), by method."""
     resources = {"eagle": copy.deepcopy(head)} if head is not None else {}
+    resources.update({m: copy.deepcopy(h) for m, h in (heads or {}).items()})
     return LLMEngine(EngineConfig(target="x", max_num_seqs=max_num_seqs, online_learning=ONLINE, **kw),
                      target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft) if draft is not None else None,
                      resources=resources)
@@ -56,6 +61,14 @@ def models():
 
 
 @pytest.fixture(scope="module")
+def other_heads(models):
+    """Random EAGLE-3, Medusa and ReDrafter heads over the tiny target (the trainers' other recipes)."""
+    target, _ = models
+    return {"eagle3": random_head3(target, seed=3, std=0.1), "medusa": random_heads(seed=3),
+            "redrafter": random_drafter(seed=3, std=0.1)}
+
+
+@pytest.fixture(scope="module")
 def references(models):
     target, _ = models
     engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4), target_model=copy.deepcopy(target))
@@ -68,10 +81,15 @@ def references(models):
     ("draft", {}, "eager"),  # the self-tuning length, restarted from each version's rates
     ("eagle", {"tree": "chain"}, "eager"),
     ("eagle", {"dynamic_tree": True, "top_k": 3, "depth": 3, "total_tokens": 8}, "eager"),
+    # random heads, drafting every step (an explicit tree or beam shape: no self-tuning length)
+    ("eagle3", {"tree": "chain"}, "eager"),
+    ("medusa", {"tree": "chain"}, "eager"),
+    ("redrafter", {"num_beams": 2, "draft_len_per_beam": 2}, "eager"),
 ])
-def test_greedy_output_is_the_targets_through_swaps(models, references, method, spec, step):
+def test_greedy_output_is_the_targets_through_swaps(models, other_heads, references, method, spec, step):
     target, _ = models
-    engine = online_engine(target, target, self_head(target), step=step)  # versions: the target moved, or not
+    # versions: the target moved, or not
+    engine = online_engine(target, target, self_head(target), heads=other_heads, step=step)
     weights = {n: p.data_ptr() for n, p in weights_module(engine.proposers.resources[method]).state_dict().items()}
     outs, swaps = run_with_swaps(engine, ragged_prompts(6), [GREEDY] * 6, SpeculationParams(method=method, **spec),
                                  method)
@@ -200,14 +218,16 @@ def test_load_and_export_in_the_public_layout(models, tmp_path):
 
 
 @pytest.mark.parametrize("method,options", [("draft", {"num_speculative_tokens": 3}), ("eagle", {"tree": "chain"}),
-                                            ("eagle", {"eagle_choices": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]})])
-def test_the_gate_measures_what_the_engine_measured(models, method, options):
+                                            ("eagle", {"eagle_choices": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]}),
+                                            ("eagle3", {"tree": "chain"}), ("medusa", {"tree": "chain"}),
+                                            ("redrafter", {"num_beams": 2, "draft_len_per_beam": 2})])
+def test_the_gate_measures_what_the_engine_measured(models, other_heads, method, options):
     """Replaying greedy traffic with the serving drafter gives the engine's own mean accepted
     length (and draft count) on it, exactly."""
     from specray.training.online import measure
 
     target, draft = models
-    engine = online_engine(target, draft, random_head(target, seed=2, std=0.1))
+    engine = online_engine(target, draft, random_head(target, seed=2, std=0.1), heads=other_heads)
     outs = engine.generate(ragged_prompts(6), GREEDY, SpeculationParams(method=method, **options))
     drafts = sum(o.metrics["num_drafts"] for o in outs)
     accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
@@ -236,6 +256,52 @@ def test_a_round_publishes_only_what_beats_the_serving_version(models):
     assert bad.serving["mean_accepted_length"] == good.candidate["mean_accepted_length"]
 
 
+@pytest.mark.parametrize("method,options,steps,lr", [("eagle3", {"tree": "chain"}, 12, 3e-2),
+                                                     ("medusa", {"tree": "chain"}, 40, 1e-2),
+                                                     ("redrafter", {"num_beams": 2, "draft_len_per_beam": 2}, 40, 1e-2)])
+def test_each_heads_recipe_learns_from_captured_traffic(models, other_heads, method, options, steps, lr):
+    """EAGLE-3 (its training-time test, labelled by the captured top-k), Medusa and ReDrafter
+    (cross-entropy on the target's tokens after each captured feature) fine-tune a random head
+    on traffic that recurs (each prompt served twice) into one the gate publishes; the published
+    state is the head's own keys, and it serves. Medusa's and ReDrafter's repeats start from
+    cached prefixes (paged KV): their traces begin where the target computed features."""
+    from specray.training.online import train_round
+
+    target, _ = models
+    engine = online_engine(target, heads={method: other_heads[method]})
+    engine.generate(ragged_prompts(8, seed=1) * 2, GREEDY, SpeculationParams(method=method, **options))
+    traces, bp = engine.take_traces(), engine.versions.blueprint(method)
+    assert len(traces) == 16 and all(t.features.shape[0] == len(t.tokens) - 1 for t in traces)
+    assert all((t.topk_ids is not None) == (method == "eagle3") for t in traces)  # EAGLE-3's labels: the teacher
+    assert (engine.stats()["kv"]["prefix_hits"] > 0) == (method != "eagle3")  # EAGLE-3's rebuilt KV: no reuse
+    got = train_round(bp, None, traces, {"steps": steps, "lr": lr, "batch_size": 4, "min_holdout": 4,
+                                         "gate_options": options})
+    assert got.published and got.candidate["mean_accepted_length"] > got.serving["mean_accepted_length"]
+    assert got.state.keys() == weights_module(bp.module).state_dict().keys()
+    engine.use_drafter(DrafterVersion(method, f"{method}@1", got.state))  # and it serves
+    assert engine.versions.serving[method] == f"{method}@1"
+
+
+def test_the_teacher_is_the_targets_top_k_at_the_requests_temperature():
+    """OSD's teacher: the top-k renormalised at the temperature the request drew at; greedy
+    requests (0) get ``greedy_temperature`` (a sharpened soft label), or the one-hot at 0."""
+    from specray.training.draft_distill import TeacherSet, teacher, teacher_temperature
+    from specray.training.online import RoundConfig, _teachers
+
+    top_lp = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5], [0.3, 0.2, -1.0]]), dim=-1)  # [2, k=3]
+    for temp in (0.5, 1.0, 2.0):
+        want = torch.softmax(top_lp / temp, dim=-1)
+        torch.testing.assert_close(teacher(top_lp, torch.full((2,), temp)), want)
+    torch.testing.assert_close(teacher(top_lp, torch.zeros(2)), torch.tensor([[1.0, 0, 0], [1.0, 0, 0]]))
+    assert teacher_temperature(0.0, 0.25) == 0.25 and teacher_temperature(0.7, 0.25) == 0.7
+    traces = [Trace("draft", [1, 2, 3, 4], 2, topk_ids=torch.tensor([[3, 5], [4, 6]]), topk_logprobs=top_lp[:, :2],
+                    temperature=t) for t in (0.0, 0.8)]
+    data = _teachers(traces, RoundConfig(greedy_temperature=0.3))
+    assert data.temperature.tolist() == pytest.approx([0.3, 0.8])
+    assert data.valid[0].tolist() == [False, True, True, False] and data.top_ids[0, 1].tolist() == [3, 5]
+    assert isinstance(data, TeacherSet)
+
+
 def test_the_switch_and_the_section_reach_the_engine_config():
     from specray.serve.config import ServeConfig
 
@@ -251,7 +317,9 @@ def test_the_switch_and_the_section_reach_the_engine_config():
 
 def test_a_new_version_restarts_the_controllers_acceptance(models):
     """The self-tuning length forgets the old version's acceptance and starts from the new one's
-    measured rates (per draft position)."""
+    measured rates (per draft position): a new row's expected tokens per k come from them."""
+    from specray.policies.controller import RowView
+
     target, draft = models
     engine = online_engine(target, draft)
     engine.generate(ragged_prompts(2), GREEDY, SpeculationParams(method="draft"))
@@ -262,10 +330,10 @@ def test_a_new_version_restarts_the_controllers_acceptance(models):
     # The old version's counts are gone; the new rates are where the estimates start, as a
     # trained head's saved acceptance is (policies/controller.py: priors).
     assert before and "draft" not in policy._methods and policy.priors["draft"] == [0.9, 0.5]
-    from specray.policies.controller import RowView
-
     expected = policy._expected_tokens(RowView("a new request", "draft"))
-    assert expected[:4] == pytest.approx([1.0, 1.9, 1.9 + 0.9 * 0.5, 1.9 + 0.45 + 0.45 * 0.5])  # the last rate on
+    # 1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 ** 2 ...: beyond the measured positions, the last one's rate
+    want = [1.0] + [1.0 + sum(0.9 * 0.5 ** i for i in range(k)) for k in range(1, len(expected))]
+    assert expected == pytest.approx(want)
 
 
 @pytest.mark.slow

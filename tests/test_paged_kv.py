@@ -123,9 +123,9 @@ def test_a_full_pool_raises_and_keeps_the_row():
 # -- the engine ----------------------------------------------------------------------------
 def engine(models, step="eager", max_num_seqs=8, **kw) -> LLMEngine:
     target, draft = models
+    kw.setdefault("speculation_length", SpeculationLengthPolicy())
     return LLMEngine(
-        EngineConfig(target="x", max_num_seqs=max_num_seqs, step=step, speculation_length=SpeculationLengthPolicy(),
-                     max_model_len=128, **kw),
+        EngineConfig(target="x", max_num_seqs=max_num_seqs, step=step, max_model_len=128, **kw),
         target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft), medusa_heads=random_heads(),
         resources={"eagle": random_head(target), "eagle3": random_head3(target), "redrafter": random_drafter()},
     )
@@ -202,6 +202,20 @@ def test_repeated_prompts_hit_the_cache_with_an_eagle_head(tiny_pair):
     after = e.stats()["kv"]
     hits = (after["prefix_hits"] - before["prefix_hits"]) / (after["prefix_queries"] - before["prefix_queries"])
     assert hits >= 80 / 81 - 1e-9  # all but the last token, which is always computed
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+def test_a_head_that_never_drafted_still_caches_its_prompt(tiny_pair, name):
+    """Drafting kept off throughout (as the self-tuning length may): the head still runs over
+    the prompt, so a repeat of it finds every full block cached in the target and the head."""
+    e = engine(tiny_pair, speculation_length=SpeculationLengthPolicy(batch_k_caps=((1, 0),)))
+    prompt = [(3 * j + 1) % 64 for j in range(81)]
+    first = e.generate([prompt], GREEDY, speculation(name))[0]
+    assert first.metrics["target_forward_passes"] == GREEDY.max_tokens  # one token a step: nothing drafted
+    before = e.stats()["kv"]
+    e.generate([prompt], GREEDY, speculation(name))
+    after = e.stats()["kv"]
+    assert after["prefix_hits"] - before["prefix_hits"] == 80  # all but the last token
 
 
 def test_a_prompt_that_can_never_fit_is_refused_and_a_long_one_stops_at_the_pool(tiny_pair):

@@ -491,3 +491,28 @@ def test_cli_flags_and_generate(tiny_checkpoints, tiny_pair, trained, tmp_path, 
     assert "--method redrafter needs --redrafter DIR" in capsys.readouterr().err
     assert main([*common, "--method", "redrafter", "--redrafter", str(trained[2]), "--num-beams", "0"]) == 2
     assert "--num-beams 0" in capsys.readouterr().err
+
+
+def test_beams_packed_on_the_device_as_on_the_host():
+    """``pack_on_device`` builds ``pack_beams``' tree for a batch without reading it back:
+    the same node tokens and parents (random beams sharing prefixes, every budget), the
+    rest of the fixed size padded with copies of node 1, and the same packing counts."""
+    import random
+
+    from specray.policies.redrafter import pack_beams, pack_on_device
+
+    rng = random.Random(0)
+    for _ in range(200):
+        m, length = rng.randint(1, 5), rng.randint(2, 5)
+        beams = set()
+        while len(beams) < m:  # distinct beams, as beam search makes them
+            beams.add(tuple(rng.randint(0, 2) for _ in range(length)))
+        beams = [list(b) for b in beams]
+        rng.shuffle(beams)
+        size = rng.randint(1, m * length)
+        tokens, parents, kept = pack_beams(beams, size)
+        got_tokens, got_parents, counts = pack_on_device(torch.tensor([beams]), size)
+        n = len(tokens)
+        assert got_tokens[0, :n].tolist() == tokens and got_parents[0, :n].tolist() == parents
+        assert got_tokens[0, n:].tolist() == [beams[0][0]] * (size - n) and got_parents[0, n:].tolist() == [0] * (size - n)
+        assert counts.tolist() == [1, 1 + n, sum(1 + k for k in kept if k)]

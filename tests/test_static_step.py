@@ -23,6 +23,7 @@ from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.policies.spec_length import SpeculationLengthPolicy
 from tests.test_eagle import random_head
+from tests.test_eagle3 import random_head3
 from tests.test_engine import GREEDY, ragged_prompts
 from tests.test_medusa import random_heads
 from tests.test_redrafter import random_drafter
@@ -34,8 +35,11 @@ SPECS = {
     "medusa": {},
     "eagle": {},
     "eagle-2": {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12},
+    "eagle3": {},
+    "eagle3-2": {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12},
     "redrafter": {},
     "lookahead": {"window_size": 3, "ngram_size": 3, "verification_set_size": 3},
+    "suffix": {},
 }
 
 
@@ -47,7 +51,7 @@ def engine_for(models, step: str, max_num_seqs: int = 4, **kw) -> LLMEngine:
                      speculation_length=SpeculationLengthPolicy(), **kw),
         target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft),
         medusa_heads=random_heads(),
-        resources={"eagle": random_head(target), "redrafter": random_drafter()},
+        resources={"eagle": random_head(target), "eagle3": random_head3(target), "redrafter": random_drafter()},
     )
 
 
@@ -94,39 +98,42 @@ def reads_per_step(engine: LLMEngine) -> list[int]:
     return reads
 
 
-@pytest.mark.parametrize("name", ["none", "draft", "ngram", "medusa", "eagle", "lookahead"])
-def test_one_host_read_per_step(tiny_pair, name):
-    engine = engine_for(tiny_pair, "static")
-    prompts = ragged_prompts(4)
-    for p in prompts:
-        engine.add_request(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), speculation(name))
-    reads = reads_per_step(engine)
-    assert len(reads) >= 3 and max(reads) == 1, reads
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_one_host_read_per_step(tiny_pair, name, temperature):
+    """Every method drafts on the device (EAGLE-2's trees and ReDrafter's beams included,
+    sampled EAGLE rows drawn there), so every step reads the device once: greedy and
+    sampled, a batch of 8 and a batch of 1."""
+    for batch in (8, 1):
+        engine = engine_for(tiny_pair, "static", max_num_seqs=batch)
+        for i, p in enumerate(ragged_prompts(batch)):
+            params = SamplingParams(max_tokens=12, temperature=temperature, top_k=20, seed=i, ignore_eos=True)
+            engine.add_request(p, params, speculation(name))
+        reads = reads_per_step(engine)
+        assert len(reads) >= 3 and max(reads) == 1, (batch, reads)
+        if name not in ("none", "lookahead"):  # lookahead's pool may not match these short runs
+            assert engine.totals.num_drafts > 0
 
 
-@pytest.mark.parametrize("name", ["eagle-2"])
-def test_eagle_reads_once_per_tree_level(tiny_pair, name):
-    """EAGLE-2's dynamic trees grow level by level on the host: one read per level for every
-    row together (not one per row and level), plus the step's one."""
-    from specray.policies.eagle import EagleOptions, resolve_tree
-
-    options = EagleOptions(**SPECS[name])
-    depth = options.depth if options.dynamic_tree else resolve_tree(options).max_depth
-    engine = engine_for(tiny_pair, "static")
-    for p in ragged_prompts(4):
-        engine.add_request(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), speculation(name))
-    reads = reads_per_step(engine)
-    assert len(reads) >= 3 and max(reads) <= depth + 1, (depth, reads)
+EXPLICIT_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
-@pytest.mark.parametrize("method, spec", [
-    ("eagle", {}), ("eagle", {"tree": "chain"}), ("eagle", {"eagle_choices": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}),
-    ("eagle3", {}), ("eagle3", {"tree": "chain"}),
-], ids=["eagle default tree", "eagle chain", "eagle explicit", "eagle3 default tree", "eagle3 chain"])
-def test_eagle_trees_drafted_on_the_device_equal_the_hosts(tiny_pair, references, method, spec):
-    """Static trees grown on the device draft the tokens the host path drafts: every request
-    accepts the same number of tokens at every position, under eager (host drafting) and the
-    static step (device drafting, one read per step). Losslessness alone would not show it."""
+@pytest.mark.parametrize("method, spec, cap", [
+    ("eagle", {}, None), ("eagle", {"tree": "chain"}, None), ("eagle", {"eagle_choices": EXPLICIT_TREE}, None),
+    ("eagle3", {}, None), ("eagle3", {"tree": "chain"}, None),
+    ("eagle", {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}, None),
+    ("eagle", {"dynamic_tree": True, "top_k": 3, "depth": 6, "total_tokens": 40}, None),
+    ("eagle3", {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}, None),
+    ("eagle", {"eagle_choices": EXPLICIT_TREE}, 3), ("eagle3", {}, 2),
+    ("eagle", {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}, 3),
+], ids=["eagle default tree", "eagle chain", "eagle explicit", "eagle3 default tree", "eagle3 chain",
+        "eagle-2", "eagle-2 deep", "eagle3 dynamic", "eagle explicit capped", "eagle3 tree capped", "eagle-2 capped"])
+def test_eagle_trees_drafted_on_the_device_equal_the_hosts(tiny_pair, references, method, spec, cap):
+    """Trees grown on the device (static, and EAGLE-2's dynamic ones) draft the tokens the
+    host path drafts: every request accepts the same number of tokens at every position,
+    under eager (host drafting) and the static step (device drafting, one read per step).
+    Losslessness alone would not show it. Under a cap (the self-tuning length's), both keep
+    the tree's best-scored nodes."""
     from tests.test_eagle import self_head
     from tests.test_eagle3 import random_head3
 
@@ -134,8 +141,8 @@ def test_eagle_trees_drafted_on_the_device_equal_the_hosts(tiny_pair, references
     head = {"eagle": self_head(target), "eagle3": random_head3(target)}[method]
     runs = []
     for step in ("eager", "static"):
-        engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4, step=step,
-                                        speculation_length=SpeculationLengthPolicy()),
+        policy = SpeculationLengthPolicy(batch_k_caps=((1, cap),) if cap else ())
+        engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4, step=step, speculation_length=policy),
                            target_model=copy.deepcopy(target), resources={method: copy.deepcopy(head)})
         outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method=method, **spec))
         assert [o.token_ids for o in outs] == references
@@ -144,19 +151,12 @@ def test_eagle_trees_drafted_on_the_device_equal_the_hosts(tiny_pair, references
     assert sum(n for n, _ in runs[0]) > 0
 
 
-def test_sampled_rows_read_once_too(tiny_pair):
-    engine = engine_for(tiny_pair, "static")
-    for i, p in enumerate(ragged_prompts(4)):
-        params = SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=i, ignore_eos=True)
-        engine.add_request(p, params, speculation(["draft", "ngram", "medusa", "none"][i]))
-    reads = reads_per_step(engine)
-    assert max(reads) == 1, reads
-
-
 def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
     """torch.compile with dynamic shapes: one graph per model for every batch size and width
-    (dynamo specializes only sizes 0 and 1, which the static path pads away), none
-    recompiled as batches, widths and lengths change step after step."""
+    (dynamo specializes only sizes 0 and 1, which the static path pads away) — the target's,
+    the draft model's, the acceptance's and each head's (EAGLE, EAGLE-3, Medusa, ReDrafter's
+    beam level) — none recompiled as batches, widths, trees and lengths change step after
+    step; every method's greedy output equals HF's (batches of 1 to 4)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -164,32 +164,46 @@ def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
     counters.clear()
     engine = engine_for(tiny_pair, "compile")
     prompts = ragged_prompts(8)
-    first = engine.generate(prompts, GREEDY, [speculation(["none", "draft", "ngram", "medusa"][i % 4]) for i in range(8)])
-    assert [o.token_ids for o in first] == references  # 8 requests on 4 slots: batches of 1 to 4, widths 1 to 11
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # the target's and the draft's
+    names = list(SPECS)
+    for start in range(0, len(names), 4):  # 8 requests on 4 slots: batches of 1 to 4, mixed methods
+        first = engine.generate(prompts, GREEDY, [speculation(names[(start + i) % len(names)]) for i in range(8)])
+        assert [o.token_ids for o in first] == references, names[start : start + 4]
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 7, dict(counters["stats"])  # target, draft, acceptance, EAGLE, EAGLE-3, Medusa, ReDrafter
     long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
-    outs = engine.generate(prompts[:3], long, speculation("none"))  # 100 steps, lengths change each
-    assert counters["stats"]["unique_graphs"] == 2 and not counters["recompiles"], dict(counters["recompiles"])
-    eager = engine_for(tiny_pair, "eager").generate(prompts[:3], long, speculation("none"))
+    mixed = [speculation(n) for n in ("none", "eagle-2", "redrafter")]
+    outs = engine.generate(prompts[:3], long, mixed)  # 100 steps, lengths change each
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
+    eager = engine_for(tiny_pair, "eager").generate(prompts[:3], long, mixed)
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
 
 
 # -- sampling through the device acceptance --------------------------------------------------
-@pytest.mark.parametrize("name", ["draft", "ngram", "medusa", "eagle"])
-def test_device_sampling_matches_target_distribution(name):
+@pytest.mark.parametrize("step, name", [
+    ("static", "draft"), ("static", "ngram"), ("static", "medusa"), ("static", "eagle"), ("static", "eagle-2"),
+    ("static", "eagle3"), ("static", "redrafter"), ("compile", "draft"), ("compile", "eagle"),
+    ("compile", "redrafter"),
+])
+def test_device_sampling_matches_target_distribution(step, name):
+    """Sampled rows through the device step keep the target's distribution: chains with and
+    without draft probabilities, static trees with drawn q (EAGLE's, drawn on the device),
+    dynamic trees and packed beams built on the device (one-hot q)."""
     from tests import test_sampling_e2e as E
 
     models = (E.tiny_llama(vocab=E.VOCAB, seed=3, init=0.25), E.tiny_llama(vocab=E.VOCAB, layers=1, seed=4, init=0.25))
     target, draft = models
     engine = LLMEngine(
-        EngineConfig(target="x", max_num_seqs=64, step="static", speculation_length=SpeculationLengthPolicy()),
+        EngineConfig(target="x", max_num_seqs=64, step=step, speculation_length=SpeculationLengthPolicy()),
         target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft),
-        medusa_heads=random_heads(vocab=E.VOCAB), resources={"eagle": random_head(target)},
+        medusa_heads=random_heads(vocab=E.VOCAB),
+        resources={"eagle": random_head(target), "eagle3": random_head3(target, draft_vocab=6),
+                   "redrafter": random_drafter(vocab=E.VOCAB)},
     )
     params = [SamplingParams(seed=i, **E.PARAMS) for i in range(E.N)]
-    spec = SpeculationParams(method=name, num_speculative_tokens=3) if name in ("draft", "ngram") else \
-        SpeculationParams(method=name)
-    outs = engine.generate([E.PROMPT] * E.N, params, spec)
+    options = {"draft": {"num_speculative_tokens": 3}, "ngram": {"num_speculative_tokens": 3},
+               "eagle-2": {"dynamic_tree": True, "top_k": 3, "depth": 3, "total_tokens": 8},
+               "redrafter": {"num_beams": 3, "draft_len_per_beam": 3}}.get(name, {})
+    outs = engine.generate([E.PROMPT] * E.N, params, SpeculationParams(method=name.split("-")[0], **options))
     t = engine.totals
     assert t.num_drafts > E.N // 2 and 0 < t.num_accepted_tokens < t.num_draft_tokens
     seqs = np.array([o.token_ids for o in outs])

@@ -3,8 +3,9 @@
 * Through a Coordinator at TP 2 (the draft whole in rank 0): greedy output equals HF generate
   for every method with weights here, ragged prompts at batch 1 and 3; each rank is its own
   process on its own GPU bundle, on one node.
-* Every entry point: CLI ``generate`` and ``serve --once``, HTTP (the draft split with the
-  target), batch jobs (the draft in an actor of its own), and the Python handles above.
+* Every entry point: CLI ``generate``, HTTP (the draft split with the target), batch jobs (the
+  draft in an actor of its own), and the Python handles above; ``serve --once``, the real
+  command in a Ray of its own, is tests/test_serve_cli.py's (one's own checkpoint at TP 2).
 * A rank lost mid-stream: that replica's requests are replayed on a rebuilt group, greedy
   output unchanged; later requests succeed.
 * A layout the cluster cannot host is refused at start-up naming the resource and amount.
@@ -15,9 +16,6 @@ tests/test_tensor_parallel.py covers the split and the control plane in one proc
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 
 import httpx
@@ -26,7 +24,7 @@ import ray
 
 from specray.actors.coordinator import Coordinator, StartError
 from specray.cluster.placement import Layout, PlacementError, check_feasible
-from tests.conftest import free_port, hf_greedy
+from tests.conftest import hf_greedy
 from tests.test_actors import GREEDY, PROMPTS, shutdown
 
 pytestmark = pytest.mark.timeout(600)
@@ -95,9 +93,19 @@ def test_http_at_tp2_with_the_draft_split_too(server, tiny_tok, tiny_pair):
         serve.delete("tp2")
 
 
-def test_colocated_tp2_every_method(ray_session, tiny_checkpoints, heads, references):
+@pytest.fixture(scope="class")
+def colocated_tp2(ray_session, tiny_checkpoints, heads):
+    """One colocated TP 2 coordinator for the class's two tests (the second kills a rank of it:
+    it runs last), given back when the class ends: the tests after it need both GPUs. Each
+    start is three processes loading torch, most of such a test's time."""
     c = Coordinator.remote({**tiny_checkpoints, **heads, **TP2, "max_num_seqs": 3, "placement": {"mode": "colocated"}})
-    try:
+    yield c
+    shutdown(c)
+
+
+class TestColocatedTP2:
+    def test_colocated_tp2_every_method(self, colocated_tp2, references):
+        c = colocated_tp2
         every_method(c, references)
         engine = ray.get(c.workers.remote())["engine"]
         tp = ray.get(engine.tensor_parallel.remote())
@@ -107,15 +115,11 @@ def test_colocated_tp2_every_method(ray_session, tiny_checkpoints, heads, refere
         assert ray.get(rank1.node_id.remote()) == ray.get(engine.node_id.remote())
         assert tp["ranks"][0]["messages"] == tp["rank0"]["messages"] > 0
         assert ray.get(engine.describe.remote())["proposers"]["draft"].endswith("DraftModelProposer")
-    finally:
-        shutdown(c)
 
-
-def test_a_lost_rank_replays_the_replicas_requests(ray_session, tiny_checkpoints, tiny_pair, references):
-    """Kill rank 1 during streams: every request finishes with the undisturbed greedy output
-    (replayed on a rebuilt group); later requests succeed."""
-    c = Coordinator.remote({**tiny_checkpoints, **TP2, "max_num_seqs": 3, "placement": {"mode": "colocated"}})
-    try:
+    def test_a_lost_rank_replays_the_replicas_requests(self, colocated_tp2, tiny_pair, references):
+        """Kill rank 1 during streams: every request finishes with the undisturbed greedy output
+        (replayed on a rebuilt group); later requests succeed."""
+        c = colocated_tp2
         ray.get(c.ready.remote())
         long = {**GREEDY, "max_tokens": 40}
         prompts = PROMPTS[:4]
@@ -134,8 +138,6 @@ def test_a_lost_rank_replays_the_replicas_requests(ray_session, tiny_checkpoints
         assert [o["token_ids"] for o in outs] == references[:3]
         new_engine = ray.get(c.workers.remote())["engine"]
         assert ray.get(new_engine.tensor_parallel.remote())["actors"][0] != rank1  # a new group
-    finally:
-        shutdown(c)
 
 
 @pytest.mark.slow  # torch.compile on both ranks: minutes on two shared cores
@@ -223,20 +225,3 @@ def test_batch_job_at_tp2_with_the_draft_in_its_own_actor(ray_session, tiny_chec
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [o["token_ids"] for o in lines] == [hf_greedy(tiny_pair[0], p, 12) for p in PROMPTS]
     assert sum(o["metrics"]["num_drafts"] for o in lines if o["method"] == "draft") > 0
-
-
-@pytest.mark.slow  # a Ray of its own, as tests/test_serve_cli.py's
-@pytest.mark.timeout(900)
-def test_serve_once_with_tensor_parallel_size(tiny_tok, tiny_pair):
-    """The real command, a local Ray of its own (no GPUs: the ranks take CPU bundles, gloo)."""
-    from tests.conftest import decode, encode
-
-    port = free_port()
-    # A Ray of its own, whatever other clusters this machine runs ("local": never join one).
-    env = {**os.environ, "SPECRAY_WORKER_THREADS": "1", "RAY_ADDRESS": "local"}
-    done = subprocess.run([sys.executable, "-m", "specray.entrypoints.cli", "serve", "--target", tiny_tok["target"],
-                           "--tokenizer", tiny_tok["tokenizer"], "--tensor-parallel-size", "2", "--port", str(port),
-                           "--once", "abcabc"], capture_output=True, text=True, timeout=800, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    reply = json.loads(done.stdout[done.stdout.index("{"):])
-    assert reply["choices"][0]["text"] == decode(hf_greedy(tiny_pair[0], encode("abcabc"), 48))

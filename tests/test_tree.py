@@ -123,3 +123,24 @@ def test_xformers_metadata_and_the_parents_path_build_the_same_tree(name):
         pytest.skip("xformers is not installed")
     assert torch.equal(ours.parents, theirs.parents) and torch.equal(ours.mask, theirs.mask)
     assert torch.equal(ours.depth, theirs.depth)
+
+
+def test_trees_built_on_the_device_match_the_hosts():
+    """``device_layout`` and ``device_children`` (trees whose structure never leaves the
+    device: EAGLE-2, ReDrafter) give the ancestor mask, depths and children table that
+    ``TokenTree.from_parents`` builds on the host, for a batch of random trees."""
+    import random
+
+    from specray.kernels.tree import TokenTree, device_children, device_layout
+
+    rng = random.Random(0)
+    for _ in range(50):
+        size = rng.randint(1, 12)
+        batch = [[rng.randint(0, i) for i in range(size)] for _ in range(3)]  # node i + 1 under an earlier node
+        anc, depth = device_layout(torch.tensor(batch), max_depth=size)
+        kids = device_children(torch.tensor(batch), max_children=size)
+        for b, parents in enumerate(batch):
+            tree = TokenTree.from_parents(parents)
+            assert torch.equal(anc[b], tree.mask) and torch.equal(depth[b], tree.depth)
+            table = tree.children_table
+            assert torch.equal(kids[b, :, : table.shape[1]], table) and (kids[b, :, table.shape[1]:] == -1).all()

@@ -96,22 +96,36 @@ def window_index(data: SequenceSet, batch: int, width: int, gen: torch.Generator
     return seq, torch.minimum(t, (lengths - 2)[:, None]), valid
 
 
-def eagle3_loss(head: Eagle3Head, lm_head: torch.Tensor, data: SequenceSet, taps: torch.Tensor, index,
-                steps: int, decay: float = DECAY, label_temperature: float = 1.0) -> torch.Tensor:
-    """The training-time test's loss over windows ``index`` (``window_index``); the label is the
-    target's distribution at ``label_temperature`` (1: EAGLE-3's)."""
+def feature_labels(head: Eagle3Head, lm_head: torch.Tensor, features: torch.Tensor, label_temperature: float = 1.0):
+    """The recipe's labels: at a position, the target's next-token distribution (its final-norm
+    feature there through its LM head, at ``label_temperature``) renormalised over the draft
+    vocabulary, and whether the target's argmax lies inside it.
+
+    ``labels(rows, pos)``: rows, pos [B, W] -> (p [B, W, Vd], inside [B, W] bool)."""
+    def labels(rows: torch.Tensor, pos: torch.Tensor):
+        logits = features[rows, pos] @ lm_head.T  # [B, W, V]
+        p = torch.softmax(logits[..., head.target_ids] / label_temperature, dim=-1)
+        return p, head.t2d[logits.argmax(-1)]
+
+    return labels
+
+
+def eagle3_loss(head: Eagle3Head, labels, data: SequenceSet, taps: torch.Tensor, index, steps: int,
+                decay: float = DECAY) -> torch.Tensor:
+    """The training-time test's loss over windows ``index`` (``window_index``); ``labels`` gives
+    the target's distribution at a position (``feature_labels``; online learning: the captured
+    top-k, ``training/online.py``). Positions whose label's argmax lies outside the draft
+    vocabulary are masked."""
     seq, t, valid = index
     rows, n = seq[:, None].expand_as(t), data.lengths[seq][:, None]  # [B, W], [B, 1]
     col = torch.arange(t.shape[1])[None]
     hs = head.unrolled(data.tokens[rows, t + 1], taps[rows, t], steps)  # steps x [B, W, H]
-    vocab = head.target_ids
     total = 0.0
     for j, h in enumerate(hs):
-        ahead = t + j + 1  # the target's feature there gives the distribution of x_{t+j+2}
+        ahead = t + j + 1  # the target's distribution there is the one of x_{t+j+2}
         with torch.no_grad():
-            logits = data.features[rows, ahead.clamp(max=n - 1)] @ lm_head.T  # [B, W, V]
-            p = torch.softmax(logits[..., vocab] / label_temperature, dim=-1)  # renormalised over the draft vocabulary
-            mask = valid & (ahead <= n - 1) & (col + j < t.shape[1]) & head.t2d[logits.argmax(-1)]
+            p, inside = labels(rows, ahead.clamp(max=n - 1))  # renormalised over the draft vocabulary
+            mask = valid & (ahead <= n - 1) & (col + j < t.shape[1]) & inside
         logq = torch.log_softmax(head.draft_logits(h).float(), dim=-1)
         total = total + decay ** j * -(p * logq).sum(-1)[mask].mean()
     return total
@@ -178,9 +192,9 @@ def train_eagle3(target: str, out: str, tokenizer: str | None = None, steps: int
     head.bind(torch.nn.Embedding.from_pretrained(data.embed, freeze=True), num_layers)
     data_seconds = time.time() - start
 
+    labels = feature_labels(head, data.lm_head, data.train.features, label_temperature)
     final = optimise(head.parameters(), lambda step: eagle3_loss(
-        head, data.lm_head, data.train, taps, window_index(data.train, batch_size, width, gen), unroll, decay,
-        label_temperature),
+        head, labels, data.train, taps, window_index(data.train, batch_size, width, gen), unroll, decay),
         steps, lr, "eagle3 head", clip=0.5)
     head.eval()
     nll = temperature_grid()

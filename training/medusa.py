@@ -37,6 +37,16 @@ def head_examples(data: SequenceSet, num_heads: int) -> tuple[torch.Tensor, torc
     return data.features[seq, t], labels
 
 
+def heads_loss(medusa: MedusaHeads, feats: torch.Tensor, labels: torch.Tensor, batch_size: int, gen: torch.Generator):
+    """The recipe's loss for ``optimise``: each step, the heads' cross-entropy on ``batch_size``
+    random examples (``head_examples``)."""
+    def loss_at(step: int) -> torch.Tensor:
+        idx = torch.randint(0, len(feats), (batch_size,), generator=gen)
+        return F.cross_entropy(medusa(feats[idx]).flatten(0, 1), labels[idx].flatten())
+
+    return loss_at
+
+
 @torch.no_grad()
 def head_ranks(medusa: MedusaHeads, feats: torch.Tensor, labels: torch.Tensor, top: int) -> torch.Tensor:
     """``[N, K]`` rank of each label among head k's top ``top`` (``-1`` when outside)."""
@@ -77,11 +87,7 @@ def train_medusa(
     for head in medusa.heads:
         head[-1].weight.data.copy_(lm_head)
 
-    def loss_at(step: int) -> torch.Tensor:
-        idx = torch.randint(0, len(feats), (batch_size,), generator=gen)
-        return F.cross_entropy(medusa(feats[idx]).flatten(0, 1), labels[idx].flatten())
-
-    final = optimise(medusa.parameters(), loss_at, steps, lr, "medusa heads")
+    final = optimise(medusa.parameters(), heads_loss(medusa, feats, labels, batch_size, gen), steps, lr, "medusa heads")
     medusa.eval()
     ranks = head_ranks(medusa, val_feats, val_labels, top=8)
     top1 = [round((ranks[:, k] == 0).float().mean().item(), 3) for k in range(heads)]

@@ -45,6 +45,19 @@ def drafter_loss(drafter: Drafter, embed: torch.Tensor, context: torch.Tensor, t
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
+def windows_loss(drafter: Drafter, embed: torch.Tensor, data: SequenceSet, length: int, batch_size: int,
+                 gen: torch.Generator):
+    """The recipe's loss for ``optimise``: each step, ``drafter_loss`` on ``batch_size`` random
+    continuation positions of ``data`` (contexts from its features, ``length`` levels)."""
+    pos, tokens = windows(data, length)
+
+    def loss_at(step: int) -> torch.Tensor:
+        idx = torch.randint(0, len(pos), (batch_size,), generator=gen)
+        return drafter_loss(drafter, embed, data.features[pos[idx, 0], pos[idx, 1]], tokens[idx])
+
+    return loss_at
+
+
 @torch.no_grad()
 def level_accuracy(drafter: Drafter, embed: torch.Tensor, data: SequenceSet, length: int,
                    max_positions: int = 8192) -> tuple[list[float], list[float]]:
@@ -109,14 +122,8 @@ def fit(data: DistillData, steps: int, batch_size: int, length: int, layers: int
         proj = drafter.lm_head[-1].weight  # [V, 2H]: [context ; state]
         proj.zero_()
         proj[:, :hidden] = lm_head
-    pos, tokens = windows(data.train, length)
-    feats = data.train.features
-
-    def loss_at(step: int) -> torch.Tensor:
-        idx = torch.randint(0, len(pos), (batch_size,), generator=gen)
-        return drafter_loss(drafter, embed, feats[pos[idx, 0], pos[idx, 1]], tokens[idx])
-
-    final = optimise(drafter.parameters(), loss_at, steps, lr, "redrafter", clip=1.0)
+    final = optimise(drafter.parameters(), windows_loss(drafter, embed, data.train, length, batch_size, gen), steps, lr,
+                     "redrafter", clip=1.0)
     return drafter.eval(), final
 
 
