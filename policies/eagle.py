@@ -443,7 +443,10 @@ class EagleProposer:
         if plan.tree is None:
             return logp, plan.row.options.top_k
         kids = _kids_by_rank(plan.tree.choices)
-        return logp, max((len(kids.get(self._rank(plan, p), ())) for p in parents), default=0)
+        # as many candidates as the highest rank asked for: a fitted tree may skip ranks ([2]
+        # without [1]); reading one per child lost every node past the first gap
+        return logp, max((kids[r][-1][-1] + 1 for r in map(lambda p: self._rank(plan, p), parents) if r in kids),
+                         default=0)
 
     def _children(self, plan: _RowPlan, level: int, parents: list[int], logits: torch.Tensor, logp: torch.Tensor,
                   width: int, top: tuple[list, list] | None) -> None:

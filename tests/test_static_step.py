@@ -116,6 +116,7 @@ def test_one_host_read_per_step(tiny_pair, name, temperature):
 
 
 EXPLICIT_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+GAPPED_TREE = [[2], [0], [0, 3], [2, 1], [6]]  # ranks skipped, as trees fitted to a head's accuracy may
 
 
 @pytest.mark.parametrize("method, spec, cap", [
@@ -126,8 +127,10 @@ EXPLICIT_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
     ("eagle3", {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}, None),
     ("eagle", {"eagle_choices": EXPLICIT_TREE}, 3), ("eagle3", {}, 2),
     ("eagle", {"dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}, 3),
+    ("eagle3", {"eagle_choices": GAPPED_TREE}, None),
 ], ids=["eagle default tree", "eagle chain", "eagle explicit", "eagle3 default tree", "eagle3 chain",
-        "eagle-2", "eagle-2 deep", "eagle3 dynamic", "eagle explicit capped", "eagle3 tree capped", "eagle-2 capped"])
+        "eagle-2", "eagle-2 deep", "eagle3 dynamic", "eagle explicit capped", "eagle3 tree capped", "eagle-2 capped",
+        "eagle3 gapped tree"])
 def test_eagle_trees_drafted_on_the_device_equal_the_hosts(tiny_pair, references, method, spec, cap):
     """Trees grown on the device (static, and EAGLE-2's dynamic ones) draft the tokens the
     host path drafts: every request accepts the same number of tokens at every position,
