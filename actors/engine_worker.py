@@ -76,7 +76,7 @@ class EngineWorker(Placed):
         self._outbox: list = []
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        freeze_loaded_heap()  # full collections skip the loaded engine: no 0.3 s pauses mid-step
+        freeze_loaded_heap()  # full collections skip the loaded engine: no long pauses mid-step
 
     async def start(self, timeout_s: float) -> dict:
         """Wait (bounded) for the proposer workers, so that the first requests speculate;

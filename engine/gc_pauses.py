@@ -2,8 +2,8 @@
 short on a serving process by freezing what was loaded before it serves.
 
 A full (generation 2) collection walks every tracked object of the process: with torch,
-transformers and a loaded engine that is a few hundred thousand objects, about 0.3 s on a
-shared CPU core. That pause falls on whichever step allocates at the wrong moment. The
+transformers and a loaded engine, a few hundred thousand objects, many steps' time on a CPU.
+That pause falls on whichever step allocates at the wrong moment. The
 speculation-length controller timed such a step as drafting's cost and switched a paying
 drafter off for the rest of the run (``test_a_gc_pause_is_not_a_steps_cost`` in tests/test_controller.py).
 """

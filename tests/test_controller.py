@@ -90,7 +90,7 @@ def test_one_slow_step_does_not_switch_a_paying_drafter_off(monkeypatch):
 
 @pytest.mark.parametrize("subtracted", [True, False])
 def test_a_gc_pause_is_not_a_steps_cost(make_engine, monkeypatch, subtracted):
-    """A full collection inside a step (0.3 s with a loaded engine in the process) is left out
+    """A full collection inside a step (many steps' time with a loaded engine in the process) is left out
     of the seconds the controller is told the step cost (engine/gc_pauses.py); timed whole, it
     read as the drafts' cost. The pause here: a collector callback that sleeps 0.3 s."""
     import gc
