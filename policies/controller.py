@@ -99,7 +99,7 @@ plain step, and each node it drafts only its verification, 0.05."""
 OUTLIER = 4.0
 """A step's measured seconds count as at most this many times what the cost model predicted for
 it. A garbage-collector pass or a one-time cost (a lazy import, a new shape's first run) can make
-one step 50x its peers; taken whole, it priced a paying drafter off
+one step many times its peers; taken whole, it priced a paying drafter off
 (``test_one_slow_step_does_not_switch_a_paying_drafter_off``). A real change in cost still moves
 the model: each clipped step pulls it up to 4x what it predicted."""
 
