@@ -82,7 +82,6 @@ def _run(args, command: str) -> int:
     from specray.demo import held_out_prompts, load_or_build_demo_pair
     from specray.demo.pair import default_cache_dir
     from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
-    from specray.engine.gc_pauses import freeze_loaded_heap
     from specray.policies.spec_length import SpeculationLengthPolicy
     from specray.training.recipes import cached_heads
 
@@ -122,7 +121,6 @@ def _run(args, command: str) -> int:
                 "seconds": sum(r["seconds"] for r in runs), "ids": [i for r in runs for i in r["ids"]]}
 
     run(held_out_prompts(1, pair.tokenizer), {"method": "none"})  # torch's first calls, outside every measurement
-    freeze_loaded_heap()  # as a serving worker does: no 0.3 s full collections inside the timed runs
     plain = one_shot({"method": "none"}) if prompts else None
     rows, ok = [], True
     for m in methods if prompts else ():
