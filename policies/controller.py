@@ -183,6 +183,7 @@ class _Costs:
         self.xx, self.xy = np.zeros((n, n)), np.zeros(n)
         self.prior: np.ndarray | None = None
         self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
+        self._theta: np.ndarray | None = None  # theta() until the next add: caps and add share one solve a step
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
@@ -205,6 +206,7 @@ class _Costs:
             self.prior = self._guess(seconds, {m: per_node for m in first if first[m]})
         self.xx = self.forget * self.xx + np.outer(x, x)
         self.xy = self.forget * self.xy + x * seconds
+        self._theta = None
 
     def _guess(self, plain: float, per_node: Mapping[str, float]) -> np.ndarray:
         """A prior: a plain step's seconds, each method's per-node cost (``per_node`` where
@@ -215,9 +217,10 @@ class _Costs:
     def theta(self) -> np.ndarray | None:
         if self.prior is None:
             return None
-        lam = self.prior_weight * np.eye(len(self.prior))
-        theta = np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior)
-        return np.maximum(theta, 1e-6)
+        if self._theta is None:
+            lam = self.prior_weight * np.eye(len(self.prior))
+            self._theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
+        return self._theta
 
     def widened(self, methods: Sequence[str], blocks: Sequence[str] = ()) -> "_Costs":
         """This model with ``methods`` added, what it measured kept: a method that joins a
