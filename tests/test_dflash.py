@@ -189,7 +189,7 @@ def test_a_cached_prefix_drafts_as_a_fresh_one(tiny_pair):
 def test_sampling_keeps_the_target_distribution():
     """Each block position carries the drafter's distribution as q (through the device acceptance
     of the static step; the host's rule is the draft model's, tests/test_sampling_e2e.py)."""
-    from tests.test_sampling_e2e import N, PARAMS, PROMPT, VOCAB, check, exact_joint
+    from tests.test_sampling_e2e import N, PARAMS, PROMPT, VOCAB, assert_follows
 
     target = tiny_llama(vocab=VOCAB, seed=3, init=0.25)
     drafter = random_drafter(target, block=4, std=0.5, mask=VOCAB - 1)
@@ -198,12 +198,7 @@ def test_sampling_keeps_the_target_distribution():
     outs = engine.generate([PROMPT] * N, params, SpeculationParams(method="dflash", num_speculative_tokens=3))
     t = engine.totals
     assert t.num_drafts > N // 2 and N // 10 < t.num_accepted_tokens < t.num_draft_tokens
-    seqs = np.array([o.token_ids for o in outs])
-    joint = exact_joint(target)
-    assert min(check(seqs, joint)) > 1e-3
-    biased = seqs.copy()  # negative control: the same test catches a plausible bug
-    biased[: N // 5, 1:] = biased[: N // 5, :1]
-    assert min(check(biased, joint)) < 1e-3
+    assert_follows(np.array([o.token_ids for o in outs]), target)
 
 
 # -- training and the published layout ----------------------------------------------------------------------

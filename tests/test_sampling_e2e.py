@@ -91,6 +91,17 @@ def check(seqs: np.ndarray, joint: np.ndarray) -> list[float]:
     return pvals
 
 
+def assert_follows(seqs: np.ndarray, target) -> None:
+    """``seqs`` pass the chi-square checks against ``target``'s exact distribution, and the
+    negative control — the same samples with 20% repeating their first token (a plausible bug:
+    always taking the draft) — fails them."""
+    joint = exact_joint(target)
+    assert min(check(seqs, joint)) > 1e-3
+    biased = seqs.copy()
+    biased[: N // 5, 1:] = biased[: N // 5, :1]
+    assert min(check(biased, joint)) < 1e-3
+
+
 @pytest.fixture(scope="module")
 def joint(models):
     return exact_joint(models[0])
