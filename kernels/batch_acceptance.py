@@ -76,7 +76,11 @@ def parent_nodes(anc: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
     """[B, W] each node's parent: its ancestor one level up (the root, and nodes with no
     such ancestor, get 0)."""
     one_up = anc & (depth[:, None, :] == depth[:, :, None] - 1)  # [B, W(j), W(i)]
-    return one_up.to(torch.uint8).argmax(dim=-1)
+    # A tree has at most one such ancestor: the largest index where one_up holds is it. Not
+    # argmax over one_up as uint8: inductor's AVX-512 code for that reduction wrote indices
+    # out of range (torch 2.13, compiled greedy_pass: test_compiled_greedy_pass_equals_eager)
+    col = torch.arange(anc.shape[-1], device=anc.device)
+    return torch.where(one_up, col, 0).amax(dim=-1)
 
 
 def _assemble(tokens, anc, depth, end, final) -> BatchAcceptance:
