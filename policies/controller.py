@@ -103,9 +103,21 @@ one step many times its peers; taken whole, it priced a paying drafter off
 (``test_one_slow_step_does_not_switch_a_paying_drafter_off``). A real change in cost still moves
 the model: each clipped step pulls it up to 4x what it predicted."""
 
-COSTS_RETRY_AFTER = (PROBE_EVERY, 4 * PROBE_EVERY)
+REJUDGE_OFF_EVERY = 8
+"""A method off in a batch-size bucket for more than 8 steps, and not due for a retry, is judged
+again every 8 steps there, not every step: by then its costs are measured, only plain steps
+add to them while it is off, and they move slowly; judging it was most of the controller's time
+in a big batch of rows of a tree method switched off (a few percent of a plain step at batch 8
+on these CPUs). Its first 8 steps off are each judged: there the costs are new (a bucket's
+first drafting step is often a cold one) and turned a drafter back on within a few steps
+(``test_dflash.py::test_training_learns_and_saves_the_published_layout``)."""
+
+COSTS_RETRY_AFTER = (4 * PROBE_EVERY, 16 * PROBE_EVERY)
 """A method its costs switched off (even its priors say it does not pay at this batch size)
-is retried one step after 64 steps, then 128, then every 256."""
+is retried one step after 256 steps, then 512, then every 1024. Such a retry re-measures only
+the costs, which move slowly with the load, and at batch 8 one tree step cost 6-8 plain steps
+on these CPUs: retried after 64 and 128 steps, as before, the retries alone cost a 32-prompt
+batch run about 4% against plain decoding (``python -m specray.bench.selftune``)."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +178,7 @@ class _Bucket:
     steps: int = 0
     plain_at: int = 0  # its step number of the last step in which no row drafted (0: none yet)
     tries: dict[str, int] = field(default_factory=dict)
+    off_since: dict[str, int] = field(default_factory=dict)  # method -> its step when judged off here
 
 
 def _bucket(batch: int) -> int:
@@ -270,6 +283,13 @@ class AdaptiveSpeculation:
         self._off: dict[str, list[int]] = {}  # method switched off -> [since step, retry interval]
         self._burst: dict[str, int] = {}  # method retried -> steps it still drafts before it is judged
         self._blocks: set[str] = set()  # methods that draft a whole block in one forward
+        # Expected-token tables, recomputed only when what they read changed: a method's
+        # ``_learned`` count grows with every step it drafts (and with new priors), so a step
+        # in which a method stays off costs no recomputation (at batch 8 the tables were most
+        # of the controller's time, and it ran every step of a tree method switched off).
+        self._learned: dict[str, int] = {}
+        self._tables: dict[str, tuple] = {}  # request id -> (key, its table)
+        self._prior_tables: dict[tuple, list[float]] = {}  # (key) -> the priors' table
 
     def fresh(self) -> "AdaptiveSpeculation":
         """A controller with these settings and priors that has learned nothing yet."""
@@ -291,10 +311,15 @@ class AdaptiveSpeculation:
         costs = model.theta()
         # A plain probe: the bucket has measured drafting, never a plain step (or long ago).
         probe = costs is not None and bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
-        # each row's expected tokens for every k, once per step (not once per candidate k):
-        # from what was measured, and from the priors alone (what the method should do)
-        expected = {r.request_id: self._expected_tokens(r) for r in rows}
-        hoped = {r.request_id: self._expected_tokens(r, prior_only=True) for r in rows}
+        tables: dict[bool, dict[str, list[float]]] = {}
+
+        def table(prior_only: bool) -> dict[str, list[float]]:
+            """Each row's expected tokens for every k, once per step (not once per candidate
+            k): from what was measured, or from the priors alone (what the method should do)."""
+            if prior_only not in tables:
+                tables[prior_only] = {r.request_id: self._expected_tokens(r, prior_only) for r in rows}
+            return tables[prior_only]
+
         choice = {}
         for m in methods:
             auto = [r for r in rows if r.method == m and not r.fixed]
@@ -305,6 +330,12 @@ class AdaptiveSpeculation:
             if probe:
                 choice[m] = 0
                 continue
+            off = bucket.off_since.get(m)
+            if off is not None and bucket.steps - off > REJUDGE_OFF_EVERY and (bucket.steps - off) % REJUDGE_OFF_EVERY \
+                    and not self._due(m):
+                choice[m] = 0
+                continue
+            hoped = table(True)
             if costs is None:  # no measurement yet: draft, to learn
                 choice[m] = None if tree else min(4, self.max_k)
                 continue
@@ -316,15 +347,28 @@ class AdaptiveSpeculation:
             if bucket.tries.get(m, 0) < MIN_TRIES:  # exploring: draft unless clearly a loss
                 best = 1 + int(np.argmax(hope[1:]))
                 best = best if hope[best] >= hope[0] * (1 - EXPLORE_SLACK) else 0
+                if not best:  # a clear loss even by its priors: judged, its retries single steps
+                    bucket.tries[m] = MIN_TRIES
             else:
-                best = _best([self._rate(rows, m, k, choice, model, costs, expected) for k in options])
+                best = _best([self._rate(rows, m, k, choice, model, costs, table(False)) for k in options])
                 if self.explore_every and self._steps % self.explore_every == 0 and not tree:
                     best = min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
             choice[m] = options[self._retry(m, best, promised > 0)]
+            if choice[m] == 0:
+                bucket.off_since.setdefault(m, bucket.steps)
+            else:
+                bucket.off_since.pop(m, None)
         self._choice.update(choice)
         caps = [r.requested if r.fixed else choice.get(r.method) for r in rows]
         self._on = {r.request_id for r, k in zip(rows, caps) if not r.fixed and r.method != "none" and k != 0}
         return caps
+
+    def _due(self, method: str) -> bool:
+        """Whether ``method``, off, drafts again this step (a retry burst, or its interval out)."""
+        if self._burst.get(method):
+            return True
+        since = self._off.get(method)
+        return since is None or self._steps - since[0] >= since[1]
 
     def _retry(self, method: str, best: int, promising: bool) -> int:
         """``best``, or 1 (draft again) when the method has been off for its retry interval:
@@ -373,6 +417,18 @@ class AdaptiveSpeculation:
         it may take (1.0 for plain rows); ``prior_only``: from the priors, nothing measured."""
         if row.method == "none":
             return [1.0]
+        key = (row.method, row.requested, self._learned.get(row.method, 0))
+        if prior_only:
+            table = self._prior_tables.get(key)
+            if table is None:
+                table = self._prior_tables[key] = self._table(row, True)
+            return table
+        cached = self._tables.get(row.request_id)
+        if cached is None or cached[0] != key:
+            cached = self._tables[row.request_id] = (key, self._table(row, False))
+        return cached[1]
+
+    def _table(self, row: RowView, prior_only: bool) -> list[float]:
         upto = max(self.max_k, row.requested or 0, self._depth(row))
         method = self._methods.get(row.method, _Acceptance()) if not prior_only else _Acceptance()
         own = self._requests.get(row.request_id, _Acceptance()) if not prior_only else _Acceptance()
@@ -403,6 +459,7 @@ class AdaptiveSpeculation:
         """After a step: each row's drafted nodes and accepted count, and the step's seconds."""
         ks: dict[str, int] = {}
         nodes: dict[str, int] = {}
+        learned: set[str] = set()
         for r, d, a in zip(rows, drafted, accepted):
             if r.method == "none":
                 continue
@@ -416,6 +473,9 @@ class AdaptiveSpeculation:
                 d = a + 1 if a < d else d  # trees: depth positions up to the first miss were reached
             self._methods.setdefault(r.method, _Acceptance()).add(d, a, self.forget)
             self._requests.setdefault(r.request_id, _Acceptance()).add(d, a, REQUEST_FORGET)
+            learned.add(r.method)
+        for m in learned:
+            self._learn(m)
         self._nodes.update(nodes)
         for m in [m for m, left in self._burst.items() if left]:  # a retry that accepted nothing ends its burst
             if not any(a for r, a in zip(rows, accepted) if r.method == m and r.request_id in self._on):
@@ -429,8 +489,14 @@ class AdaptiveSpeculation:
         if not any(ks.values()):
             bucket.plain_at = bucket.steps
 
+    def _learn(self, method: str) -> None:
+        """What ``method``'s tables read changed: they are recomputed when next read."""
+        self._learned[method] = self._learned.get(method, 0) + 1
+        self._prior_tables = {k: v for k, v in self._prior_tables.items() if k[0] != method}
+
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._tables.pop(request_id, None)
 
     def start_method(self, method: str, rates: Sequence[float]) -> None:
         """A new drafter version serves ``method`` (online learning): forget what the method's
@@ -440,3 +506,4 @@ class AdaptiveSpeculation:
         self.priors[method] = [min(max(float(r), 0.0), 1.0) for r in rates]
         self._methods.pop(method, None)
         self._off.pop(method, None)
+        self._learn(method)

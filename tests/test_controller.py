@@ -280,11 +280,11 @@ def test_a_costly_tree_in_a_big_batch_is_turned_off_whatever_was_saved():
 
 
 def test_a_tree_its_costs_switched_off_is_retried_ever_more_rarely():
-    """Retries of a tree the costs switched off come 64, 128, then 256 steps apart: each costs
+    """Retries of a tree the costs switched off come 256, 512, then 1024 steps apart: each costs
     several plain steps' time at a big batch, and a new batch size has a bucket of its own."""
-    chosen = one_shot(0.8, {"m": [0.8] * 5}, steps=600, tree=True, batch=16, draft_cost=0.5)
+    chosen = one_shot(0.8, {"m": [0.8] * 5}, steps=2000, tree=True, batch=16, draft_cost=0.5)
     retries = [i for i, k in enumerate(chosen) if k != 0 and i >= 10]
-    assert [b - a for a, b in zip(retries, retries[1:])] == [128, 256], chosen
+    assert 250 <= retries[0] <= 270 and [b - a for a, b in zip(retries, retries[1:])] == [512, 1024], chosen
 
 
 def test_a_buckets_costs_are_read_by_method():
@@ -348,3 +348,58 @@ def test_a_block_method_joining_a_bucket_gets_its_forward_column():
     theta = model.theta()
     assert theta[0] == pytest.approx(before[0], rel=0.05) and theta[2] == pytest.approx(before[1], rel=0.05)
     assert theta[3] == pytest.approx(controller.BLOCK_PRIOR * model.prior[0])  # nothing measured: the prior
+
+
+class _Uncached(AdaptiveSpeculation):
+    """The controller with every expected-token table computed afresh, as before the cache."""
+
+    def _expected_tokens(self, row, prior_only=False):
+        return [1.0] if row.method == "none" else self._table(row, prior_only)
+
+
+def test_cached_tables_decide_as_fresh_ones():
+    """Over random steps of two methods (a tree and a chain), requests coming and going and
+    acceptance changing, the controller that reuses its expected-token tables until what they
+    read changed chooses exactly what one that recomputes them every step chooses."""
+    import random
+
+    rng = random.Random(5)
+    cached, fresh = (cls(priors={"t": [0.7, 0.5, 0.4]}) for cls in (AdaptiveSpeculation, _Uncached))
+    live = [RowView(f"r{i}", "t" if i % 2 else "c", tree=bool(i % 2)) for i in range(6)]
+    made = 6
+    for step in range(400):
+        if rng.random() < 0.05:  # a request ends, another starts
+            gone = live.pop(rng.randrange(len(live)))
+            cached.release(gone.request_id), fresh.release(gone.request_id)
+            method = rng.choice("tc")
+            live.append(RowView(f"r{made}", method, tree=method == "t"))
+            made += 1
+        rows = live[: rng.randint(1, len(live))]
+        got, want = cached.caps(rows), fresh.caps(rows)
+        assert got == want, step
+        rate = 0.8 if step < 150 else 0.1
+        drafted = [8 if k is None else k for k in got]
+        accepted = [sum(1 for _ in range(min(d, 5)) if rng.random() < rate) for d in drafted]
+        seconds = 0.001 * (1 + 0.3 * max(drafted))
+        cached.observe(rows, drafted, accepted, seconds), fresh.observe(rows, drafted, accepted, seconds)
+
+
+def test_a_method_long_off_is_judged_every_few_steps_not_every_step(monkeypatch):
+    """At batch 8 a tree its costs switched off is judged (its expected tokens per second
+    computed) on about one step in REJUDGE_OFF_EVERY once it has been off a while, and still
+    retried on time: judging every step was most of the controller's time there."""
+    from specray.policies import controller as C
+
+    c = AdaptiveSpeculation(priors={"m": [0.8] * 5})
+    rows = [RowView(f"r{i}", "m", tree=True) for i in range(8)]
+    judged, rate = [], C.AdaptiveSpeculation._rate
+    monkeypatch.setattr(C.AdaptiveSpeculation, "_rate", lambda self, *a: judged.append(self._steps) or rate(self, *a))
+    chosen = []
+    for _ in range(400):
+        ks = c.caps(rows)
+        chosen.append(ks[0])
+        drafted = [8 if k is None else k for k in ks]
+        c.observe(rows, drafted, [2 if d else 0 for d in drafted], 0.001 * (1 + 0.5 * max(drafted)))
+    late = {s for s in judged if 100 <= s < 250}
+    assert chosen[100:250].count(0) == 150 and len(late) <= 20, sorted(late)  # 150 steps judged every 8th
+    assert any(k != 0 for k in chosen[250:]), "the costs retry (after 256 steps off) still comes"
