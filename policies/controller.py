@@ -106,18 +106,19 @@ the model: each clipped step pulls it up to 4x what it predicted."""
 REJUDGE_OFF_EVERY = 8
 """A method off in a batch-size bucket for more than 8 steps, and not due for a retry, is judged
 again every 8 steps there, not every step: by then its costs are measured, only plain steps
-add to them while it is off, and they move slowly; judging it was most of the controller's time
-in a big batch of rows of a tree method switched off (a few percent of a plain step at batch 8
-on these CPUs). Its first 8 steps off are each judged: there the costs are new (a bucket's
-first drafting step is often a cold one) and turned a drafter back on within a few steps
+add to them while it is off, and they move slowly, while judging it costs a pass over every row
+each step (``test_a_method_long_off_is_judged_every_few_steps_not_every_step``). Its first 8
+steps off are each judged: there the costs are new (a bucket's first drafting step is often a
+cold one) and turned a drafter back on within a few steps
 (``test_dflash.py::test_training_learns_and_saves_the_published_layout``)."""
 
 COSTS_RETRY_AFTER = (4 * PROBE_EVERY, 16 * PROBE_EVERY)
 """A method its costs switched off (even its priors say it does not pay at this batch size)
 is retried one step after 256 steps, then 512, then every 1024. Such a retry re-measures only
-the costs, which move slowly with the load, and at batch 8 one tree step cost 6-8 plain steps
-on these CPUs: retried after 64 and 128 steps, as before, the retries alone cost a 32-prompt
-batch run about 4% against plain decoding (``python -m specray.bench.selftune``)."""
+the costs, which move slowly with the load, and one retry of a big tree in a big batch costs
+several plain steps' time (explicit trees at batch 8 run 0.5-0.7x plain in ``python -m
+specray.bench.selftune``), so retrying after 64 and 128 steps, as before, cost a short batch
+run more than it could find."""
 
 
 @dataclass(frozen=True)
@@ -285,11 +286,9 @@ class AdaptiveSpeculation:
         self._blocks: set[str] = set()  # methods that draft a whole block in one forward
         # Expected-token tables, recomputed only when what they read changed: a method's
         # ``_learned`` count grows with every step it drafts (and with new priors), so a step
-        # in which a method stays off costs no recomputation (at batch 8 the tables were most
-        # of the controller's time, and it ran every step of a tree method switched off).
+        # in which a method stays off recomputes none.
         self._learned: dict[str, int] = {}
-        self._tables: dict[str, tuple] = {}  # request id -> (key, its table)
-        self._prior_tables: dict[tuple, list[float]] = {}  # (key) -> the priors' table
+        self._tables: dict = {}  # request id, or ("prior", method, k): (what it was made from, the table)
 
     def fresh(self) -> "AdaptiveSpeculation":
         """A controller with these settings and priors that has learned nothing yet."""
@@ -330,9 +329,7 @@ class AdaptiveSpeculation:
             if probe:
                 choice[m] = 0
                 continue
-            off = bucket.off_since.get(m)
-            if off is not None and bucket.steps - off > REJUDGE_OFF_EVERY and (bucket.steps - off) % REJUDGE_OFF_EVERY \
-                    and not self._due(m):
+            if self._stays_off(bucket, m):
                 choice[m] = 0
                 continue
             hoped = table(True)
@@ -363,12 +360,15 @@ class AdaptiveSpeculation:
         self._on = {r.request_id for r, k in zip(rows, caps) if not r.fixed and r.method != "none" and k != 0}
         return caps
 
-    def _due(self, method: str) -> bool:
-        """Whether ``method``, off, drafts again this step (a retry burst, or its interval out)."""
-        if self._burst.get(method):
-            return True
+    def _stays_off(self, bucket: _Bucket, method: str) -> bool:
+        """Whether ``method``, off in ``bucket`` for more than ``REJUDGE_OFF_EVERY`` steps, stays
+        off this step unjudged: not a step to judge it again, no retry burst under way, its
+        retry interval not out (``_retry`` decides those)."""
+        off = bucket.off_since.get(method)
+        if off is None or bucket.steps - off <= REJUDGE_OFF_EVERY or (bucket.steps - off) % REJUDGE_OFF_EVERY == 0:
+            return False
         since = self._off.get(method)
-        return since is None or self._steps - since[0] >= since[1]
+        return not self._burst.get(method) and since is not None and self._steps - since[0] < since[1]
 
     def _retry(self, method: str, best: int, promising: bool) -> int:
         """``best``, or 1 (draft again) when the method has been off for its retry interval:
@@ -417,15 +417,11 @@ class AdaptiveSpeculation:
         it may take (1.0 for plain rows); ``prior_only``: from the priors, nothing measured."""
         if row.method == "none":
             return [1.0]
-        key = (row.method, row.requested, self._learned.get(row.method, 0))
-        if prior_only:
-            table = self._prior_tables.get(key)
-            if table is None:
-                table = self._prior_tables[key] = self._table(row, True)
-            return table
-        cached = self._tables.get(row.request_id)
-        if cached is None or cached[0] != key:
-            cached = self._tables[row.request_id] = (key, self._table(row, False))
+        made_from = (row.method, row.requested, self._learned.get(row.method, 0))
+        key = ("prior", row.method, row.requested) if prior_only else row.request_id
+        cached = self._tables.get(key)
+        if cached is None or cached[0] != made_from:
+            cached = self._tables[key] = (made_from, self._table(row, prior_only))
         return cached[1]
 
     def _table(self, row: RowView, prior_only: bool) -> list[float]:
@@ -492,7 +488,6 @@ class AdaptiveSpeculation:
     def _learn(self, method: str) -> None:
         """What ``method``'s tables read changed: they are recomputed when next read."""
         self._learned[method] = self._learned.get(method, 0) + 1
-        self._prior_tables = {k: v for k, v in self._prior_tables.items() if k[0] != method}
 
     def release(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
