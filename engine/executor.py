@@ -257,8 +257,7 @@ class LocalExecutor:
                 continue
             rows = [(i, self._started(row)) for i, row in rows]
             if method_spec(method).needs_features:
-                feats = self._features(method)
-                rows = [(i, _with_features(row, feats[i])) for i, row in rows]
+                rows = _with_features(rows, self._features(method))
             rows = [row for _, row in rows]
             self._tap("handed_over", method, rows)
             try:
@@ -337,10 +336,19 @@ def _hand_over(proposer, rows) -> None:
         proposer.commit(commits)
 
 
-def _with_features(row, feats):  # feats: [q, F] the row's new positions
-    if isinstance(row, PrefillRow):
-        return replace(row, features=feats[: len(row.token_ids) - row.start])
-    return replace(row, features=feats[row.path])
+def _with_features(rows, feats):
+    """Each (batch index, row) with its new positions' features from ``feats`` [B, q, F]: a
+    prompt's, a view; the kept paths of every commit row, copied out by one gather for the
+    batch (a copy: a fixed-shape step reuses ``feats``' buffer), not one index per row."""
+    out = [(i, replace(row, features=feats[i, : len(row.token_ids) - row.start]))
+           if isinstance(row, PrefillRow) else None for i, row in rows]
+    commits = [(n, i, row) for n, (i, row) in enumerate(rows) if not isinstance(row, PrefillRow)]
+    if commits:
+        at = torch.tensor([(i, p) for _, i, row in commits for p in row.path], device=feats.device)
+        parts = feats[at[:, 0], at[:, 1]].split([len(row.path) for _, _, row in commits])
+        for (n, i, row), part in zip(commits, parts):
+            out[n] = (i, replace(row, features=part))
+    return out
 
 
 class ProposerTable:
