@@ -11,7 +11,7 @@ keeps one state per request.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from specray.engine.request import RequestOutput
 
@@ -57,7 +57,10 @@ class StepDelta:
         )
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # A shallow copy of the fields: what it holds (the step event, token and logprob lists)
+        # is made fresh for each delta and never changed after. ``asdict``'s deep copy took
+        # 24 us a delta, in the engine worker's loop between two steps, per row of the batch.
+        return dict(self.__dict__)
 
 
 class OutputAssembly:

@@ -198,10 +198,14 @@ class _Costs:
         self.prior: np.ndarray | None = None
         self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
         self._theta: np.ndarray | None = None  # theta() until the next add: caps and add share one solve a step
+        self._solved: np.ndarray | None = None  # the last theta solved (the outlier clip's, between solves)
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
-        theta = self.theta()
+        # The outlier clip reads the last solved model, not a fresh solve: where every row
+        # decodes plainly, ``caps`` decides nothing and never solves, and a solve here was
+        # most of the controller's cost of such a step.
+        theta = self._theta if self._theta is not None else self._solved
         if theta is not None:
             seconds = min(seconds, OUTLIER * float(theta @ x))
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
@@ -233,7 +237,7 @@ class _Costs:
             return None
         if self._theta is None:
             lam = self.prior_weight * np.eye(len(self.prior))
-            self._theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
+            self._theta = self._solved = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
         return self._theta
 
     def widened(self, methods: Sequence[str], blocks: Sequence[str] = ()) -> "_Costs":

@@ -206,3 +206,15 @@ def test_metrics_dict_has_every_field():
     m.record_draft(3, 2)
     d = m.to_dict()
     assert {f.name for f in fields(SpecMetrics)} <= set(d) and SpecMetrics.from_dict(d) == m
+
+
+def test_step_delta_dict_is_the_dataclass_as_a_dict():
+    """``StepDelta.to_dict`` copies the fields shallowly (for speed, once per row per step in
+    the engine worker): the same dict ``asdict`` gives, every field set."""
+    from dataclasses import asdict, fields
+
+    from specray.engine.delta import StepDelta
+
+    d = StepDelta("r", [5, 6], "ab", True, "stop", None, {"drafted": 4, "accepted": 1}, [{"5": -0.1}], [None],
+                  {"num_drafts": 1}, 3)
+    assert d.to_dict() == asdict(d) and set(d.to_dict()) == {f.name for f in fields(StepDelta)}
