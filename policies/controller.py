@@ -202,10 +202,15 @@ class _Costs:
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
-        # The outlier clip reads the last solved model, not a fresh solve: where every row
-        # decodes plainly, ``caps`` decides nothing and never solves, and a solve here was
-        # most of the controller's cost of such a step.
-        theta = self._theta if self._theta is not None else self._solved
+        # The outlier clip: a step that drafted reads the model as solved now (``caps`` solved
+        # it this step, or, when every row's k was fixed, it is solved here); a plain step
+        # reads the last one solved. Where every row decodes plainly ``caps`` decides nothing,
+        # and a solve per step was most of the controller's cost of such a step.
+        theta = self._theta
+        if theta is None and (any(ks.values()) or self._solved is None):
+            theta = self.theta()
+        elif theta is None:
+            theta = self._solved
         if theta is not None:
             seconds = min(seconds, OUTLIER * float(theta @ x))
         if self.prior is None:  # a step costs about this much, each draft token ~15% more

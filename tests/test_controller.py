@@ -88,6 +88,25 @@ def test_one_slow_step_does_not_switch_a_paying_drafter_off(monkeypatch):
     assert sum(k > 0 for k in chosen_after_a_slow_step()) <= 10
 
 
+def test_a_slow_step_among_fixed_k_steps_is_clipped_too():
+    """Steps whose rows all set their k (the controller decides nothing, ``caps`` solves no
+    model) still clip an outlier against the model: one slow step there, taken whole, priced
+    drafting off for the self-tuned requests that came after it."""
+    import random
+
+    rng, c, chosen = random.Random(0), AdaptiveSpeculation(), []
+    fixed, auto = [RowView("f", "m", requested=4, fixed=True)], [RowView("a", "m")]
+    for step in range(90):
+        rows = fixed if step < 30 else auto
+        k = c.caps(rows)[0]
+        chosen.append(k)
+        n = 0
+        while n < k and rng.random() < 0.8:
+            n += 1
+        c.observe(rows, [k], [n], 0.001 * (1 + 0.2 * k) * (60.0 if step == 10 else 1.0))
+    assert sum(k > 0 for k in chosen[30:]) >= 50
+
+
 @pytest.mark.parametrize("subtracted", [True, False])
 def test_a_gc_pause_is_not_a_steps_cost(make_engine, monkeypatch, subtracted):
     """A full collection inside a step (many steps' time with a loaded engine in the process) is left out
