@@ -68,42 +68,40 @@ def test_one_slow_step_does_not_switch_a_paying_drafter_off(monkeypatch):
     most ``OUTLIER`` times what the cost model predicted: the drafter that pays stays on. Taken
     whole, that one step priced drafting off for the rest of the run."""
     import math
-    import random
 
     from specray.policies import controller
 
     def chosen_after_a_slow_step() -> list[int]:
-        rng, c, rows, chosen = random.Random(0), AdaptiveSpeculation(), [RowView("r", "m")], []
-        for step in range(60):
-            k = c.caps(rows)[0]
-            chosen.append(k)
-            n = 0
-            while n < k and rng.random() < 0.8:
-                n += 1
-            c.observe(rows, [k], [n], 0.001 * (1 + 0.2 * k) * (60.0 if step == 10 else 1.0))
-        return chosen[20:]
+        return _chosen_with_a_slow_step(AdaptiveSpeculation(), lambda step: [RowView("r", "m")], 60)[20:]
 
     assert sum(k > 0 for k in chosen_after_a_slow_step()) >= 36
     monkeypatch.setattr(controller, "OUTLIER", math.inf)
     assert sum(k > 0 for k in chosen_after_a_slow_step()) <= 10
 
 
-def test_a_slow_step_among_fixed_k_steps_is_clipped_too():
-    """Steps whose rows all set their k (the controller decides nothing, ``caps`` solves no
-    model) still clip an outlier against the model: one slow step there, taken whole, priced
-    drafting off for the self-tuned requests that came after it."""
+def _chosen_with_a_slow_step(c, rows_at, steps: int) -> list[int]:
+    """Run ``c`` for ``steps`` steps of the rows ``rows_at(step)``: 80% acceptance per position,
+    a step costing 1 ms + 0.2 ms a draft token, step 10 60x that. Returns each step's k."""
     import random
 
-    rng, c, chosen = random.Random(0), AdaptiveSpeculation(), []
-    fixed, auto = [RowView("f", "m", requested=4, fixed=True)], [RowView("a", "m")]
-    for step in range(90):
-        rows = fixed if step < 30 else auto
+    rng, chosen = random.Random(0), []
+    for step in range(steps):
+        rows = rows_at(step)
         k = c.caps(rows)[0]
         chosen.append(k)
         n = 0
         while n < k and rng.random() < 0.8:
             n += 1
         c.observe(rows, [k], [n], 0.001 * (1 + 0.2 * k) * (60.0 if step == 10 else 1.0))
+    return chosen
+
+
+def test_a_slow_step_among_fixed_k_steps_is_clipped_too():
+    """Steps whose rows all set their k (the controller decides nothing, ``caps`` solves no
+    model) still clip an outlier against the model: one slow step there, taken whole, priced
+    drafting off for the self-tuned requests that came after it."""
+    fixed, auto = [RowView("f", "m", requested=4, fixed=True)], [RowView("a", "m")]
+    chosen = _chosen_with_a_slow_step(AdaptiveSpeculation(), lambda step: fixed if step < 30 else auto, 90)
     assert sum(k > 0 for k in chosen[30:]) >= 50
 
 
