@@ -58,8 +58,8 @@ class StepDelta:
 
     def to_dict(self) -> dict:
         # A shallow copy of the fields: what it holds (the step event, token and logprob lists)
-        # is made fresh for each delta and never changed after. ``asdict``'s deep copy took
-        # 24 us a delta, in the engine worker's loop between two steps, per row of the batch.
+        # is made fresh for each delta and never changed after. ``asdict`` deep-copied every
+        # nested value, once per row per step, in the engine worker's loop between two steps.
         return dict(self.__dict__)
 
 
