@@ -340,15 +340,13 @@ def _with_features(rows, feats):
     """Each (batch index, row) with its new positions' features from ``feats`` [B, q, F]: a
     prompt's, a view; the kept paths of every commit row, copied out by one gather for the
     batch (a copy: a fixed-shape step reuses ``feats``' buffer), not one index per row."""
-    out = [(i, replace(row, features=feats[i, : len(row.token_ids) - row.start]))
-           if isinstance(row, PrefillRow) else None for i, row in rows]
-    commits = [(n, i, row) for n, (i, row) in enumerate(rows) if not isinstance(row, PrefillRow)]
-    if commits:
-        at = torch.tensor([(i, p) for _, i, row in commits for p in row.path], device=feats.device)
-        parts = feats[at[:, 0], at[:, 1]].split([len(row.path) for _, _, row in commits])
-        for (n, i, row), part in zip(commits, parts):
-            out[n] = (i, replace(row, features=part))
-    return out
+    paths = [(i, row.path) for i, row in rows if not isinstance(row, PrefillRow)]
+    parts = iter(())
+    if paths:
+        at = torch.tensor([(i, p) for i, path in paths for p in path], device=feats.device)
+        parts = iter(feats[at[:, 0], at[:, 1]].split([len(path) for _, path in paths]))
+    return [(i, replace(row, features=feats[i, : len(row.token_ids) - row.start] if isinstance(row, PrefillRow)
+                        else next(parts))) for i, row in rows]
 
 
 class ProposerTable:

@@ -197,20 +197,16 @@ class _Costs:
         self.xx, self.xy = np.zeros((n, n)), np.zeros(n)
         self.prior: np.ndarray | None = None
         self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
-        self._theta: np.ndarray | None = None  # theta() until the next add: caps and add share one solve a step
-        self._solved: np.ndarray | None = None  # the last theta solved (the outlier clip's, between solves)
+        self._theta: np.ndarray | None = None  # the last theta solved
+        self._stale = True  # steps were added since: theta() solves again (caps and add share one solve a step)
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
-        # The outlier clip: a step that drafted reads the model as solved now (``caps`` solved
-        # it this step, or, when every row's k was fixed, it is solved here); a plain step
-        # reads the last one solved. Where every row decodes plainly ``caps`` decides nothing,
-        # and a solve per step was most of the controller's cost of such a step.
-        theta = self._theta
-        if theta is None and (any(ks.values()) or self._solved is None):
-            theta = self.theta()
-        elif theta is None:
-            theta = self._solved
+        # The outlier clip: a step that drafted reads the model as of now (``caps`` solved it
+        # this step; when every row's k was fixed, it is solved here); a plain step reads the
+        # last one solved: where every row decodes plainly ``caps`` decides nothing, and a
+        # solve per step there would serve only this clip.
+        theta = self._theta if self._theta is not None and not any(ks.values()) else self.theta()
         if theta is not None:
             seconds = min(seconds, OUTLIER * float(theta @ x))
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
@@ -229,7 +225,7 @@ class _Costs:
             self.prior = self._guess(seconds, {m: per_node for m in first if first[m]})
         self.xx = self.forget * self.xx + np.outer(x, x)
         self.xy = self.forget * self.xy + x * seconds
-        self._theta = None
+        self._stale = True
 
     def _guess(self, plain: float, per_node: Mapping[str, float]) -> np.ndarray:
         """A prior: a plain step's seconds, each method's per-node cost (``per_node`` where
@@ -240,9 +236,10 @@ class _Costs:
     def theta(self) -> np.ndarray | None:
         if self.prior is None:
             return None
-        if self._theta is None:
+        if self._stale:
             lam = self.prior_weight * np.eye(len(self.prior))
-            self._theta = self._solved = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
+            self._theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
+            self._stale = False
         return self._theta
 
     def widened(self, methods: Sequence[str], blocks: Sequence[str] = ()) -> "_Costs":
