@@ -67,7 +67,8 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
             at = torch.tensor([idx[n] for n in t.rows], dtype=torch.long).to(device, non_blocking=True)
             trees.append((at, anc[:, 1:, 1:], depth[:, 1:]))
             built.update({idx[n]: (t, j) for j, n in enumerate(t.rows)})
-    out = static.run([r.slot for r in reqs], inputs.tokens, inputs.layout, spliced, trees=trees)
+    out = static.run([r.slot for r in reqs], inputs.tokens, inputs.layout, spliced, trees=trees,
+                     sizes=[d.size for d in drafts])
     batch, (rows_b, width) = len(reqs), out.ids.shape
     ids, anc, depth = out.ids[:batch], out.tree[:batch], out.offsets[:batch]
     raw = out.logits[:batch]  # [B, W, V]
@@ -75,8 +76,13 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
     if any(r.sampling.processes_logits for r in reqs):  # as each row samples (its history at each node)
         scored = scored.clone()
         scored[:batch] = processed(raw, reqs, Positions(ids, anc, depth))
-    sizes = torch.tensor([d.size for d in drafts] + [0] * (rows_b - batch), dtype=torch.long).to(device, non_blocking=True)
-    num, path, emitted_t, best_t, packed = _greedy(static.mode, device)(out.ids, out.tree, out.offsets, sizes, scored)
+    if out.after and scored is out.logits:  # the forward's own graph accepted (``greedy_pass`` its epilogue)
+        num, path, emitted_t, best_t, packed = out.after
+        if not all(r.sampling.greedy for r in reqs):  # rejection sampling rewrites them (not inference tensors)
+            num, path, emitted_t = num.clone(), path.clone(), emitted_t.clone()
+    else:
+        sizes = torch.tensor([d.size for d in drafts] + [0] * (rows_b - batch), dtype=torch.long).to(device, non_blocking=True)
+        num, path, emitted_t, best_t, packed = _greedy(static.mode, device)(out.ids, out.tree, out.offsets, sizes, scored)
     acc = BatchAcceptance(num[:batch], path[:batch], emitted_t[:batch])
     logits = scored[:batch]
     host_rows = _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc, built)
@@ -113,8 +119,10 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
 
 def greedy_pass(ids, anc, depth, sizes, logits):
     """Token-match acceptance of the whole padded batch and the step's read-back buffer,
-    from the verification's tensors (compiled under ``step=compile``: one graph, no host
-    work per op). ids [Bb, W], anc [Bb, W, W], depth [Bb, W], sizes [Bb], logits [Bb, W, V].
+    from the verification's tensors: the target's fixed-shape forward runs it as its
+    epilogue, inside its own graph (``LLMEngine`` enables it so), and a step whose rows
+    process their logits (penalties) runs it apart on the processed logits (compiled under
+    ``step=compile``: one graph, no host work per op). ids [Bb, W], anc [Bb, W, W], depth [Bb, W], sizes [Bb], logits [Bb, W, V].
     Returns (num_accepted [Bb], path [Bb, W], emitted [Bb, W], best [Bb, W], buffer), the
     buffer per row: [num_accepted | path (W) | emitted (W) | target argmax (W) | verified
     tokens (W) | parents (W)]."""

@@ -44,7 +44,7 @@ from typing import Literal, Sequence
 import torch
 
 from specray.kernels import attention
-from specray.policies.compiled import compile_options, timed
+from specray.policies.compiled import compiled
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,8 @@ class StaticOutput:
     tree:    [Bb, W, W] bool, new token j sees new token i
     offsets: [Bb, W] position offsets (a tree's depths)
     rows:    [Bb] cache rows
+    after:   what the forward's ``epilogue`` computed from them inside the graph (empty
+             without one)
     """
 
     logits: torch.Tensor
@@ -90,6 +92,7 @@ class StaticOutput:
     offsets: torch.Tensor
     rows: torch.Tensor
     batch: int
+    after: tuple[torch.Tensor, ...] = ()
 
 
 class StaticForward:
@@ -102,7 +105,7 @@ class StaticForward:
     """
 
     def __init__(self, runner, mode: StepMode = "static", kv_block: int = KV_BLOCK, layers: Sequence[int] = (),
-                 inputs=None):
+                 inputs=None, epilogue=None):
         if mode not in STEP_MODES or mode == "eager":
             raise ValueError(f"StaticForward mode must be one of {', '.join(STEP_MODES[1:])}; got {mode!r}")
         if mode in CAPTURED and runner.device.type != "cuda":
@@ -113,6 +116,12 @@ class StaticForward:
         # inputs(ids [Bb, W], feats [Bb, W, F]) -> [Bb, W, H] input embeddings, computed inside
         # the graph from the features ``run`` is given (a feature-level head's input fusion)
         self.inputs = inputs
+        # epilogue(ids, tree_mask, offsets, sizes [Bb], logits) -> tensors, run inside the graph
+        # after the logits (the target's acceptance, ``engine/device_step.py``): one compiled
+        # call a step, not a second one whose wrapper cost more than its kernels on a CPU.
+        # ``run`` is then given each row's draft size (its own input, as a tree's extra
+        # tokens make it no function of the row's width).
+        self.epilogue = epilogue
         self.limit = runner.num_slots
         # Compiled forwards never see a batch or width of 1 (see the module docstring).
         self.min_size = 2 if mode in COMPILED else 1
@@ -135,7 +144,7 @@ class StaticForward:
                 torch._dynamo.mark_static(buf)
             # The model's modules never change after start-up, so their guards are skipped:
             # checking every parameter on each call cost more than a small model's forward.
-            fn = timed(torch.compile(fn, dynamic=True, fullgraph=True, options=compile_options(runner.device)))
+            fn = compiled(fn, runner.device)
         self._fn = fn
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
         self._chains: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (Bb, W) -> chain layout
@@ -143,15 +152,17 @@ class StaticForward:
         self._pool = None
 
     # -- the pure fixed-shape function -------------------------------------------------
-    def _forward(self, ids, lengths, q_lens, rows, tree_mask, offsets, kv_keys, feats=None):
+    def _forward(self, ids, lengths, q_lens, rows, tree_mask, offsets, kv_keys, *extra):
         """ids [Bb, W] int64; lengths [Bb] cached tokens per row; q_lens [Bb] new tokens per
         row; rows [Bb] cache rows; tree_mask [Bb, W, W] bool (new token j sees new token i);
         offsets [Bb, W] position offsets of the new tokens; kv_keys [kv] = arange(kv), whose
         length is the number of keys attended (a shape, not a value, so a compiled graph
-        keeps it symbolic); feats [Bb, W, F] or None: the inputs are ``self.inputs(ids, feats)``
-        instead of the ids' embeddings. Returns (logits [Bb, W, V] float32, hidden [Bb, W, H],
-        and the tapped layers' inputs, one [Bb, W, H] each)."""
+        keeps it symbolic); extra: feats [Bb, W, F] when given (the inputs are then
+        ``self.inputs(ids, feats)`` instead of the ids' embeddings), then sizes [Bb] when the
+        forward has an ``epilogue``. Returns (logits [Bb, W, V] float32, hidden [Bb, W, H],
+        the tapped layers' inputs, one [Bb, W, H] each, then the epilogue's outputs)."""
         runner = self.runner
+        feats = extra[0] if len(extra) > (self.epilogue is not None) else None
         width = ids.shape[1]
         col = torch.arange(width, device=ids.device)
         valid = col[None, :] < q_lens[:, None]  # [Bb, W]
@@ -166,7 +177,9 @@ class StaticForward:
         embeds = None if feats is None else self.inputs(ids, feats)  # [Bb, W, H]
         hidden = runner._run_decoder(ids, positions, ctx, embeds, self._taps, taps,
                                      unroll=self.mode not in COMPILED)  # [Bb, W, H]
-        return (runner.logits(hidden), hidden, *taps.values())  # taps in layer order (self.layers is sorted)
+        logits = runner.logits(hidden)
+        after = () if self.epilogue is None else self.epilogue(ids, tree_mask, offsets, extra[-1], logits)
+        return (logits, hidden, *taps.values(), *after)  # taps in layer order (self.layers is sorted)
 
     # -- one forward ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -178,6 +191,7 @@ class StaticForward:
         spliced: Sequence[tuple[torch.Tensor, int, torch.Tensor]] = (),
         feats: torch.Tensor | None = None,
         trees: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
+        sizes: Sequence[int] | None = None,
     ) -> StaticOutput:
         """Append ``tokens[i]`` to ``slots[i]`` and run the model at a fixed shape.
 
@@ -191,6 +205,7 @@ class StaticForward:
         trees:   (rows [n] int64, mask [n, T, T] bool, offsets [n, T] int64): trees built on
                  the device, written into ``layout`` at those rows' nodes 1..T (the root's
                  row and column as ``layout`` has them: every node sees the root).
+        sizes:   each row's draft nodes, for the ``epilogue`` (default: all but the root).
         Host lengths advance by len(tokens[i]), as the eager forward's do.
         """
         runner = self.runner
@@ -206,7 +221,10 @@ class StaticForward:
         kv = min(-(-(max(L + n for L, n in zip(lengths, q_lens))) // self.kv_block) * self.kv_block,
                  runner.capacity + 1)
         device = runner.device
-        ids, lens, q, rows = self._host_inputs(slots, tokens, q_lens, lengths, rows_b, width)
+        if self.epilogue is not None and sizes is None:
+            sizes = [n - 1 for n in q_lens]
+        ids, lens, q, rows, *sized = self._host_inputs(slots, tokens, q_lens, lengths, rows_b, width,
+                                                       sizes if self.epilogue is not None else None)
         for r, col, toks in spliced:  # device drafts
             ids[r, col : col + toks.shape[1]] = toks
         if layout is None:  # chains: constant per shape, built once
@@ -224,28 +242,34 @@ class StaticForward:
             padded = feats.new_zeros(rows_b, width, feats.shape[-1])
             padded[:batch, : feats.shape[1]] = feats
             extra.append(padded)
+        extra += sized
         if self.mode in CAPTURED:
-            logits, hidden, *taps = self._replay((rows_b, width, kv, len(extra)), dev, self._keys(kv), extra)
+            logits, hidden, *rest = self._replay((rows_b, width, kv, len(extra)), dev, self._keys(kv), extra)
             # The graph rewrites its outputs at its next replay: features handed to proposers
-            # (kept across steps) get memory of their own; logits are read before then.
-            hidden, taps = hidden.clone(), [t.clone() for t in taps]
+            # (kept across steps) get memory of their own; logits and the epilogue's outputs
+            # are read before then.
+            hidden = hidden.clone()
+            rest = [t.clone() for t in rest[: len(self.layers)]] + rest[len(self.layers):]
         else:
-            logits, hidden, *taps = self._fn(*dev, self._keys(kv), *extra)
+            logits, hidden, *rest = self._fn(*dev, self._keys(kv), *extra)
         for s, n in zip(slots, q_lens):
             runner.lengths[s] += n
-        return StaticOutput(logits, hidden, dict(zip(self.layers, taps)), ids, tree, offsets, rows, batch)
+        taps, after = rest[: len(self.layers)], tuple(rest[len(self.layers):])
+        return StaticOutput(logits, hidden, dict(zip(self.layers, taps)), ids, tree, offsets, rows, batch, after)
 
-    def _host_inputs(self, slots, tokens, q_lens, lengths, rows_b, width):
-        """ids [Bb, W], lengths, new-token counts and cache rows [Bb]: built on the host as two
-        tensors, copied to the device once each."""
+    def _host_inputs(self, slots, tokens, q_lens, lengths, rows_b, width, sizes=None):
+        """ids [Bb, W], lengths, new-token counts and cache rows [Bb] (and the draft sizes
+        [Bb] when given): built on the host as two tensors, copied to the device once each."""
         pad = rows_b - len(slots)
         flat = [t for row in tokens for t in (*row, *([0] * (width - len(row))))]
         ids = torch.tensor(flat + [0] * (pad * width), dtype=torch.long).view(rows_b, width)
-        meta = torch.tensor([*lengths, *([0] * pad), *q_lens, *([width] * pad), *slots,
-                             *([self.runner.num_slots] * pad)], dtype=torch.long)  # padding rows: the scratch row
+        fields = [*lengths, *([0] * pad), *q_lens, *([width] * pad), *slots,
+                  *([self.runner.num_slots] * pad)]  # padding rows: the scratch row
+        if sizes is not None:
+            fields += [*sizes, *([0] * pad)]
         device = self.runner.device
-        meta = meta.to(device, non_blocking=True).view(3, rows_b)
-        return ids.to(device, non_blocking=True), meta[0], meta[1], meta[2]
+        meta = torch.tensor(fields, dtype=torch.long).to(device, non_blocking=True).view(-1, rows_b)
+        return ids.to(device, non_blocking=True), *meta
 
     def _chain(self, rows_b: int, width: int):
         key = (rows_b, width)

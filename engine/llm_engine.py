@@ -22,6 +22,7 @@ from typing import Iterable, Mapping, Sequence
 from specray.engine.config import EngineConfig, load_tokenizer
 from specray.engine.capture import Capture
 from specray.engine.delta import StepDelta
+from specray.engine.device_step import greedy_pass
 from specray.engine.drafter_versions import DrafterVersion, DrafterVersions, read_version
 from specray.engine.driver import StepDriver, run_sync
 from specray.engine.executor import LocalExecutor, ProposerTable
@@ -114,7 +115,8 @@ class LLMEngine:
         self.proposers = ProposerTable(context, self.resources, {m: make(context) for m, make in proposers.items()})
         if self.step_mode != "eager":
             # The fixed-shape forward hands over the layer taps every loaded method reads.
-            self.target.enable_static(self.step_mode, layers=self.proposers.all_feature_layers())
+            # Acceptance runs inside the target's graph (its epilogue): one compiled call a step.
+            self.target.enable_static(self.step_mode, layers=self.proposers.all_feature_layers(), epilogue=greedy_pass)
             for resource in self.resources.values():
                 if isinstance(resource, ModelRunner):  # draft models (draft, PARD) draft with fixed shapes too
                     resource.enable_static(self.step_mode)

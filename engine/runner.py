@@ -349,13 +349,14 @@ class ModelRunner:
         dst = torch.where(keep, bases[:, None] + col[None, :], scratch)
         self.cache.move(rows, src, dst)
 
-    def enable_static(self, mode: str, layers: Sequence[int] = (), inputs=None) -> None:
+    def enable_static(self, mode: str, layers: Sequence[int] = (), inputs=None, epilogue=None) -> None:
         """Serve fixed-shape forwards (``engine/graphs.py``) beside the eager one; ``layers``:
         the decoder layers whose inputs every fixed-shape forward also returns; ``inputs``:
-        a head's input fusion, run inside the graph (``StaticForward``)."""
+        a head's input fusion, run inside the graph; ``epilogue``: what the graph computes
+        from its logits (the target's acceptance) (``StaticForward``)."""
         from specray.engine.graphs import StaticForward
 
-        self.static = StaticForward(self, mode, layers=layers, inputs=inputs)
+        self.static = StaticForward(self, mode, layers=layers, inputs=inputs, epilogue=epilogue)
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu",

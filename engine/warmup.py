@@ -4,9 +4,10 @@ Under ``step=compile`` each model compiles on its first forward (the target's, t
 model's, each head's, the acceptance's): minutes on a small CPU. ``warm_up`` runs one short
 request per loaded method that owns a compiled forward, plain decoding first, so a server
 pays them while it starts (before it says ready) instead of a user's first request paying
-them. Nothing of it stays: its requests leave no totals, teach the speculation-length
-controller nothing (their steps' seconds are compile times) and reach no step taps (online
-learning's capture). Torch's own caches (``TORCHINDUCTOR_CACHE_DIR``, by default under
+them, and one plain request whose logits are processed (penalties): the target's graph
+accepts inside itself, such rows accept in a graph of their own. Nothing of it stays: its
+requests leave no totals, teach the speculation-length controller nothing (their steps'
+seconds are compile times) and reach no step taps (online learning's capture). Torch's own caches (``TORCHINDUCTOR_CACHE_DIR``, by default under
 ``/tmp``: generated code, AOT graphs) make a restart's warm-up shorter where they still hold.
 """
 
@@ -41,6 +42,9 @@ def warm_up(engine, max_tokens: int = 6) -> float:
         prompt = [t % engine.limits.vocab_size for t in PROMPT]
         for method in methods:
             engine.generate([prompt], params, parse_speculation({"method": method}))
+        if methods:  # rows that process their logits (penalties) accept in a graph of their own
+            penalized = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, repetition_penalty=1.1)
+            engine.generate([prompt], penalized, parse_speculation({"method": "none"}))
     finally:
         engine.driver.length_policy, engine.executor.taps = policy, taps
         engine.scheduler.totals = SpecMetrics()
