@@ -101,12 +101,16 @@ class VerifyInput:
 
     tokens:    [B][q_i] new tokens per row
     layout:    (mask [B, q, q] bool, offsets [B, q]) when any row is not a chain, else None
-    logits_at: [B, q] every new position is scored (acceptance walks any of them)
     """
 
     tokens: list[list[int]]
     layout: tuple[torch.Tensor, torch.Tensor] | None
-    logits_at: torch.Tensor
+
+    @property
+    def logits_at(self) -> torch.Tensor:
+        """[B, q] every new position is scored (acceptance walks any of them): the eager
+        forward's; made when read, as the fixed-shape step scores every position anyway."""
+        return torch.arange(max(map(len, self.tokens)))[None].expand(len(self.tokens), -1)
 
 
 def verify_inputs(batch: Sequence[Request], drafts: Sequence[DraftRow]) -> VerifyInput:
@@ -130,7 +134,7 @@ def verify_inputs(batch: Sequence[Request], drafts: Sequence[DraftRow]) -> Verif
                 mask[i, t.size : width, :width] = d.extra.sees
                 offsets[i, t.size : width] = torch.tensor(d.extra.positions)
         layout = (mask, offsets)
-    return VerifyInput(tokens, layout, torch.arange(q)[None].expand(len(batch), -1))
+    return VerifyInput(tokens, layout)
 
 
 @dataclass

@@ -458,7 +458,12 @@ class AdaptiveSpeculation:
 
     # -- learning ------------------------------------------------------------------------------
     def observe(self, rows: Sequence[RowView], drafted: Sequence[int], accepted: Sequence[int], seconds: float) -> None:
-        """After a step: each row's drafted nodes and accepted count, and the step's seconds."""
+        """After a step: each row's drafted nodes and accepted count, and the step's seconds.
+        A step whose every row asked for plain decoding teaches nothing: no row can draft,
+        and a bucket's plain cost is measured by its probes once rows that may draft are in it
+        (a plain server's step paid a cost-model update for nothing)."""
+        if all(r.method == "none" for r in rows):
+            return
         ks: dict[str, int] = {}
         nodes: dict[str, int] = {}
         learned: set[str] = set()

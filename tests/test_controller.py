@@ -420,3 +420,17 @@ def test_a_method_long_off_is_judged_every_few_steps_not_every_step(monkeypatch)
     late = {s for s in judged if 100 <= s < 250}
     assert chosen[100:250].count(0) == 150 and len(late) <= 20, sorted(late)  # 150 steps judged every 8th
     assert any(k != 0 for k in chosen[250:]), "the costs retry (after 256 steps off) still comes"
+
+
+def test_steps_whose_rows_all_decode_plainly_by_request_teach_nothing():
+    """Rows that asked for plain decoding (method none) cannot draft: a step of only those
+    leaves no cost model to update (a plain server paid that on every step), and a row that
+    may draft still starts its bucket as a fresh one does (its first step drafts)."""
+    c = AdaptiveSpeculation()
+    plain = [RowView("a", "none"), RowView("b", "none")]
+    for _ in range(3):
+        assert c.caps(plain) == [None, None]
+        c.observe(plain, [0, 0], [0, 0], 0.01)
+    assert c._costs == {}
+    mixed = [RowView("a", "none"), RowView("c", "draft")]
+    assert c.caps(mixed)[1] > 0

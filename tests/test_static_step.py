@@ -5,7 +5,8 @@ reference, on the CPU.
   eager path equals), with ragged prompts, requests joining mid-run and an abort.
 * A step reads the device back once: ``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``,
   ``nonzero`` are counted inside steps that admit no request.
-* Compiled: the same tokens, and no recompiles over 100 steps of changing lengths.
+* Compiled: the same tokens, no recompiles over 100 steps of changing lengths, one compiled
+  call a plain step (acceptance inside the target's graph), module floats as constants.
 * Sampling through the device acceptance keeps the target's distribution (chains with
   and without draft probabilities, trees with one-hot and drawn q).
 """
@@ -21,6 +22,7 @@ from specray.bench.probes import host_reads
 from specray.engine.config import EngineConfig
 from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
+from specray.policies.compiled import compiled, timing
 from specray.policies.spec_length import SpeculationLengthPolicy
 from tests.test_eagle import random_head
 from tests.test_eagle3 import random_head3
@@ -179,6 +181,48 @@ def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
     assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
     eager = engine_for(tiny_pair, "eager").generate(prompts[:3], long, mixed)
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    # One compiled call a plain step: acceptance runs inside the target's graph (its epilogue);
+    # rows whose logits are processed (a penalty) accept in the acceptance's own graph.
+    for sampling, calls in ((long, 1), (SamplingParams(max_tokens=100, temperature=0, ignore_eos=True,
+                                                       repetition_penalty=1.2), 2)):
+        rid = engine.add_request(prompts[0], sampling, SpeculationParams(method="none"))
+        engine.step()  # the prefill (eager)
+        with timing() as clock:
+            for _ in range(5):
+                engine.step()
+        engine.abort(rid)
+        assert clock.calls == 5 * calls, (sampling, clock.calls)
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
+
+
+def test_compiled_graphs_take_module_floats_as_constants(monkeypatch):
+    """A float a module holds (an RMSNorm's eps) is a constant of the compiled graph, not an
+    input rebuilt as a 0-d tensor on every call (torch's default for floats it reads)."""
+    import torch._dynamo
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=capture, dynamic=True, fullgraph=True))
+    norm = torch.nn.Module()
+    norm.eps, norm.weight = 1e-5, torch.nn.Parameter(torch.ones(4))
+
+    def rms(x):
+        return norm.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+
+    torch._dynamo.reset()
+    fn = compiled(rms, "cpu")
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        assert torch.allclose(fn(x), rms(x))
+    (gm,) = graphs
+    inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    assert not [v for v in inputs if isinstance(v, (float, torch.SymFloat))
+                or (isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point())], inputs
 
 
 # -- sampling through the device acceptance --------------------------------------------------
