@@ -56,19 +56,21 @@ def timed(fn):
     return call
 
 
-# Floats read from modules (an RMSNorm's eps, attention's scaling) are constants of the graph,
-# not inputs: unspecialized (torch's default), each became a 0-d tensor built on every call,
-# three per decoder layer, and read by the kernels at run time. The modules never change after
-# start-up (their guards are skipped for the same reason), so nothing is lost. Dynamo reads
-# this config when it traces: at a compiled function's first call, the one run under it (a
-# config patch entered on every call cost several percent of a small model's step; a
-# recompile, which the engine's tests forbid, would only take the floats as inputs again).
-_CONSTANT_FLOATS = torch._dynamo.config.patch(specialize_float=True)
+# Floats and ints read from modules and runners (an RMSNorm's eps, attention's scaling, the
+# cache's capacity) are constants of the graph, not inputs: unspecialized (torch's default
+# under dynamic=True), each float became a 0-d tensor built on every call, three per decoder
+# layer, read by the kernels at run time, and each int one more argument the C++ wrapper turns
+# into a tensor per call. Modules and runners never change after start-up (their guards are
+# skipped for the same reason); tensor sizes stay symbolic. Dynamo reads this config when it
+# traces: at a compiled function's first call, the one run under it (a config patch entered
+# on every call cost several percent of a small model's step; a recompile, which the engine's
+# tests forbid, would only take them as inputs again).
+_CONSTANTS = torch._dynamo.config.patch(specialize_float=True, specialize_int=True)
 
 
 def compiled(fn, device):
     """``fn`` under ``torch.compile(dynamic=True, fullgraph=True)`` with ``compile_options``,
-    floats read from modules specialized, its calls counted by ``timing``."""
+    the numbers it reads from modules specialized, its calls counted by ``timing``."""
     graph = torch.compile(fn, dynamic=True, fullgraph=True, options=compile_options(device))
     traced = False
 
@@ -76,7 +78,7 @@ def compiled(fn, device):
         nonlocal traced
         if traced:
             return graph(*args, **kwargs)
-        with _CONSTANT_FLOATS:
+        with _CONSTANTS:
             out = graph(*args, **kwargs)
         traced = True  # (after a first call that raised, the next one traces under it again)
         return out

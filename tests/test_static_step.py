@@ -6,7 +6,7 @@ reference, on the CPU.
 * A step reads the device back once: ``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``,
   ``nonzero`` are counted inside steps that admit no request.
 * Compiled: the same tokens, no recompiles over 100 steps of changing lengths, one compiled
-  call a plain step (acceptance inside the target's graph), module floats as constants.
+  call a plain step (acceptance inside the target's graph), module numbers as constants.
 * Sampling through the device acceptance keeps the target's distribution (chains with
   and without draft probabilities, trees with one-hot and drawn q).
 """
@@ -14,6 +14,7 @@ reference, on the CPU.
 from __future__ import annotations
 
 import copy
+import types
 import numpy as np
 import pytest
 import torch
@@ -195,9 +196,10 @@ def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
     assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
 
 
-def test_compiled_graphs_take_module_floats_as_constants(monkeypatch):
-    """A float a module holds (an RMSNorm's eps) is a constant of the compiled graph, not an
-    input rebuilt as a 0-d tensor on every call (torch's default for floats it reads)."""
+def test_compiled_graphs_take_module_numbers_as_constants(monkeypatch):
+    """A float or int a module holds (an RMSNorm's eps, a cache's capacity) is a constant of
+    the compiled graph, not an input rebuilt as a tensor on every call (torch's default for
+    the numbers it reads under dynamic shapes); tensor sizes stay symbolic."""
     import torch._dynamo
 
     graphs = []
@@ -210,19 +212,20 @@ def test_compiled_graphs_take_module_floats_as_constants(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=capture, dynamic=True, fullgraph=True))
     norm = torch.nn.Module()
     norm.eps, norm.weight = 1e-5, torch.nn.Parameter(torch.ones(4))
+    cache = types.SimpleNamespace(shift=3)  # not a module: its ints were symbolic
 
     def rms(x):
-        return norm.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
+        return norm.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) + cache.shift
 
     torch._dynamo.reset()
     fn = compiled(rms, "cpu")
-    x = torch.randn(3, 4)
-    for _ in range(2):
+    for n in (3, 5):  # a new batch size: no recompile
+        x = torch.randn(n, 4)
         assert torch.allclose(fn(x), rms(x))
     (gm,) = graphs
-    inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-    assert not [v for v in inputs if isinstance(v, (float, torch.SymFloat))
-                or (isinstance(v, torch.Tensor) and v.dim() == 0 and v.is_floating_point())], inputs
+    inputs = {n.name: n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"}
+    assert not [name for name in inputs if "eps" in name or "shift" in name], inputs
+    assert any(isinstance(v, torch.SymInt) for v in inputs.values()), inputs  # the batch stays dynamic
 
 
 # -- sampling through the device acceptance --------------------------------------------------
