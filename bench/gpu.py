@@ -20,7 +20,9 @@ with its static cache (which compiles itself on CUDA; ``compiled``: a static cac
 ``--prompts`` prompts run ``--batch`` at a time (batch 1: one after another); on the CPU with the
 demo pair they are held-out demo prompts of ``--prompt-len`` tokens (default 20-30), elsewhere
 random ones. Each row's first pass is a warm-up (compilation, captures), timed and printed apart
-(``warm s``); ``--repeats N`` keeps each row's fastest of N timed runs (for shared CPU machines).
+(``warm s``). Then ``--repeats`` rounds time every row once each, interleaved: a row's times are
+its median round's, and every ratio (to HF, to eager, to plain) is the median of the rounds'
+side-by-side ratios, so that a shared machine's drift falls on both sides of each.
 Reported per row: ms per token (the request's wall time / tokens; prefill included), tokens/s, the fraction of the bandwidth
 bound (weights bytes / measured device copy bandwidth, per token of one sequence), the ratio
 to HF static, accepted tokens per step, for draft rows the Leviathan bound
@@ -224,19 +226,26 @@ def run_hf(model, prompts, max_tokens: int, static: bool, max_cache_len: int | N
 
 
 @contextlib.contextmanager
-def hf_compiled(model):
+def hf_compiled(model, compiled):
     """HF's compiled path as a user takes it on a CPU: a static cache and the model's forward
-    under ``torch.compile(dynamic=False, fullgraph=True)`` (one graph per prefill length, and
-    one for decoding)."""
+    under ``torch.compile(dynamic=False, fullgraph=True)`` (``compiled``, made once: one graph
+    per prefill length, and one for decoding)."""
     import torch._dynamo
 
     forward, limit = model.forward, torch._dynamo.config.cache_size_limit
     torch._dynamo.config.cache_size_limit = 64  # a graph per prompt length
-    model.forward = torch.compile(forward, dynamic=False, fullgraph=True)
+    model.forward = compiled
     try:
         yield
     finally:
         model.forward, torch._dynamo.config.cache_size_limit = forward, limit
+
+
+def _compiles() -> tuple[int, int]:
+    """(graphs compiled, recompiles) so far in this process (dynamo's counters)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
 
 
 def batches(prompts, b: int):
@@ -328,7 +337,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"specray configs, of: {', '.join(CONFIGS)}")
     p.add_argument("--hf", default="auto", help="HF baselines: eager, static, compiled (a static cache and a compiled "
                    "forward), none (auto: eager,static on CUDA, eager,compiled on CPU)")
-    p.add_argument("--repeats", type=int, default=1, help="timed runs per row, the fastest kept (shared machines)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed rounds, every row once a round (its median round kept; ratios: medians of the rounds' ratios)")
     p.add_argument("--profile-steps", type=int, default=16, help="steps profiled per row (0: no profile)")
     p.add_argument("--out", default="specray-bench/gpu", help="output folder")
     args = p.parse_args(argv)
@@ -385,34 +395,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; weights {weight_bytes(target) / 1e9:.2f} GB; "
           f"bound {bound_ms:.2f} ms/token", flush=True)
 
-    rows = []
-    ceiling = max(map(len, prompts)) + args.max_tokens  # one static cache size for every HF call
-    for kind in args.hf_list:  # HF baselines
-        with hf_attention(target), (hf_compiled(target) if kind == "compiled" else contextlib.nullcontext()):
-            for b in args.batches:
-                groups = batches(prompts, b)
-                # warm-up: the compiled path compiles per shape (each prompt length, the cache's)
-                warm = 8 if kind == "eager" else args.max_tokens
-                start = time.perf_counter()
-                for group in groups if kind != "eager" else groups[:1]:
-                    run_hf(target, group, warm, kind != "eager", ceiling)
-                warm_s = time.perf_counter() - start
-                dt, toks = timed(lambda: [t for g in groups for t in run_hf(target, g, args.max_tokens, kind != "eager", ceiling)],
-                                 device, args.repeats)
-                rows.append(_row(f"hf {kind}", "-", b, dt, args, bound_ms, tokens=toks, runs=len(groups),
-                                 warm_s=warm_s))
-                print(_progress(rows[-1]), flush=True)
-
+    # Every row is built and warmed first, then timed in interleaved rounds (each row once a
+    # round): a ratio is taken within a round, its rows side by side under the same load, and
+    # the median of the rounds' ratios is reported. On shared cores a machine's speed drifts
+    # by tens of percent over minutes, and rows timed one after another compared different
+    # moments (one run's plain compile / HF eager read 2.2x, the next one's 3.0x).
     alpha = c = None
     compile_s = {}  # step mode -> the engine's warm-up (compile) seconds
+    engines, rows, timers = {}, [], []
     for mode in args.mode_list:
         from specray.engine import EngineConfig, LLMEngine
 
         longest = max(map(len, prompts))
-        engine = LLMEngine(EngineConfig(target="synthetic" if synthetic else "demo", max_num_seqs=max(args.batches),
-                                        max_model_len=longest + max(args.max_tokens, 24 * args.profile_steps + 16) + 8,
-                                        step=mode, dtype=args.dtype, device=device),
-                           target_model=target, draft_model=draft)
+        engine = engines[mode] = LLMEngine(
+            EngineConfig(target="synthetic" if synthetic else "demo", max_num_seqs=max(args.batches),
+                         max_model_len=longest + max(args.max_tokens, 24 * args.profile_steps + 16) + 8,
+                         step=mode, dtype=args.dtype, device=device),
+            target_model=target, draft_model=draft)
         if engine.warmup_seconds is not None:
             print(f"  {mode}: the engine compiled its step in {engine.warmup_seconds:.1f} s (warm-up)", flush=True)
             compile_s[mode] = engine.warmup_seconds
@@ -420,64 +419,118 @@ def main(argv: Sequence[str] | None = None) -> int:
             c = forward_ms(engine.resources["draft"], device) / forward_ms(engine.target, device)
         for b in args.batches:
             groups = batches(prompts, b)
-            plain = None
             for name in args.config_list:
                 spec = CONFIGS[name]
+
+                def run(engine=engine, groups=groups, spec=spec):
+                    return [o for g in groups for o in run_specray(engine, g, args.max_tokens, spec)]
+
                 start = time.perf_counter()
                 for group in groups:  # warm-up: captures, compiles
                     run_specray(engine, group, min(16, args.max_tokens), spec)
-                warm_s = time.perf_counter() - start
-                dt, outs = timed(lambda: [o for g in groups for o in run_specray(engine, g, args.max_tokens, spec)],
-                                 device, args.repeats)
-                tokens = [o.token_ids for o in outs]
-                if name == "none":
-                    plain = tokens
-                    if alpha is None and b == min(args.batches):
-                        alpha = teacher_forced_alpha(target, draft, prompts, tokens)
-                steps = sum(o.metrics["target_forward_passes"] for o in outs) / len(outs)
-                row = _row(f"specray {name}", mode, b, dt, args, bound_ms, tokens=tokens, plain=plain,
-                           accepted=args.max_tokens / max(steps, 1), runs=len(groups), warm_s=warm_s)
-                if args.profile_steps:
-                    row.update(step_profile(engine, prompts[:b], spec, args.profile_steps, device))
-                rows.append(row)
-                print(_progress(row), flush=True)
-        del engine
+                rows.append({"config": f"specray {name}", "mode": mode, "batch": b, "runs": len(groups),
+                             "warm_s": time.perf_counter() - start, "spec": spec})
+                timers.append(run)
+
+    ceiling = max(map(len, prompts)) + args.max_tokens  # one static cache size for every HF call
+    compiled_forward = torch.compile(target.forward, dynamic=False, fullgraph=True) if "compiled" in args.hf_list else None
+    # HF baselines, warmed after the engines are built (nothing of theirs may recompile a
+    # baseline's graphs in a timed round)
+    hf_rows, hf_timers = [], []
+    for kind in args.hf_list:
+        for b in args.batches:
+            groups = batches(prompts, b)
+
+            def run(kind=kind, groups=groups, max_tokens=args.max_tokens):
+                with hf_attention(target), (hf_compiled(target, compiled_forward) if kind == "compiled"
+                                            else contextlib.nullcontext()):
+                    return [t for g in groups for t in run_hf(target, g, max_tokens, kind != "eager", ceiling)]
+
+            # warm-up: the compiled path compiles per shape (each prompt length, the cache's)
+            start = time.perf_counter()
+            run(groups=groups if kind != "eager" else groups[:1], max_tokens=8 if kind == "eager" else args.max_tokens)
+            hf_rows.append({"config": f"hf {kind}", "mode": "-", "batch": b, "runs": len(groups),
+                            "warm_s": time.perf_counter() - start})
+            hf_timers.append(run)
+
+    rows, timers = hf_rows + rows, hf_timers + timers
+    graphs_before = _compiles()
+    for rnd in range(args.repeats):  # the timed rounds
+        for row, run in zip(rows, timers):
+            sync(device)
+            start = time.perf_counter()
+            out = run()
+            sync(device)
+            row.setdefault("rounds_s", []).append(time.perf_counter() - start)
+            row["out"] = out
+            if rnd == args.repeats - 1:
+                print(_progress(_row(row, args, bound_ms)), flush=True)
+    if _compiles() != graphs_before:  # a compile inside a timed run would be counted as its time
+        print(f"WARNING: torch compiled during the timed rounds ({graphs_before} -> {_compiles()} graphs/recompiles)")
+
+    for row in rows:  # tokens, and what a step accepted
+        out = row.pop("out")
+        specray = row["config"].startswith("specray")
+        row["tokens"] = [o.token_ids for o in out] if specray else out
+        if specray:
+            steps = sum(o.metrics["target_forward_passes"] for o in out) / len(out)
+            row["accepted"] = args.max_tokens / max(steps, 1)
+    for row in rows:  # each specray row against plain decoding in its mode, at its batch
+        plain = next((r for r in rows if r["config"] == "specray none" and r["mode"] == row["mode"]
+                      and r["batch"] == row["batch"]), None)
+        if row["config"].startswith("specray") and plain is not None:
+            row["plain"] = plain["tokens"]
+            if row is plain and alpha is None and row["batch"] == min(args.batches):
+                alpha = teacher_forced_alpha(target, draft, prompts, row["tokens"])
+    for i, row in enumerate(rows):
+        spec = row.pop("spec", None)
+        rows[i] = _row(row, args, bound_ms)
+        if spec is not None and args.profile_steps:
+            rows[i].update(step_profile(engines[row["mode"]], prompts[: row["batch"]], spec, args.profile_steps, device))
+    engines.clear()
     _finish(rows, alpha, c)
     summary = {"pair": label, "device": _device_name(device), "dtype": args.dtype, "bandwidth_GBps": bw / 1e9,
                "weights_GB": weight_bytes(target) / 1e9, "bound_ms_per_token": bound_ms, "alpha": alpha, "c": c,
-               "command": command, "host": platform.node(), "compile_s": compile_s, "load": _load()}
+               "command": command, "host": platform.node(), "compile_s": compile_s, "load": _load(),
+               "rounds": args.repeats}
     _write(Path(args.out), rows, summary)
     return 0
 
 
-def _row(name, mode, batch, seconds, args, bound_ms, tokens=None, plain=None, accepted=None, runs=1,
-         warm_s=None) -> dict:
-    """seconds: the ``runs`` batches' wall time together."""
-    ms = 1e3 * seconds / (args.max_tokens * runs)
-    row = {"config": name, "mode": mode, "batch": batch, "ms_per_token": ms,
-           "tok_s": args.prompts * args.max_tokens / seconds, "of_bound": bound_ms / ms, "accepted_per_step": accepted,
-           "warm_s": warm_s}
+def _row(row: dict, args, bound_ms) -> dict:
+    """A table row from a timed one: ``rounds_s`` holds each round's wall time for the row's
+    ``runs`` batches together; its times are the median round's."""
+    seconds = statistics.median(row["rounds_s"])
+    ms = 1e3 * seconds / (args.max_tokens * row["runs"])
+    out = {"config": row["config"], "mode": row["mode"], "batch": row["batch"], "ms_per_token": ms,
+           "tok_s": args.prompts * args.max_tokens / seconds, "of_bound": bound_ms / ms,
+           "accepted_per_step": row.get("accepted"), "warm_s": row["warm_s"], "rounds_s": row["rounds_s"]}
+    tokens, plain = row.get("tokens"), row.get("plain")
     if tokens is not None and plain is not None:
         same = sum(t == p for t, p in zip(tokens, plain))
-        row["agree_rows"] = f"{same}/{len(tokens)}"
-    return row
+        out["agree_rows"] = f"{same}/{len(tokens)}"
+    return out
 
 
 def _finish(rows: list[dict], alpha, c) -> None:
-    """Ratios to HF static (or eager) at the same batch, and the Leviathan bound for draft rows."""
+    """Ratios to HF compiled or static (or eager) at the same batch, to HF eager, to the
+    config's eager run and to plain decoding in its mode — each the median of the rounds'
+    side-by-side ratios (every row makes the same tokens) — and the Leviathan bound for
+    draft rows."""
     def find(config, batch, mode="-"):
         return next((h for h in rows if h["batch"] == batch and h["config"] == config and h["mode"] == mode), None)
 
+    def ratio(r, base):
+        return statistics.median(b / s for b, s in zip(base["rounds_s"], r["rounds_s"])) if base else None
+
     for r in rows:
-        hf = find("hf compiled", r["batch"]) or find("hf static", r["batch"]) or find("hf eager", r["batch"])
-        r["x_hf"] = r["tok_s"] / hf["tok_s"] if hf else None
-        hf_eager = find("hf eager", r["batch"])
-        r["x_hf_eager"] = r["tok_s"] / hf_eager["tok_s"] if hf_eager else None
+        r["x_hf"] = ratio(r, find("hf compiled", r["batch"]) or find("hf static", r["batch"]) or find("hf eager", r["batch"]))
+        r["x_hf_eager"] = ratio(r, find("hf eager", r["batch"]))
         eager = find(r["config"], r["batch"], "eager") if r["config"].startswith("specray") else None
-        r["x_eager"] = r["tok_s"] / eager["tok_s"] if eager and r["mode"] != "eager" else None
+        r["x_eager"] = ratio(r, eager) if r["mode"] != "eager" else None
         plain = next((p for p in rows if p["batch"] == r["batch"] and p["mode"] == r["mode"]
                       and p["config"] == "specray none"), None)
-        r["x_plain"] = r["tok_s"] / plain["tok_s"] if plain else None
+        r["x_plain"] = ratio(r, plain)
         k = K_OF.get(r["config"].removeprefix("specray "))
         if k and alpha is not None and c is not None:
             r["leviathan"] = speedup_bound(alpha, k, c)
@@ -525,7 +578,9 @@ def _write(out: Path, rows: list[dict], summary: dict) -> None:
             f"c {_f(summary['c'])}", f"command: {summary['command']}",
             "compile (engine warm-up, apart from the timings): "
             + (", ".join(f"{m} {s:.1f} s" for m, s in summary["compile_s"].items()) or "none")
-            + f"; load average {summary['load']}"]
+            + f"; load average {summary['load']}",
+            f"timed: {summary['rounds']} interleaved round(s), every row once a round; times: the median round; "
+            f"ratios: the median of the rounds' side-by-side ratios"]
     table = "\n".join(head) + "\n\n" + _aligned(rows, columns) + "\n\n" + goals(rows)
     print("\n" + table)
     (out / "gpu.txt").write_text(table + "\n")
@@ -548,13 +603,13 @@ def goals(rows: list[dict]) -> str:
     hf_eager, hf_compiled = get("hf eager", "-"), get("hf compiled", "-")
     draft_eager = get("specray draft k=4", "eager")
     if plain and hf_eager:
-        x = plain["tok_s"] / hf_eager["tok_s"]
+        x = plain["x_hf_eager"]
         lines.append(f"  specray plain compile / HF eager      {x:5.2f}  (goal >= 2.5: {'met' if x >= 2.5 else 'NOT met'})")
     if plain and hf_compiled:
-        x = plain["tok_s"] / hf_compiled["tok_s"]
+        x = plain["x_hf"]
         lines.append(f"  specray plain compile / HF compiled   {x:5.2f}  (goal > 1: {'met' if x > 1 else 'NOT met'})")
     if draft and draft_eager:
-        x = draft["tok_s"] / draft_eager["tok_s"]
+        x = draft["x_eager"]
         lines.append(f"  draft k=4 compile / draft k=4 eager   {x:5.2f}  (goal >= 1.5: {'met' if x >= 1.5 else 'NOT met'})")
     for r in (plain, draft):
         if r and r.get("host_share") is not None:
