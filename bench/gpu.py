@@ -59,7 +59,7 @@ import torch
 
 from specray.bench.probes import host_reads, profile_steps
 from specray.bench.speed import _aligned, speedup_bound
-from specray.engine.graphs import COMPILED
+from specray.engine.graphs import CAPTURED, COMPILED
 from specray.policies.compiled import timing
 
 log = logging.getLogger(__name__)
@@ -426,8 +426,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     return [o for g in groups for o in run_specray(engine, g, args.max_tokens, spec)]
 
                 start = time.perf_counter()
-                for group in groups:  # warm-up: captures, compiles
-                    run_specray(engine, group, min(16, args.max_tokens), spec)
+                # warm-up: compiles, and under CUDA graphs a capture per (batch, width, kv block),
+                # so there every length the timed runs reach
+                warm = args.max_tokens if mode in CAPTURED else min(16, args.max_tokens)
+                for group in groups:
+                    run_specray(engine, group, warm, spec)
                 rows.append({"config": f"specray {name}", "mode": mode, "batch": b, "runs": len(groups),
                              "warm_s": time.perf_counter() - start, "spec": spec})
                 timers.append(run)

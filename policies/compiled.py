@@ -64,7 +64,10 @@ def timed(fn):
 # skipped for the same reason); tensor sizes stay symbolic. Dynamo reads this config when it
 # traces: at a compiled function's first call, the one run under it (a config patch entered
 # on every call cost several percent of a small model's step; a recompile, which the engine's
-# tests forbid, would only take them as inputs again).
+# tests forbid, would only take them as inputs again). The invariant this needs: a number a
+# module holds is never changed after a graph first ran it (module guards are skipped, so
+# the graph would keep the old value); hot swaps copy tensors (``load_state_dict``), and a
+# change of such a number needs a new compiled function.
 _CONSTANTS = torch._dynamo.config.patch(specialize_float=True, specialize_int=True)
 
 

@@ -459,10 +459,13 @@ class AdaptiveSpeculation:
     # -- learning ------------------------------------------------------------------------------
     def observe(self, rows: Sequence[RowView], drafted: Sequence[int], accepted: Sequence[int], seconds: float) -> None:
         """After a step: each row's drafted nodes and accepted count, and the step's seconds.
-        A step whose every row asked for plain decoding teaches nothing: no row can draft,
-        and a bucket's plain cost is measured by its probes once rows that may draft are in it
-        (a plain server's step paid a cost-model update for nothing)."""
+        A step whose every row asked for plain decoding updates no cost model (no row could
+        draft; a plain server's step paid that for nothing) but still counts as the bucket's
+        last plain step, so rows that may draft later are not made to probe first."""
         if all(r.method == "none" for r in rows):
+            bucket = self._buckets.get(_bucket(len(rows)))
+            if bucket is not None:
+                bucket.plain_at = bucket.steps
             return
         ks: dict[str, int] = {}
         nodes: dict[str, int] = {}

@@ -434,3 +434,11 @@ def test_steps_whose_rows_all_decode_plainly_by_request_teach_nothing():
     assert c._costs == {}
     mixed = [RowView("a", "none"), RowView("c", "draft")]
     assert c.caps(mixed)[1] > 0
+    # ... and they still count as the bucket's plain steps: after a long plain stretch, a row
+    # that may draft is not held to a plain probe first (the probe measures plain decoding,
+    # which those steps just did).
+    c.observe(mixed, [0, 4], [0, 2], 0.012)
+    for _ in range(100):
+        c.caps(plain)
+        c.observe(plain, [0, 0], [0, 0], 0.01)
+    assert c.caps(mixed)[1] > 0
