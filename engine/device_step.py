@@ -122,10 +122,10 @@ def greedy_pass(ids, anc, depth, sizes, logits):
     from the verification's tensors: the target's fixed-shape forward runs it as its
     epilogue, inside its own graph (``LLMEngine`` enables it so), and a step whose rows
     process their logits (penalties) runs it apart on the processed logits (compiled under
-    ``step=compile``: one graph, no host work per op). ids [Bb, W], anc [Bb, W, W], depth [Bb, W], sizes [Bb], logits [Bb, W, V].
-    Returns (num_accepted [Bb], path [Bb, W], emitted [Bb, W], best [Bb, W], buffer), the
-    buffer per row: [num_accepted | path (W) | emitted (W) | target argmax (W) | verified
-    tokens (W) | parents (W)]."""
+    ``step=compile``: one graph, no host work per op). ids [Bb, W], anc [Bb, W, W], depth
+    [Bb, W], sizes [Bb], logits [Bb, W, V]. Returns (num_accepted [Bb], path [Bb, W],
+    emitted [Bb, W], best [Bb, W], buffer), the buffer per row: [num_accepted | path (W) |
+    emitted (W) | target argmax (W) | verified tokens (W) | parents (W)]."""
     best = logits.argmax(dim=-1)  # [Bb, W]
     acc = greedy_accept_batch(ids, anc, depth, sizes, best)
     parents = parent_nodes(anc, depth)

@@ -62,9 +62,9 @@ def timed(fn):
 # layer, read by the kernels at run time, and each int one more argument the C++ wrapper turns
 # into a tensor per call. Modules and runners never change after start-up (their guards are
 # skipped for the same reason); tensor sizes stay symbolic. Dynamo reads this config when it
-# traces: at a compiled function's first call, the one run under it (a config patch entered
-# on every call cost several percent of a small model's step; a recompile, which the engine's
-# tests forbid, would only take them as inputs again). The invariant this needs: a number a
+# traces: at a compiled function's first call, the one run under it (so later calls enter no
+# config patch; a recompile, which the engine's tests forbid, would only take them as inputs
+# again). The invariant this needs: a number a
 # module holds is never changed after a graph first ran it (module guards are skipped, so
 # the graph would keep the old value); hot swaps copy tensors (``load_state_dict``), and a
 # change of such a number needs a new compiled function.
