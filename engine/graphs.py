@@ -118,7 +118,7 @@ class StaticForward:
         self.inputs = inputs
         # epilogue(ids, tree_mask, offsets, sizes [Bb], logits) -> tensors, run inside the graph
         # after the logits (the target's acceptance, ``engine/device_step.py``): one compiled
-        # call a step, not a second one whose wrapper cost more than its kernels on a CPU.
+        # call a step, not a second one with wrappers of its own around a small graph.
         # ``run`` is then given each row's draft size (its own input, as a tree's extra
         # tokens make it no function of the row's width).
         self.epilogue = epilogue
