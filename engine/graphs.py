@@ -124,7 +124,8 @@ class StaticForward:
         self.epilogue = epilogue
         self.limit = runner.num_slots
         # Compiled forwards never see a batch or width of 1 (see the module docstring).
-        self.min_size = 2 if mode in COMPILED else 1
+        self.compiled = mode in COMPILED
+        self.min_size = 2 if self.compiled else 1
         fn = self._forward
         if mode in COMPILED:
             import torch._dynamo
@@ -149,6 +150,7 @@ class StaticForward:
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
         self._chains: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (Bb, W) -> chain layout
         self._kv_keys: dict[int, torch.Tensor] = {}
+        self._chain_fns: dict[tuple[int, int], object] = {}  # (steps, vocab) -> the drafting chain's function
         self._pool = None
 
     # -- the pure fixed-shape function -------------------------------------------------
@@ -208,23 +210,11 @@ class StaticForward:
         sizes:   each row's draft nodes, for the ``epilogue`` (default: all but the root).
         Host lengths advance by len(tokens[i]), as the eager forward's do.
         """
-        runner = self.runner
-        batch = len(slots)
-        q_lens = [len(t) for t in tokens]
-        lengths = [runner.lengths[s] for s in slots]
-        for s, n, L in zip(slots, q_lens, lengths):
-            if n < 1 or L + n > runner.capacity:
-                raise ValueError(f"slot {s}: {L} cached + {n} new tokens must fit capacity {runner.capacity}")
-        runner.reserve(slots, [L + n for L, n in zip(lengths, q_lens)])  # paged: blocks for what it writes
-        width = max(max(q_lens), self.min_size)
-        rows_b = max(batch_bucket(batch, self.limit), self.min_size)
-        kv = min(-(-(max(L + n for L, n in zip(lengths, q_lens))) // self.kv_block) * self.kv_block,
-                 runner.capacity + 1)
-        device = runner.device
         if self.epilogue is not None and sizes is None:
-            sizes = [n - 1 for n in q_lens]
-        ids, lens, q, rows, *sized = self._host_inputs(slots, tokens, q_lens, lengths, rows_b, width,
-                                                       sizes if self.epilogue is not None else None)
+            sizes = [len(t) - 1 for t in tokens]
+        batch = len(slots)
+        q_lens, rows_b, width, kv, (ids, lens, q, rows, *sized) = self._prepare(
+            slots, tokens, 0, sizes if self.epilogue is not None else None)
         for r, col, toks in spliced:  # device drafts
             ids[r, col : col + toks.shape[1]] = toks
         if layout is None:  # chains: constant per shape, built once
@@ -253,9 +243,79 @@ class StaticForward:
         else:
             logits, hidden, *rest = self._fn(*dev, self._keys(kv), *extra)
         for s, n in zip(slots, q_lens):
-            runner.lengths[s] += n
+            self.runner.lengths[s] += n
         taps, after = rest[: len(self.layers)], tuple(rest[len(self.layers):])
         return StaticOutput(logits, hidden, dict(zip(self.layers, taps)), ids, tree, offsets, rows, batch, after)
+
+    # -- greedy drafting in one call ------------------------------------------------------
+    def _draft_chain(self, ids, lengths, q_lens, rows, tree_mask, offsets, kv_keys, steps=1, vocab=1):
+        """A draft model's greedy chain: the forward of ``ids`` (each row's pending tokens),
+        then ``steps - 1`` one-token forwards, each fed the previous argmax. ``steps`` and
+        ``vocab`` (the argmax runs over the first ``vocab`` logits: the target's vocabulary,
+        a longer draft head cut to it) are constants of the compiled graph, one graph per
+        pair. Returns the drafted tokens [Bb, steps]."""
+        forward = StaticForward._forward  # inlined into this graph, not the compiled one
+        logits = forward(self, ids, lengths, q_lens, rows, tree_mask, offsets, kv_keys)[0]
+        batch = ids.shape[0]
+        token = logits[torch.arange(batch, device=ids.device), q_lens - 1, :vocab].argmax(dim=-1)  # [Bb]
+        drafted = [token]
+        lengths = lengths + q_lens
+        one = torch.ones_like(lengths)
+        sees = torch.ones(batch, 1, 1, dtype=torch.bool, device=ids.device)
+        at = torch.zeros(batch, 1, dtype=torch.long, device=ids.device)
+        for _ in range(steps - 1):
+            logits = forward(self, token[:, None], lengths, one, rows, sees, at, kv_keys)[0]
+            token = logits[:, 0, :vocab].argmax(dim=-1)
+            drafted.append(token)
+            lengths = lengths + 1
+        return torch.stack(drafted, dim=1)
+
+    def chains(self) -> bool:
+        """Whether ``chain`` serves this runner: a whole model (not a tensor-parallel shard, whose
+        other ranks hold no logits to draw the next token from) outside CUDA graphs (which
+        capture the one-forward step)."""
+        return self.epilogue is None and self.mode not in CAPTURED and not getattr(self.run, "_mirrored", False)
+
+    @torch.inference_mode()
+    def chain(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], steps: int, vocab: int) -> torch.Tensor:
+        """Greedy drafting in one call: append ``tokens[i]`` to ``slots[i]``, draw the argmax
+        after each row's last token, feed it, and so on until ``steps`` tokens are drawn
+        (the last one is not fed). Returns [len(slots), steps] device tokens; host lengths
+        advance by ``len(tokens[i]) + steps - 1``. Under ``compile`` it is one compiled call
+        (a graph per ``steps``), not ``steps`` calls, each with the wrappers a compiled call
+        pays on the host."""
+        if not self.chains():
+            raise ValueError("chain() needs a whole model outside CUDA graphs (see chains())")
+        q_lens, rows_b, width, kv, (ids, lens, q, rows) = self._prepare(slots, tokens, steps - 1)
+        tree, offsets = self._chain(rows_b, width)
+        fn = self._chain_fns.get((steps, vocab))
+        if fn is None:
+            code = StaticForward._draft_chain.__code__.replace()  # a code object per graph (see __init__)
+            fn = types.MethodType(types.FunctionType(code, globals(), "_draft_chain", (steps, vocab)), self)
+            if self.compiled:
+                fn = compiled(fn, self.runner.device)
+            self._chain_fns[(steps, vocab)] = fn
+        drafted = fn(ids, lens, q, rows, tree, offsets, self._keys(kv))
+        for s, n in zip(slots, q_lens):
+            self.runner.lengths[s] += n + steps - 1
+        return drafted[: len(slots)]
+
+    def _prepare(self, slots, tokens, more: int, sizes=None):
+        """Checks, paged blocks and the device inputs of a forward that appends ``tokens`` to
+        ``slots`` and then ``more`` tokens per row (a drafting chain's): the rows' new-token
+        counts, the padded batch and width, the keys attended and the host-built inputs."""
+        runner = self.runner
+        q_lens = [len(t) for t in tokens]
+        lengths = [runner.lengths[s] for s in slots]
+        for s, n, L in zip(slots, q_lens, lengths):
+            if n < 1 or L + n + more > runner.capacity:
+                raise ValueError(f"slot {s}: {L} cached + {n + more} new tokens must fit capacity {runner.capacity}")
+        ends = [L + n + more for L, n in zip(lengths, q_lens)]
+        runner.reserve(slots, ends)  # paged: blocks for what it writes
+        width = max(max(q_lens), self.min_size)
+        rows_b = max(batch_bucket(len(slots), self.limit), self.min_size)
+        kv = min(-(-max(ends) // self.kv_block) * self.kv_block, runner.capacity + 1)
+        return q_lens, rows_b, width, kv, self._host_inputs(slots, tokens, q_lens, lengths, rows_b, width, sizes)
 
     def _host_inputs(self, slots, tokens, q_lens, lengths, rows_b, width, sizes=None):
         """ids [Bb, W], lengths, new-token counts and cache rows [Bb] (and the draft sizes

@@ -51,6 +51,13 @@ class DraftOptions(LinearOptions):
     method: Literal["draft"] = "draft"
 
 
+# The lengths greedy rows draft in one compiled call (``StaticForward.chain``, a graph per
+# length): the default k, which the engine's warm-up compiles. Other lengths (a request's own
+# k, the self-tuning controller's shorter ones) draft one compiled forward at a time, so a
+# step never waits on a compile.
+CHAINED = frozenset({DraftOptions.model_fields["num_speculative_tokens"].default})
+
+
 class DraftModelProposer:
     def __init__(self, draft_runner: Runner, vocab_size: int | None = None, **_ignored):
         self.runner = draft_runner
@@ -126,6 +133,28 @@ class DraftModelProposer:
             params = [torch.tensor([getattr(r.sampling, name) for r in sub], dtype=dt).to(device, non_blocking=True)
                       for name, dt in (("temperature", torch.float32), ("top_k", torch.long), ("top_p", torch.float32))]
             probs = torch.zeros(n, k_max, self.vocab_size, device=device)
+        if not sampled and self._chained(static, k_max):
+            drafted = static.chain(slots, pending, k_max, min(self.vocab_size, runner.vocab_size))  # [n, k_max]
+        else:
+            drafted = self._drafted_one_by_one(static, slots, pending, k_max, sampled and (sel, u, params, probs))
+        for r in rows:
+            runner.set_length(r.slot, len(r.token_ids) + r.num_tokens - 1)
+            self._base[r.slot] = len(r.token_ids)
+            self._k[r.slot] = r.num_tokens
+        placeholders = [DraftRow([0] * r.num_tokens) for r in rows]
+        return DeviceDraft(placeholders, drafted, probs)
+
+    def _chained(self, static, k: int) -> bool:
+        """Whether greedy rows draft their k tokens in one call (``StaticForward.chain``):
+        uncompiled at every k; compiled at the lengths it is compiled for (``CHAINED``), so
+        that a length the self-tuning controller picks for a step compiles nothing mid-run."""
+        return static.chains() and (not static.compiled or k in CHAINED)
+
+    def _drafted_one_by_one(self, static, slots, pending, k_max: int, sampling) -> torch.Tensor:
+        """k_max fixed-shape forwards, a token drawn after each (sampled rows: ``sampling`` =
+        (their batch indices, uniforms [s, k_max], sampling parameters, probs [n, k_max, V]
+        filled in here)); returns [n, k_max] tokens."""
+        n, device = len(slots), self.runner.device
         last = torch.tensor([len(p) - 1 for p in pending], dtype=torch.long).to(device, non_blocking=True)
         every = torch.arange(n, device=device)
         logits = static.run(slots, pending).logits[every, last]  # [n, V_draft]
@@ -133,19 +162,15 @@ class DraftModelProposer:
         for j in range(k_max):
             logits = self._fit_vocab(logits)
             tok = logits.argmax(dim=-1)  # [n]
-            if sampled:
+            if sampling:
+                sel, u, params, probs = sampling
                 q = probs_from_logits(logits[sel], *params, check=False)  # [s, V]
                 tok[sel] = sample_from_uniform(q, u[:, j])
                 probs[sel, j] = q
             drafted.append(tok)
             if j + 1 < k_max:  # the last token is not fed
                 logits = static.run(slots, [[0]] * n, spliced=[(every, 0, tok[:, None])]).logits[:n, 0]
-        for r in rows:
-            runner.set_length(r.slot, len(r.token_ids) + r.num_tokens - 1)
-            self._base[r.slot] = len(r.token_ids)
-            self._k[r.slot] = r.num_tokens
-        placeholders = [DraftRow([0] * r.num_tokens) for r in rows]
-        return DeviceDraft(placeholders, torch.stack(drafted, dim=1), probs)
+        return torch.stack(drafted, dim=1)
 
     def _catch_up(self, rows: Sequence[ProposalRow]) -> list[list[int]]:
         """Each row's committed tokens the cache does not hold yet; long backlogs (a freshly

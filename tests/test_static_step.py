@@ -6,7 +6,8 @@ reference, on the CPU.
 * A step reads the device back once: ``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``,
   ``nonzero`` are counted inside steps that admit no request.
 * Compiled: the same tokens, no recompiles over 100 steps of changing lengths, one compiled
-  call a plain step (acceptance inside the target's graph), module numbers as constants.
+  call a plain step (acceptance inside the target's graph), two a draft model's step at the
+  default k (its chain of forwards in one graph), module numbers as constants.
 * Sampling through the device acceptance keeps the target's distribution (chains with
   and without draft probabilities, trees with one-hot and drawn q).
 """
@@ -175,7 +176,9 @@ def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
         first = engine.generate(prompts, GREEDY, [speculation(names[(start + i) % len(names)]) for i in range(8)])
         assert [o.token_ids for o in first] == references, names[start : start + 4]
     graphs = counters["stats"]["unique_graphs"]
-    assert graphs == 7, dict(counters["stats"])  # target, draft, acceptance, EAGLE, EAGLE-3, Medusa, ReDrafter
+    # target, draft (a forward; its chain at the default k, which warm-up drafts), acceptance,
+    # EAGLE, EAGLE-3, Medusa, ReDrafter
+    assert graphs == 8, dict(counters["stats"])
     long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     mixed = [speculation(n) for n in ("none", "eagle-2", "redrafter")]
     outs = engine.generate(prompts[:3], long, mixed)  # 100 steps, lengths change each
@@ -194,6 +197,22 @@ def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
         engine.abort(rid)
         assert clock.calls == 5 * calls, (sampling, clock.calls)
     assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
+    # Greedy draft rows at the default k draft in one compiled call (the draft's k forwards and
+    # argmaxes in one graph, ``StaticForward.chain``): the draft's and the target's, two a step;
+    # another k (3, above) drafts a forward at a time. Batches of 1 to 4, no graph more.
+    default_k = SpeculationParams(method="draft")
+    assert default_k.num_speculative_tokens not in (3, None)
+    outs = engine.generate(prompts, GREEDY, default_k)
+    assert [o.token_ids for o in outs] == references
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
+    for spec, calls in ((default_k, 2), (speculation("draft"), 1 + SPECS["draft"]["num_speculative_tokens"])):
+        rid = engine.add_request(prompts[0], long, spec)
+        engine.step()
+        with timing() as clock:
+            for _ in range(5):
+                engine.step()
+        engine.abort(rid)
+        assert clock.calls == 5 * calls, (spec, clock.calls)
 
 
 def test_compiled_graphs_take_module_numbers_as_constants(monkeypatch):
