@@ -103,6 +103,11 @@ one step many times its peers; taken whole, it priced a paying drafter off
 (``test_one_slow_step_does_not_switch_a_paying_drafter_off``). A real change in cost still moves
 the model: each clipped step pulls it up to 4x what it predicted."""
 
+CLIP_SOLVE_EVERY = 16
+"""The outlier clip reads a cost model solved at most this many steps ago. Where ``caps``
+decides nothing (every row's k fixed by its request) nothing else solves it, and a solve per
+step would serve only a bound that a model a few steps old sets as well."""
+
 REJUDGE_OFF_EVERY = 8
 """A method off in a batch-size bucket for more than 8 steps, and not due for a retry, is judged
 again every 8 steps there, not every step: by then its costs are measured, only plain steps
@@ -199,14 +204,16 @@ class _Costs:
         self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
         self._theta: np.ndarray | None = None  # the last theta solved
         self._stale = True  # steps were added since: theta() solves again (caps and add share one solve a step)
+        self._unsolved = 0  # steps added since the last solve
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
-        # The outlier clip: a step that drafted reads the model as of now (``caps`` solved it
-        # this step; when every row's k was fixed, it is solved here); a plain step reads the
-        # last one solved: where every row decodes plainly ``caps`` decides nothing, and a
-        # solve per step there would serve only this clip.
-        theta = self._theta if self._theta is not None and not any(ks.values()) else self.theta()
+        # The outlier clip: a step that drafted reads the model as of now where ``caps`` solved
+        # it this step, else one solved at most CLIP_SOLVE_EVERY steps ago (every row's k
+        # fixed); a plain step reads the last one solved: where every row decodes plainly
+        # ``caps`` decides nothing, and a solve per step there would serve only this clip.
+        recent = self._theta is not None and (not any(ks.values()) or self._unsolved < CLIP_SOLVE_EVERY)
+        theta = self._theta if recent else self.theta()
         if theta is not None:
             seconds = min(seconds, OUTLIER * float(theta @ x))
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
@@ -226,6 +233,7 @@ class _Costs:
         self.xx = self.forget * self.xx + np.outer(x, x)
         self.xy = self.forget * self.xy + x * seconds
         self._stale = True
+        self._unsolved += 1
 
     def _guess(self, plain: float, per_node: Mapping[str, float]) -> np.ndarray:
         """A prior: a plain step's seconds, each method's per-node cost (``per_node`` where
@@ -239,7 +247,7 @@ class _Costs:
         if self._stale:
             lam = self.prior_weight * np.eye(len(self.prior))
             self._theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
-            self._stale = False
+            self._stale, self._unsolved = False, 0
         return self._theta
 
     def widened(self, methods: Sequence[str], blocks: Sequence[str] = ()) -> "_Costs":

@@ -52,9 +52,10 @@ class DraftOptions(LinearOptions):
 
 
 # The lengths greedy rows draft in one compiled call (``StaticForward.chain``, a graph per
-# length): the default k, which the engine's warm-up compiles. Other lengths (a request's own
-# k, the self-tuning controller's shorter ones) draft one compiled forward at a time, so a
-# step never waits on a compile.
+# length): the default k, which the engine's warm-up compiles; shorter lengths (the self-tuning
+# controller's) run it and keep its first tokens. Longer ones and sampled rows draft one
+# compiled forward at a time (warm-up compiles that forward too), so a step never waits on a
+# compile.
 CHAINED = frozenset({DraftOptions.model_fields["num_speculative_tokens"].default})
 
 
@@ -133,8 +134,9 @@ class DraftModelProposer:
             params = [torch.tensor([getattr(r.sampling, name) for r in sub], dtype=dt).to(device, non_blocking=True)
                       for name, dt in (("temperature", torch.float32), ("top_k", torch.long), ("top_p", torch.float32))]
             probs = torch.zeros(n, k_max, self.vocab_size, device=device)
-        if not sampled and self._chained(static, k_max):
-            drafted = static.chain(slots, pending, k_max, min(self.vocab_size, runner.vocab_size))  # [n, k_max]
+        steps = None if sampled else self._chain_steps(static, k_max, slots, pending)
+        if steps:  # drafts past k_max (a longer compiled chain) are dropped: their cache entries lie past the length set below
+            drafted = static.chain(slots, pending, steps, min(self.vocab_size, runner.vocab_size))[:, :k_max]
         else:
             drafted = self._drafted_one_by_one(static, slots, pending, k_max, sampled and (sel, u, params, probs))
         for r in rows:
@@ -144,11 +146,21 @@ class DraftModelProposer:
         placeholders = [DraftRow([0] * r.num_tokens) for r in rows]
         return DeviceDraft(placeholders, drafted, probs)
 
-    def _chained(self, static, k: int) -> bool:
-        """Whether greedy rows draft their k tokens in one call (``StaticForward.chain``):
-        uncompiled at every k; compiled at the lengths it is compiled for (``CHAINED``), so
-        that a length the self-tuning controller picks for a step compiles nothing mid-run."""
-        return static.chains() and (not static.compiled or k in CHAINED)
+    def _chain_steps(self, static, k: int, slots, pending) -> int | None:
+        """How many tokens greedy rows draft in one call (``StaticForward.chain``), or None
+        (one forward at a time). Uncompiled: k. Compiled: the shortest length of ``CHAINED``
+        (compiled at warm-up) that covers k, so that no length the self-tuning controller picks
+        compiles a graph mid-run; a chain past k costs its extra forwards inside the one call,
+        less on a CPU than a second call's wrappers; None if none fits every row's cache."""
+        if not static.chains():
+            return None
+        if not static.compiled:
+            return k
+        steps = min((c for c in CHAINED if c >= k), default=None)
+        lengths, capacity = self.runner.lengths, self.runner.capacity
+        if steps is None or any(lengths[s] + len(p) + steps - 1 > capacity for s, p in zip(slots, pending)):
+            return None
+        return steps
 
     def _drafted_one_by_one(self, static, slots, pending, k_max: int, sampling) -> torch.Tensor:
         """k_max fixed-shape forwards, a token drawn after each (sampled rows: ``sampling`` =
