@@ -41,6 +41,7 @@ import types
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
+import numpy as np
 import torch
 
 from specray.kernels import attention
@@ -319,17 +320,30 @@ class StaticForward:
 
     def _host_inputs(self, slots, tokens, q_lens, lengths, rows_b, width, sizes=None):
         """ids [Bb, W], lengths, new-token counts and cache rows [Bb] (and the draft sizes
-        [Bb] when given): built on the host as two tensors, copied to the device once each."""
+        [Bb] when given): one int64 buffer built on the host (through numpy: a list becomes a
+        tensor several times faster so than by ``torch.tensor``) and copied to the device once,
+        the inputs its views."""
         pad = rows_b - len(slots)
-        flat = [t for row in tokens for t in (*row, *([0] * (width - len(row))))]
-        ids = torch.tensor(flat + [0] * (pad * width), dtype=torch.long).view(rows_b, width)
-        fields = [*lengths, *([0] * pad), *q_lens, *([width] * pad), *slots,
-                  *([self.runner.num_slots] * pad)]  # padding rows: the scratch row
+        values: list[int] = []
+        for row in tokens:
+            values += row
+            values += [0] * (width - len(row))
+        n = rows_b * width
+        values += [0] * (n - len(values))
+        values += lengths
+        values += [0] * pad
+        values += q_lens
+        values += [width] * pad
+        values += slots
+        values += [self.runner.num_slots] * pad  # padding rows: the scratch row
         if sizes is not None:
-            fields += [*sizes, *([0] * pad)]
+            values += sizes
+            values += [0] * pad
+        buf = torch.from_numpy(np.array(values, dtype=np.int64))
         device = self.runner.device
-        meta = torch.tensor(fields, dtype=torch.long).to(device, non_blocking=True).view(-1, rows_b)
-        return ids.to(device, non_blocking=True), *meta
+        if device.type != "cpu":
+            buf = buf.to(device, non_blocking=True)
+        return [buf[:n].view(rows_b, width)] + [buf[at : at + rows_b] for at in range(n, len(values), rows_b)]
 
     def _chain(self, rows_b: int, width: int):
         key = (rows_b, width)
