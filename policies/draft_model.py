@@ -150,8 +150,8 @@ class DraftModelProposer:
         """How many tokens greedy rows draft in one call (``StaticForward.chain``), or None
         (one forward at a time). Uncompiled: k. Compiled: the shortest length of ``CHAINED``
         (compiled at warm-up) that covers k, so that no length the self-tuning controller picks
-        compiles a graph mid-run; a chain past k costs its extra forwards inside the one call,
-        less on a CPU than a second call's wrappers; None if none fits every row's cache."""
+        compiles a graph mid-run (a chain past k pays its extra forwards inside its one call);
+        None if none fits every row's cache."""
         if not static.chains():
             return None
         if not static.compiled:
