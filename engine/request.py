@@ -7,6 +7,7 @@ exactly where plain decoding would have: EOS / stop token ids (kept in ``token_i
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -153,6 +154,9 @@ class Request:
     def _decode(self, tokenizer, ids: Sequence[int]) -> str:
         s = self.sampling
         if s.spaces_between_special_tokens:  # the default: every tokenizer's own
+            backend = _backend_decoder(tokenizer)
+            if backend is not None:
+                return backend.decode(ids, skip_special_tokens=s.skip_special_tokens)
             return tokenizer.decode(ids, skip_special_tokens=s.skip_special_tokens)
         return tokenizer.decode(ids, skip_special_tokens=s.skip_special_tokens, spaces_between_special_tokens=False)
 
@@ -175,6 +179,24 @@ class Request:
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             prompt_logprobs=self.prompt_logprobs,
         )
+
+
+@functools.lru_cache(maxsize=16)
+def _backend_decoder(tokenizer):
+    """The ``tokenizers.Tokenizer`` behind a Hugging Face fast tokenizer whose ``decode``
+    returns that tokenizer's decode unchanged (neither decode step overridden, no clean-up of
+    spaces), else None. A step decodes twice per row (``_decode_new``), and calling the
+    backend skips transformers' Python layers around it."""
+    try:
+        from transformers import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if (cls.decode is not PreTrainedTokenizerBase.decode or getattr(cls, "_decode", None) is not TokenizersBackend._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return None
+    return getattr(tokenizer, "_tokenizer", None)
 
 
 def _find_ending_after(text: str, stop: str, start: int, floor: int) -> int:

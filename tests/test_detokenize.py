@@ -88,3 +88,24 @@ def test_stop_strings_kept_and_min_tokens(chars, chunk):
 def test_skip_special_tokens(chars):
     assert run(chars, "abZcd", 2).text == "abcd"
     assert run(chars, "abZcd", 2, skip_special_tokens=False).text == "abZcd"
+
+
+def test_fast_tokenizers_decode_through_their_backend_as_hf_would(tokenizer):
+    """A step decodes through the tokenizers backend (not transformers' Python layers) only
+    where HF's ``decode`` returns the backend's text unchanged: the same text, special tokens
+    skipped or kept; a tokenizer that cleans up spaces keeps HF's own decode."""
+    import copy
+
+    from specray.engine.request import _backend_decoder
+
+    assert _backend_decoder(tokenizer) is tokenizer._tokenizer
+    ids = tokenizer.encode("<|im_start|>user: déjà vu , ok ?<|im_end|> 東京", add_special_tokens=False)
+    for skip in (True, False):
+        req = Request("r", [1], SamplingParams(max_tokens=100, skip_special_tokens=skip), PlainOptions(), frozenset())
+        for i in range(0, len(ids), 3):
+            req.append(ids[i : i + 3], capacity=10**6, tokenizer=tokenizer)
+        assert req.text == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert "<|im_start|>" in tokenizer.decode(ids, skip_special_tokens=False)
+    cleaning = copy.deepcopy(tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert _backend_decoder(cleaning) is None
