@@ -60,8 +60,7 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
     device = target.device
     spliced, trees, built = [], [], {}  # built: batch row -> (its DeviceTrees, its index there)
     for idx, part in device_parts.values():
-        rows = torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
-        spliced.append((rows, 1, part.device_tokens))
+        spliced.append((_batch_rows(idx, device), 1, part.device_tokens))
         for t in part.trees:  # trees built on the device: their structure goes in as tensors
             anc, depth = device_layout(t.parents, t.max_depth)  # [m, T + 1, T + 1], [m, T + 1]
             at = torch.tensor([idx[n] for n in t.rows], dtype=torch.long).to(device, non_blocking=True)
@@ -115,6 +114,15 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
             accepted[i], emitted[i], paths[i] = part.num_accepted[j], part.emitted[j], part.paths[j]
     logprobs = L.step_entries(reqs, raw, paths, emitted) if L.wanted(reqs) else None  # rows that asked (raw)
     return DeviceVerification(Verified(result, filled, extra_best, logprobs), out.hidden, out.layers, raw)
+
+
+def _batch_rows(idx: list[int], device) -> slice | torch.Tensor:
+    """Batch rows as an index into the step's inputs: a slice where they are consecutive (the
+    common case, every row drafted by one method), which writes by a plain copy, else an index
+    tensor."""
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        return slice(idx[0], idx[0] + len(idx))
+    return torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
 
 
 def greedy_pass(ids, anc, depth, sizes, logits):

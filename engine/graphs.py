@@ -200,9 +200,9 @@ class StaticForward:
 
         layout:  (mask [B, q, q] bool, offsets [B, q]) as for ``ModelRunner.forward``; None
                  = chains.
-        spliced: (rows [n] int64, column c, tokens [n, k] int64): device tensors written
-                 into the inputs at those rows' columns c..c+k-1 (drafts made on the
-                 device, never read back; ``tokens`` holds placeholders there).
+        spliced: (rows [n] int64 or a slice, column c, tokens [n, k] int64): device
+                 tensors written into the inputs at those rows' columns c..c+k-1 (drafts
+                 made on the device, never read back; ``tokens`` holds placeholders there).
         feats:   [B, q, F] device features the runner's ``inputs`` turns into the input
                  embeddings inside the graph (right-padded like ``tokens``; a head's inputs).
         trees:   (rows [n] int64, mask [n, T, T] bool, offsets [n, T] int64): trees built on
