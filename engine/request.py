@@ -53,6 +53,7 @@ class Request:
     metrics: SpecMetrics = field(default_factory=SpecMetrics)
     logprobs: list[dict] | None = None  # entries of the kept tokens, when sampling.logprobs asks
     prompt_logprobs: list[dict | None] | None = None
+    row_view: object = field(default=None, repr=False, compare=False)  # the controller's view (``step.row_view``)
     _prefix_offset: int = 0  # incremental detokenisation (``_decode_new``)
     _read_offset: int = 0
 

@@ -37,7 +37,14 @@ class ProposalPlan:
 
 
 def row_view(r: Request) -> RowView:
-    """What the speculation-length policy sees of a row."""
+    """What the speculation-length policy sees of a row (made once: a request's speculation
+    options never change)."""
+    if r.row_view is None:
+        r.row_view = _row_view(r)
+    return r.row_view
+
+
+def _row_view(r: Request) -> RowView:
     options, spec = r.speculation, method_spec(r.method)
     tree = spec.drafts_trees
     given = options.model_fields_set - {"method"}
