@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from specray.kernels import attention
+from specray.kernels.sampling import probs_from_logits, sample_from_uniform
 from specray.policies.compiled import compiled
 
 log = logging.getLogger(__name__)
@@ -248,28 +249,39 @@ class StaticForward:
         taps, after = rest[: len(self.layers)], tuple(rest[len(self.layers):])
         return StaticOutput(logits, hidden, dict(zip(self.layers, taps)), ids, tree, offsets, rows, batch, after)
 
-    # -- greedy drafting in one call ------------------------------------------------------
-    def _draft_chain(self, ids, lengths, q_lens, rows, tree_mask, offsets, kv_keys, steps=1, vocab=1):
-        """A draft model's greedy chain: the forward of ``ids`` (each row's pending tokens),
-        then ``steps - 1`` one-token forwards, each fed the previous argmax. ``steps`` and
-        ``vocab`` (the argmax runs over the first ``vocab`` logits: the target's vocabulary,
-        a longer draft head cut to it) are constants of the compiled graph, one graph per
-        pair. Returns the drafted tokens [Bb, steps]."""
+    # -- drafting in one call ----------------------------------------------------------------
+    def _draft_chain(self, ids, lengths, q_lens, rows, tree_mask, offsets, kv_keys, sampling=None, steps=1, vocab=1):
+        """A draft model's chain: the forward of ``ids`` (each row's pending tokens), then
+        ``steps - 1`` one-token forwards, each fed the token drawn after the last: the argmax
+        of the logits over the target's ``vocab`` (a longer draft head cut to it, a shorter
+        one padded), or, where ``sampling`` = (uniforms [Bb, steps], temperature [Bb], top_k
+        [Bb], top_p [Bb], drawn [Bb] bool) marks a row drawn, a draw from its processed
+        distribution. ``steps`` and ``vocab`` are constants of the compiled graph, one graph
+        per (steps, vocab, sampled or not). Returns the tokens [Bb, steps], and with
+        ``sampling`` also the distributions [Bb, steps, vocab]."""
         forward = StaticForward._forward  # inlined into this graph, not the compiled one
         logits = forward(self, ids, lengths, q_lens, rows, tree_mask, offsets, kv_keys)[0]
         batch = ids.shape[0]
-        token = logits[torch.arange(batch, device=ids.device), q_lens - 1, :vocab].argmax(dim=-1)  # [Bb]
-        drafted = [token]
+        last = logits[torch.arange(batch, device=ids.device), q_lens - 1]  # [Bb, V_draft]
         lengths = lengths + q_lens
         one = torch.ones_like(lengths)
         sees = torch.ones(batch, 1, 1, dtype=torch.bool, device=ids.device)
         at = torch.zeros(batch, 1, dtype=torch.long, device=ids.device)
-        for _ in range(steps - 1):
-            logits = forward(self, token[:, None], lengths, one, rows, sees, at, kv_keys)[0]
-            token = logits[:, 0, :vocab].argmax(dim=-1)
-            drafted.append(token)
-            lengths = lengths + 1
-        return torch.stack(drafted, dim=1)
+        drawn, probs = [], []
+        for j in range(steps):
+            if j:  # the last token drawn is not fed
+                last = forward(self, drawn[-1][:, None], lengths, one, rows, sees, at, kv_keys)[0][:, 0]
+                lengths = lengths + 1
+            fitted = _fit_vocab(last, vocab)
+            token = fitted.argmax(dim=-1)  # [Bb]
+            if sampling is not None:
+                u, temperature, top_k, top_p, sampled = sampling
+                q = probs_from_logits(fitted, temperature, top_k, top_p, check=False)  # [Bb, vocab]
+                token = torch.where(sampled, sample_from_uniform(q, u[:, j]), token)
+                probs.append(q)
+            drawn.append(token)
+        tokens = torch.stack(drawn, dim=1)
+        return tokens if sampling is None else (tokens, torch.stack(probs, dim=1))
 
     def chains(self) -> bool:
         """Whether ``chain`` serves this runner: a whole model (not a tensor-parallel shard, whose
@@ -278,28 +290,40 @@ class StaticForward:
         return self.epilogue is None and self.mode not in CAPTURED and not getattr(self.run, "_mirrored", False)
 
     @torch.inference_mode()
-    def chain(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], steps: int, vocab: int) -> torch.Tensor:
-        """Greedy drafting in one call: append ``tokens[i]`` to ``slots[i]``, draw the argmax
-        after each row's last token, feed it, and so on until ``steps`` tokens are drawn
-        (the last one is not fed). Returns [len(slots), steps] device tokens; host lengths
-        advance by ``len(tokens[i]) + steps - 1``. Under ``compile`` it is one compiled call
-        (a graph per ``steps``), not ``steps`` calls, each with the wrappers a compiled call
-        pays on the host."""
+    def chain(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], steps: int, vocab: int,
+              sampling: Sequence[torch.Tensor] | None = None):
+        """Drafting in one call: append ``tokens[i]`` to ``slots[i]``, draw a token after each
+        row's last one, feed it, and so on until ``steps`` tokens are drawn (the last one is
+        not fed). Greedy rows draw the argmax over the first ``vocab`` logits; with
+        ``sampling`` = (uniforms [n, steps], temperature [n], top_k [n], top_p [n], drawn [n]
+        bool), the rows marked drawn sample. Returns device tokens [n, steps] (and with
+        ``sampling`` the distributions [n, steps, vocab]); host lengths advance by
+        ``len(tokens[i]) + steps - 1``. Under ``compile`` it is one compiled call (a graph per
+        ``steps``), not ``steps`` calls, each with the wrappers a compiled call pays on the
+        host."""
         if not self.chains():
             raise ValueError("chain() needs a whole model outside CUDA graphs (see chains())")
+        n = len(slots)
         q_lens, rows_b, width, kv, (ids, lens, q, rows) = self._prepare(slots, tokens, steps - 1)
         tree, offsets = self._chain(rows_b, width)
-        fn = self._chain_fns.get((steps, vocab))
+        key = (steps, vocab, sampling is not None)
+        fn = self._chain_fns.get(key)
         if fn is None:
             code = StaticForward._draft_chain.__code__.replace()  # a code object per graph (see __init__)
-            fn = types.MethodType(types.FunctionType(code, globals(), "_draft_chain", (steps, vocab)), self)
+            fn = types.MethodType(types.FunctionType(code, globals(), "_draft_chain", (None, steps, vocab)), self)
             if self.compiled:
                 fn = compiled(fn, self.runner.device)
-            self._chain_fns[(steps, vocab)] = fn
-        drafted = fn(ids, lens, q, rows, tree, offsets, self._keys(kv))
-        for s, n in zip(slots, q_lens):
-            self.runner.lengths[s] += n + steps - 1
-        return drafted[: len(slots)]
+            self._chain_fns[key] = fn
+        if sampling is not None:  # padding rows: greedy, with parameters that keep the draw well defined
+            fill = (0.0, 1.0, 0, 1.0, False)
+            sampling = tuple(torch.cat([t, t.new_full((rows_b - n, *t.shape[1:]), v)]) if rows_b > n else t
+                             for t, v in zip(sampling, fill))
+            drafted, probs = fn(ids, lens, q, rows, tree, offsets, self._keys(kv), sampling)
+        else:
+            drafted = fn(ids, lens, q, rows, tree, offsets, self._keys(kv))
+        for s, m in zip(slots, q_lens):
+            self.runner.lengths[s] += m + steps - 1
+        return drafted[:n] if sampling is None else (drafted[:n], probs[:n])
 
     def _prepare(self, slots, tokens, more: int, sizes=None):
         """Checks, paged blocks and the device inputs of a forward that appends ``tokens`` to
@@ -400,6 +424,15 @@ class StaticForward:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = self._fn(*inputs)
         return _Captured(graph, inputs[: len(dev)] + inputs[len(dev) + 1 :], outputs)
+
+
+def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V_draft] logits over the target's ``vocab`` tokens: cut, or padded with -inf (a
+    token the draft cannot propose)."""
+    have = logits.shape[-1]
+    if have >= vocab:
+        return logits[:, :vocab]
+    return torch.nn.functional.pad(logits, (0, vocab - have), value=float("-inf"))
 
 
 class _Layers:

@@ -6,8 +6,8 @@ request per loaded method that owns a compiled forward, plain decoding first, so
 pays them while it starts (before it says ready) instead of a user's first request paying
 them, and one plain request whose logits are processed (penalties): the target's graph
 accepts inside itself, such rows accept in a graph of their own; a draft model also drafts
-one sampled request (greedy rows draft a chain of forwards in one graph, sampled ones a
-forward at a time). Nothing of it stays: its
+a sampled request and a longer one (its default k is a chain of forwards in one graph, greedy
+or with sampled rows; a longer k drafts a forward at a time). Nothing of it stays: its
 requests leave no totals, teach the speculation-length controller nothing (their steps'
 seconds are compile times) and reach no step taps (online learning's capture). Torch's own caches (``TORCHINDUCTOR_CACHE_DIR``, by default under
 ``/tmp``: generated code, AOT graphs) make a restart's warm-up shorter where they still hold.
@@ -44,9 +44,12 @@ def warm_up(engine, max_tokens: int = 6) -> float:
         prompt = [t % engine.limits.vocab_size for t in PROMPT]
         for method in methods:
             engine.generate([prompt], params, parse_speculation({"method": method}))
-        if "draft" in methods:  # sampled rows draft one forward at a time, greedy ones a chain of them
+        if "draft" in methods:  # its chains of forwards (greedy, sampled) and its one forward (a longer k)
             sampled = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=0, ignore_eos=True)
             engine.generate([prompt], sampled, parse_speculation({"method": "draft"}))
+            longer = parse_speculation({"method": "draft"})
+            longer = parse_speculation({"method": "draft", "num_speculative_tokens": longer.num_speculative_tokens + 1})
+            engine.generate([prompt], SamplingParams(max_tokens=max_tokens + 2, temperature=0, ignore_eos=True), longer)
         if methods:  # rows that process their logits (penalties) accept in a graph of their own
             penalized = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, repetition_penalty=1.1)
             engine.generate([prompt], penalized, parse_speculation({"method": "none"}))

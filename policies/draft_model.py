@@ -51,11 +51,11 @@ class DraftOptions(LinearOptions):
     method: Literal["draft"] = "draft"
 
 
-# The lengths greedy rows draft in one compiled call (``StaticForward.chain``, a graph per
-# length): the default k, which the engine's warm-up compiles; shorter lengths (the self-tuning
-# controller's) run it and keep its first tokens. Longer ones and sampled rows draft one
-# compiled forward at a time (warm-up compiles that forward too), so a step never waits on a
-# compile.
+# The lengths rows draft in one compiled call (``StaticForward.chain``, a graph per length,
+# greedy or with sampled rows): the default k, which the engine's warm-up compiles; shorter
+# lengths (the self-tuning controller's) run it and keep its first tokens. Longer ones draft
+# one compiled forward at a time (warm-up compiles that forward too), so a step never waits on
+# a compile.
 CHAINED = frozenset({DraftOptions.model_fields["num_speculative_tokens"].default})
 
 
@@ -126,19 +126,28 @@ class DraftModelProposer:
         k_max = max(r.num_tokens for r in rows)
         device = runner.device
         sampled = [i for i, r in enumerate(rows) if not r.sampling.greedy]
-        probs = None
-        if sampled:
-            sub = [rows[i] for i in sampled]
-            sel = torch.tensor(sampled, dtype=torch.long).to(device, non_blocking=True)
-            u = uniforms([k_max] * len(sub), [r.generator for r in sub], device)  # [s, k_max]
-            params = [torch.tensor([getattr(r.sampling, name) for r in sub], dtype=dt).to(device, non_blocking=True)
-                      for name, dt in (("temperature", torch.float32), ("top_k", torch.long), ("top_p", torch.float32))]
-            probs = torch.zeros(n, k_max, self.vocab_size, device=device)
-        steps = None if sampled else self._chain_steps(static, k_max, slots, pending)
+        u = None
+        if sampled:  # [s, k_max]
+            u = uniforms([k_max] * len(sampled), [rows[i].generator for i in sampled], device)
+        steps = self._chain_steps(static, k_max, slots, pending)
         if steps:  # drafts past k_max (a longer compiled chain) are dropped: their cache entries lie past the length set below
-            drafted = static.chain(slots, pending, steps, min(self.vocab_size, runner.vocab_size))[:, :k_max]
+            if sampled:
+                drafted, probs = static.chain(slots, pending, steps, self.vocab_size,
+                                              self._chain_sampling(rows, sampled, u, steps))
+                drafted, probs = drafted[:, :k_max], probs[:, :k_max]
+            else:
+                drafted, probs = static.chain(slots, pending, steps, self.vocab_size)[:, :k_max], None
         else:
-            drafted = self._drafted_one_by_one(static, slots, pending, k_max, sampled and (sel, u, params, probs))
+            sampling, probs = None, None
+            if sampled:
+                sub = [rows[i] for i in sampled]
+                sel = torch.tensor(sampled, dtype=torch.long).to(device, non_blocking=True)
+                params = [torch.tensor([getattr(r.sampling, name) for r in sub], dtype=dt).to(device, non_blocking=True)
+                          for name, dt in (("temperature", torch.float32), ("top_k", torch.long),
+                                           ("top_p", torch.float32))]
+                probs = torch.zeros(n, k_max, self.vocab_size, device=device)
+                sampling = (sel, u, params, probs)
+            drafted = self._drafted_one_by_one(static, slots, pending, k_max, sampling)
         for r in rows:
             runner.set_length(r.slot, len(r.token_ids) + r.num_tokens - 1)
             self._base[r.slot] = len(r.token_ids)
@@ -147,7 +156,7 @@ class DraftModelProposer:
         return DeviceDraft(placeholders, drafted, probs)
 
     def _chain_steps(self, static, k: int, slots, pending) -> int | None:
-        """How many tokens greedy rows draft in one call (``StaticForward.chain``), or None
+        """How many tokens the rows draft in one call (``StaticForward.chain``), or None
         (one forward at a time). Uncompiled: k. Compiled: the shortest length of ``CHAINED``
         (compiled at warm-up) that covers k, so that no length the self-tuning controller picks
         compiles a graph mid-run (a chain past k pays its extra forwards inside its one call);
@@ -161,6 +170,20 @@ class DraftModelProposer:
         if steps is None or any(lengths[s] + len(p) + steps - 1 > capacity for s, p in zip(slots, pending)):
             return None
         return steps
+
+    def _chain_sampling(self, rows, sampled: list[int], u: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
+        """``StaticForward.chain``'s sampling inputs for a batch with sampled rows: uniforms
+        [n, steps] (the sampled rows' k_max draws, then zeros), temperature, top_k and top_p
+        [n] (greedy rows: neutral values, their draws unused) and which rows draw [n]."""
+        device = self.runner.device
+        full = torch.zeros(len(rows), steps, device=device)
+        full[sampled, : u.shape[1]] = u
+        views = [r.sampling for r in rows]
+        host = (torch.tensor([v.temperature if not v.greedy else 1.0 for v in views], dtype=torch.float32),
+                torch.tensor([v.top_k if not v.greedy else 0 for v in views], dtype=torch.long),
+                torch.tensor([v.top_p if not v.greedy else 1.0 for v in views], dtype=torch.float32),
+                torch.tensor([not v.greedy for v in views]))
+        return (full, *(t.to(device, non_blocking=True) for t in host))
 
     def _drafted_one_by_one(self, static, slots, pending, k_max: int, sampling) -> torch.Tensor:
         """k_max fixed-shape forwards, a token drawn after each (sampled rows: ``sampling`` =

@@ -176,9 +176,9 @@ def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
         first = engine.generate(prompts, GREEDY, [speculation(names[(start + i) % len(names)]) for i in range(8)])
         assert [o.token_ids for o in first] == references, names[start : start + 4]
     graphs = counters["stats"]["unique_graphs"]
-    # target, draft (its chain of forwards for greedy rows, a forward for sampled ones: warm-up
-    # drafts both), acceptance, EAGLE, EAGLE-3, Medusa, ReDrafter
-    assert graphs == 8, dict(counters["stats"])
+    # target, draft (its chain of forwards, greedy and with sampled rows, and its one forward
+    # for a longer k: warm-up drafts all three), acceptance, EAGLE, EAGLE-3, Medusa, ReDrafter
+    assert graphs == 9, dict(counters["stats"])
     long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
     mixed = [speculation(n) for n in ("none", "eagle-2", "redrafter")]
     outs = engine.generate(prompts[:3], long, mixed)  # 100 steps, lengths change each
@@ -197,23 +197,26 @@ def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
         engine.abort(rid)
         assert clock.calls == 5 * calls, (sampling, clock.calls)
     assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
-    # Greedy draft rows draft in one compiled call (the draft's forwards and argmaxes in one
-    # graph, ``StaticForward.chain``, compiled at warm-up for the default k; shorter k, such as
-    # the 3 above, keep its first tokens): the draft's and the target's, two a step. A longer k
-    # drafts a forward at a time. Batches of 1 to 4, no graph more.
+    # Draft rows draft in one compiled call (the draft's forwards and draws in one graph,
+    # ``StaticForward.chain``, compiled at warm-up for the default k; shorter k, such as the 3
+    # above, keep its first tokens): the draft's and the target's, two a step, greedy or
+    # sampled. A longer k drafts a forward at a time. Batches of 1 to 4, no graph more.
     default_k = SpeculationParams(method="draft")
     longer = SpeculationParams(method="draft", num_speculative_tokens=default_k.num_speculative_tokens + 1)
     outs = engine.generate(prompts, GREEDY, longer)
     assert [o.token_ids for o in outs] == references
     assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
-    for spec, calls in ((default_k, 2), (speculation("draft"), 2), (longer, 2 + default_k.num_speculative_tokens)):
-        rid = engine.add_request(prompts[0], long, spec)
+    sampled = SamplingParams(max_tokens=100, temperature=0.8, seed=0, ignore_eos=True)
+    for spec, sampling, calls in ((default_k, long, 2), (speculation("draft"), long, 2), (default_k, sampled, 2),
+                                  (longer, long, 2 + default_k.num_speculative_tokens)):
+        rid = engine.add_request(prompts[0], sampling, spec)
         engine.step()
         with timing() as clock:
             for _ in range(5):
                 engine.step()
         engine.abort(rid)
-        assert clock.calls == 5 * calls, (spec, clock.calls)
+        assert clock.calls == 5 * calls, (spec, sampling, clock.calls)
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
 
 
 def test_compiled_graphs_take_module_numbers_as_constants(monkeypatch):
