@@ -344,8 +344,8 @@ class StaticForward:
 
     def _host_inputs(self, slots, tokens, q_lens, lengths, rows_b, width, sizes=None):
         """ids [Bb, W], lengths, new-token counts and cache rows [Bb] (and the draft sizes
-        [Bb] when given): one int64 buffer built on the host (through numpy: a list becomes a
-        tensor several times faster so than by ``torch.tensor``) and copied to the device once,
+        [Bb] when given): one int64 buffer built on the host (through numpy, which turns a
+        list into a tensor faster than ``torch.tensor`` does) and copied to the device once,
         the inputs its views."""
         pad = rows_b - len(slots)
         values: list[int] = []
