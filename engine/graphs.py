@@ -152,7 +152,7 @@ class StaticForward:
         self._graphs: dict[tuple[int, int, int], _Captured] = {}
         self._chains: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (Bb, W) -> chain layout
         self._kv_keys: dict[int, torch.Tensor] = {}
-        self._chain_fns: dict[tuple[int, int], object] = {}  # (steps, vocab) -> the drafting chain's function
+        self._chain_fns: dict[tuple[int, int, bool], object] = {}  # (steps, vocab, sampled) -> a drafting chain
         self._pool = None
 
     # -- the pure fixed-shape function -------------------------------------------------

@@ -160,11 +160,14 @@ class DraftModelProposer:
         (one forward at a time). Uncompiled: k. Compiled: the shortest length of ``CHAINED``
         (compiled at warm-up) that covers k, so that no length the self-tuning controller picks
         compiles a graph mid-run (a chain past k pays its extra forwards inside its one call);
-        None if none fits every row's cache."""
+        None for k = 1 (one call of one forward is the cheaper) and where no chain fits every
+        row's cache."""
         if not static.chains():
             return None
         if not static.compiled:
             return k
+        if k == 1:  # one forward either way: no chain's extra forwards
+            return None
         steps = min((c for c in CHAINED if c >= k), default=None)
         lengths, capacity = self.runner.lengths, self.runner.capacity
         if steps is None or any(lengths[s] + len(p) + steps - 1 > capacity for s, p in zip(slots, pending)):

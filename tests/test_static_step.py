@@ -207,8 +207,9 @@ def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
     assert [o.token_ids for o in outs] == references
     assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
     sampled = SamplingParams(max_tokens=100, temperature=0.8, seed=0, ignore_eos=True)
+    one = SpeculationParams(method="draft", num_speculative_tokens=1)  # one forward: no chain
     for spec, sampling, calls in ((default_k, long, 2), (speculation("draft"), long, 2), (default_k, sampled, 2),
-                                  (longer, long, 2 + default_k.num_speculative_tokens)):
+                                  (longer, long, 2 + default_k.num_speculative_tokens), (one, long, 2)):
         rid = engine.add_request(prompts[0], sampling, spec)
         engine.step()
         with timing() as clock:
