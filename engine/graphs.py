@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from specray.kernels import attention
+from specray.kernels.logits import fit_vocab
 from specray.kernels.sampling import probs_from_logits, sample_from_uniform
 from specray.policies.compiled import compiled
 
@@ -272,7 +273,7 @@ class StaticForward:
             if j:  # the last token drawn is not fed
                 last = forward(self, drawn[-1][:, None], lengths, one, rows, sees, at, kv_keys)[0][:, 0]
                 lengths = lengths + 1
-            fitted = _fit_vocab(last, vocab)
+            fitted = fit_vocab(last, vocab)
             token = fitted.argmax(dim=-1)  # [Bb]
             if sampling is not None:
                 u, temperature, top_k, top_p, sampled = sampling
@@ -424,15 +425,6 @@ class StaticForward:
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = self._fn(*inputs)
         return _Captured(graph, inputs[: len(dev)] + inputs[len(dev) + 1 :], outputs)
-
-
-def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V_draft] logits over the target's ``vocab`` tokens: cut, or padded with -inf (a
-    token the draft cannot propose)."""
-    have = logits.shape[-1]
-    if have >= vocab:
-        return logits[:, :vocab]
-    return torch.nn.functional.pad(logits, (0, vocab - have), value=float("-inf"))
 
 
 class _Layers:

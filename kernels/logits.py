@@ -72,3 +72,12 @@ def apply_penalties(
     x = torch.where(seen, torch.where(x < 0, x * rep, x / rep), x)  # HF's very operations (ties break alike)
     x = x - frequency.to(x.device, torch.float32)[:, None] * output_counts
     return x - presence.to(x.device, torch.float32)[:, None] * (output_counts > 0).float()
+
+
+def fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[..., V_draft] logits over a target's ``vocab`` tokens: cut (a padded draft head), or
+    padded with -inf (tokens the draft cannot propose)."""
+    have = logits.shape[-1]
+    if have >= vocab:
+        return logits[..., :vocab]
+    return torch.nn.functional.pad(logits, (0, vocab - have), value=float("-inf"))

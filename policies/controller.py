@@ -203,8 +203,7 @@ class _Costs:
         self.prior: np.ndarray | None = None
         self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
         self._theta: np.ndarray | None = None  # the last theta solved
-        self._stale = True  # steps were added since: theta() solves again (caps and add share one solve a step)
-        self._unsolved = 0  # steps added since the last solve
+        self._unsolved = 0  # steps added since the last solve (any: theta() solves again; caps and add share one solve a step)
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
@@ -232,7 +231,6 @@ class _Costs:
             self.prior = self._guess(seconds, {m: per_node for m in first if first[m]})
         self.xx = self.forget * self.xx + np.outer(x, x)
         self.xy = self.forget * self.xy + x * seconds
-        self._stale = True
         self._unsolved += 1
 
     def _guess(self, plain: float, per_node: Mapping[str, float]) -> np.ndarray:
@@ -244,10 +242,10 @@ class _Costs:
     def theta(self) -> np.ndarray | None:
         if self.prior is None:
             return None
-        if self._stale:
+        if self._unsolved or self._theta is None:
             lam = self.prior_weight * np.eye(len(self.prior))
             self._theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
-            self._stale, self._unsolved = False, 0
+            self._unsolved = 0
         return self._theta
 
     def widened(self, methods: Sequence[str], blocks: Sequence[str] = ()) -> "_Costs":

@@ -21,6 +21,7 @@ from typing import Literal, Protocol, Sequence
 
 import torch
 
+from specray.kernels.logits import fit_vocab
 from specray.kernels.sampling import probs_from_logits, sample, sample_from_uniform, uniforms
 from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, ProposalRow
 from specray.policies.checkpoint_files import causal_lm_facts
@@ -231,13 +232,7 @@ class DraftModelProposer:
         return pending
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [b, V_draft] -> [b, V]
-        v = logits.shape[-1]
-        if v == self.vocab_size:
-            return logits
-        if v > self.vocab_size:
-            return logits[:, : self.vocab_size]
-        pad = torch.full((logits.shape[0], self.vocab_size - v), float("-inf"), device=logits.device)
-        return torch.cat([logits, pad], dim=-1)
+        return fit_vocab(logits, self.vocab_size)
 
     def propose_ahead(self, rows: Sequence[ProposalRow], drafts: Draft) -> dict[int, tuple[list[int], DraftRow]]:
         """Overlapped drafting: the next step's draft for each row, made while the target
