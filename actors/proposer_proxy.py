@@ -1,8 +1,12 @@
 """A proposer in an actor of its own, seen by the engine as a proposer (a proxy).
 
-``propose`` returns an awaitable (the driver awaits it while local proposers run);
-``prefill``/``commit``/``release`` are fire-and-forget (Ray keeps one caller's calls to an
-actor in order, so a commit always lands before the next propose).
+``propose`` returns an awaitable (the driver awaits it while local proposers run).
+``prefill``/``commit``/``release``/``load_version`` are not calls of their own: they wait in
+the proxy, in order, and travel with the next ``propose`` (applied before it drafts), so a
+step costs the worker one actor call, not two. An actor call is a round trip of its own
+(gRPC both ways, serialization on both sides), whatever its size; a step's commit rides on
+the next step's propose for free. A long run of steps with nothing to draft (the rows held
+at k = 0) sends what waited in one call of its own every ``FLUSH_AFTER`` operations.
 
 Faults cost only speed: a worker that is still loading, or that died, answers ``None``
 (its rows decode plainly this step — the same greedy output); a dead one is replaced, and
@@ -22,6 +26,8 @@ from specray.actors.proposer_worker import ProposerWorker
 from specray.policies.base import Draft
 
 log = logging.getLogger(__name__)
+
+FLUSH_AFTER = 64  # operations waiting for a propose before they go in a call of their own
 
 
 class Supervised:
@@ -82,7 +88,17 @@ class RemoteProposer(Supervised):
 
     def _spawn(self) -> None:
         super()._spawn()
-        self._sent, self._ahead, self._ahead_len = {}, None, {}  # a new worker has seen nothing
+        # A new worker has seen nothing: what waited for the lost one is dropped with it.
+        self._sent, self._ahead, self._ahead_len, self._pending = {}, None, {}, []
+
+    def _queue(self, op: str, arg) -> None:
+        self._pending.append((op, arg))
+        if len(self._pending) >= FLUSH_AFTER:
+            self.handle.apply.remote(self._take())
+
+    def _take(self) -> list:
+        ops, self._pending = self._pending, []
+        return ops
 
     def _tails(self, rows: Sequence) -> list:
         out = []
@@ -116,31 +132,31 @@ class RemoteProposer(Supervised):
             self.rows += len(rows)
             self.hits += len(rows) - len(missing)
             if missing:
-                part = await self.handle.propose.remote(self._tails([rows[i] for i in missing]))
+                part = await self.handle.propose.remote(self._take(), self._tails([rows[i] for i in missing]))
                 for i, row in zip(missing, part.rows):
                     drafts[i] = row
             result = Draft(drafts)
             if self.overlap:
                 self._ahead_len = {r.slot: len(r.token_ids) for r in rows}
-                self._ahead = self.handle.propose_ahead.remote(self._tails(rows), result)
+                self._ahead = self.handle.propose_ahead.remote(self._take(), self._tails(rows), result)
             return result
         except RayActorError:
             self.replace()
             return None
 
     def prefill(self, rows) -> None:
-        self.handle.prefill.remote(rows)
+        self._queue("prefill", rows)
 
     def commit(self, rows) -> None:
-        self.handle.commit.remote(rows)
+        self._queue("commit", rows)
 
     def load_version(self, state: dict) -> None:
         """A new drafter version (between steps): the worker swaps it in and rebuilds its slots;
         a draft made ahead with the old one is dropped."""
         self._ahead, self._ahead_len = None, {}
-        self.handle.load_version.remote(state)
+        self._queue("load_version", state)
 
     def release(self, slot: int) -> None:
         self._sent.pop(slot, None)
         self._ahead_len.pop(slot, None)
-        self.handle.release.remote([slot])
+        self._queue("release", [slot])

@@ -51,6 +51,9 @@ class Placed:
         return ray.get_runtime_context().get_node_id()
 
 
+QUEUED = frozenset({"prefill", "commit", "release", "load_version"})  # what travels with a propose
+
+
 class ProposerWorker(Placed):
     """Any method placed ``"worker"`` behind an actor (the draft model, the n-gram pool).
 
@@ -88,11 +91,22 @@ class ProposerWorker(Placed):
             full.append(replace(r, token_ids=tokens, generator=self._generator(r)))
         return full
 
-    def propose(self, rows: Sequence[tuple[int, ProposalRow]]) -> Draft:
+    def apply(self, ops: Sequence[tuple[str, object]]) -> None:
+        """What the proxy queued since its last call, in order: ``prefill``, ``commit``,
+        ``release`` and ``load_version`` operations (``actors/proposer_proxy.py``)."""
+        for op, arg in ops:
+            if op not in QUEUED:
+                raise ValueError(f"not a queued proposer operation: {op!r}")
+            getattr(self, op)(arg)
+
+    def propose(self, ops: Sequence[tuple[str, object]], rows: Sequence[tuple[int, ProposalRow]]) -> Draft:
+        self.apply(ops)
         return self.proposer.propose(self._rows(rows))
 
-    def propose_ahead(self, rows: Sequence[tuple[int, ProposalRow]], drafts: Draft) -> dict:
+    def propose_ahead(self, ops: Sequence[tuple[str, object]], rows: Sequence[tuple[int, ProposalRow]],
+                      drafts: Draft) -> dict:
         """Overlapped drafting (see ``DraftModelProposer.propose_ahead``); {} if not supported."""
+        self.apply(ops)
         if not hasattr(self.proposer, "propose_ahead"):
             return {}
         return self.proposer.propose_ahead(self._rows(rows), drafts)
