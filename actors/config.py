@@ -88,9 +88,10 @@ class SpecrayConfig(BaseModel):
         None, ge=1, description="1 (the default) = the draft model whole, on a device of its own (separate layout) "
         "or in rank 0 (colocated); = tensor_parallel_size = split over the target's ranks.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
-    overlap_drafting: bool = Field(
-        True, description="Separate layout: proposer workers draft the next step while the target verifies this one."
-    )
+    overlap_drafting: bool | None = Field(
+        None, description="Separate layout: proposer workers draft the next step while the target verifies this one. "
+        "None (auto): on where the workers run on GPUs (a draft's device is idle while the target verifies), off on "
+        "the CPU (there the ahead forward competes with the verification for the same cores).")
     suffix_cache: SuffixCacheConfig = Field(
         default_factory=SuffixCacheConfig, description="Suffix decoding's trees: depth, the global tree's size, "
         "and whether engine replicas share it (a Ray actor)."

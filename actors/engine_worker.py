@@ -32,6 +32,14 @@ from specray.policies.registry import ProposerContext
 log = logging.getLogger(__name__)
 
 
+def overlaps_by_default(device: str) -> bool:
+    """Overlapped drafting pays where the draft has a device of its own that would idle while
+    the target verifies (a GPU). On the CPU the workers share the host's cores: the ahead
+    forward, wasted whenever its guess fails, takes cycles from the verification it overlaps
+    (``python -m specray.bench.actors`` runs both)."""
+    return device.startswith("cuda")
+
+
 class EngineWorker(Placed):
     """The target and the step driver in one actor, stepping on its own.
 
@@ -43,16 +51,19 @@ class EngineWorker(Placed):
 
     remote: method -> actor options for the methods that run in ProposerWorkers of their
     own (separate layout); empty = every proposer in this actor (colocated layout).
-    overlap: remote proposers draft the next step while the target verifies this one.
+    overlap: remote proposers draft the next step while the target verifies this one (None:
+    ``overlaps_by_default``).
     suffix_cache: ``SuffixCacheConfig`` of suffix decoding's global tree (default: shared with
     the other engine workers through the tree actor).
     tp_ranks: actor options (placement bundles) of tensor-parallel ranks 1..N-1.
     """
 
-    def __init__(self, config: EngineConfig, remote: dict[str, dict] | None = None, overlap: bool = True,
+    def __init__(self, config: EngineConfig, remote: dict[str, dict] | None = None, overlap: bool | None = None,
                  suffix_cache: dict | None = None, online: dict | None = None, tp_ranks: list[dict] | None = None):
         set_worker_threads()
         config = on_this_device(config)
+        if overlap is None:
+            overlap = overlaps_by_default(config.device)
         self.remote: dict[str, RemoteProposer] = {}
         self.group = TensorParallelGroup(config, tp_ranks or []) if config.tensor_parallel_size > 1 else None
         self._lost: str | None = None  # set when a tensor-parallel rank was lost: this worker serves no more
@@ -166,8 +177,9 @@ class EngineWorker(Placed):
         return self.engine.stats(reset)["phases"]
 
     def overlap_stats(self) -> dict:
-        """Per remote method: rows served by a draft made during the previous verification."""
-        return {m: {"hits": p.hits, "rows": p.rows} for m, p in self.remote.items()}
+        """Per remote method: rows served by a draft made during the previous verification (and
+        whether this worker overlaps at all)."""
+        return {m: {"hits": p.hits, "rows": p.rows, "overlap": p.overlap} for m, p in self.remote.items()}
 
     def restarts(self) -> dict:
         return {m: p.restarts for m, p in self.remote.items()}

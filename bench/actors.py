@@ -5,8 +5,12 @@
 Runs the same greedy workload (draft speculation with a fixed k, held-out demo prompts)
 through the in-process ``LLMEngine``, a colocated coordinator (one engine worker holds both
 models), and a separate layout (target in the engine worker, draft and n-gram pool in
-actors of their own) with and without overlapped drafting, and reports milliseconds per
-engine step and tokens/s. Steps are counted from the target's forward passes, so the
+actors of their own) with and without overlapped drafting (set explicitly; unset, it is on
+for GPU workers and off on the CPU), and reports milliseconds per engine step and tokens/s,
+each layout's fastest of ``--repeats`` interleaved runs, with the spread of the runs beside
+it (what the machine's other load adds). Each repeat also times one small actor-to-actor
+call (the median of 200): the separate layout's step pays one such round trip to its draft
+worker, which the in-process and colocated steps do not. Steps are counted from the target's forward passes, so the
 numbers are per verification round. "draft ms" is the time per step the step driver waited
 for drafts (the engine worker's own timers; in-process and colocated: the time drafting);
 "recovered" is the share of the separate layout's draft wait that overlap removes. All
@@ -120,6 +124,41 @@ def _time_coordinator(cfg, prompts, sampling, spec) -> tuple[float, float, list,
         ray.kill(c)
 
 
+class _Echo:
+    def echo(self, x):
+        return x
+
+
+class _Caller:
+    """Times an actor-to-actor call, as the engine worker makes to a proposer worker (async
+    caller, awaiting each reply)."""
+
+    async def round_trips(self, callee, n: int) -> list[float]:
+        await callee.echo.remote(0)
+        times = []
+        for i in range(n):
+            start = time.perf_counter()
+            await callee.echo.remote(i)
+            times.append(time.perf_counter() - start)
+        return times
+
+
+def actor_round_trip_ms(n: int = 200) -> float:
+    """Median milliseconds of one small actor call's round trip between two actors on this
+    node: what each step of the separate layout pays at least once (the proposer's call), and
+    what the colocated layout's long-poll pays per step off the step's path."""
+    import statistics
+
+    import ray
+
+    callee, caller = ray.remote(num_cpus=0)(_Echo).remote(), ray.remote(num_cpus=0)(_Caller).remote()
+    try:
+        return 1e3 * statistics.median(ray.get(caller.round_trips.remote(callee, n)))
+    finally:
+        ray.kill(caller)
+        ray.kill(callee)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specray.bench.actors", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
@@ -155,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             layouts = {
                 "in-process": lambda: _time_local(cfg, prompts, sampling, spec),
                 "colocated actor": lambda: _time_coordinator(colocated, prompts, sampling, spec),
-                "separate, overlap": lambda: _time_coordinator(cfg, prompts, sampling, spec),
+                "separate, overlap": lambda: _time_coordinator(
+                    cfg.model_copy(update={"overlap_drafting": True}), prompts, sampling, spec),
                 "separate, no overlap": lambda: _time_coordinator(
                     cfg.model_copy(update={"overlap_drafting": False}), prompts, sampling, spec),
             }
@@ -163,12 +203,16 @@ def main(argv: list[str] | None = None) -> int:
             # processes on shared cores falls on all layouts alike.
             results: dict = {}
             least_cpu: dict = {}
+            runs: dict = {}  # layout -> ms per step of each repeat (the spread the machine adds)
+            round_trips = []
             for _ in range(args.repeats):
                 for layout, run in layouts.items():
                     res = run()
                     if layout not in results or res[0] < results[layout][0]:
                         results[layout] = res
                     least_cpu[layout] = min(least_cpu.get(layout, float("inf")), res[1] / res[3])
+                    runs.setdefault(layout, []).append(1e3 * res[0] / res[3])
+                round_trips.append(actor_round_trip_ms())
             reference = results["in-process"][2]
             for layout, (secs, _, tokens, steps, phases) in results.items():
                 rows.append({
@@ -181,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                     "draft_ms_per_step": 1e3 * phases["propose"] / max(phases["steps"], 1),
                     "verify_ms_per_step": 1e3 * phases["verify"] / max(phases["steps"], 1),
                     "identical_to_in_process": tokens == reference,
+                    "ms_per_step_runs": [round(x, 2) for x in runs[layout]],
+                    "actor_round_trip_ms": min(round_trips),
                 })
     finally:
         ray.shutdown()
@@ -199,14 +245,21 @@ def main(argv: list[str] | None = None) -> int:
 def _report(rows: list[dict], out: pathlib.Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     header = (f"{'batch':>5}  {'layout':<21} {'ms/step':>8} {'tok/s':>8} {'steps':>6} {'x colocated':>11} "
-              f"{'cpu ms/step':>11} {'cpu x coloc':>11} {'draft ms':>8} {'verify ms':>9} {'recovered':>9}  identical")
+              f"{'cpu ms/step':>11} {'cpu x coloc':>11} {'draft ms':>8} {'verify ms':>9} {'recovered':>9}  identical  "
+              "ms/step of each run (least-most)")
     print(header)
     for r in rows:
         rec = r.get("draft_wait_recovered")
+        spread = "-".join(f"{x:.1f}" for x in (min(r["ms_per_step_runs"]), max(r["ms_per_step_runs"])))
         print(f"{r['batch']:>5}  {r['layout']:<21} {r['ms_per_step']:>8.2f} {r['tokens_per_s']:>8.1f} "
               f"{r['steps']:>6} {r['vs_colocated']:>11.2f} {r['cpu_ms_per_step']:>11.2f} {r['cpu_vs_colocated']:>11.2f} "
               f"{r['draft_ms_per_step']:>8.2f} {r['verify_ms_per_step']:>9.2f} "
-              f"{'' if rec is None else f'{rec:.2f}':>9}  {r['identical_to_in_process']}")
+              f"{'' if rec is None else f'{rec:.2f}':>9}  {r['identical_to_in_process']!s:<9}  {spread}")
+    for batch in dict.fromkeys(r["batch"] for r in rows):
+        coloc = next(r for r in rows if r["batch"] == batch and r["layout"] == "colocated actor")
+        rtt = coloc["actor_round_trip_ms"]
+        print(f"batch {batch}: one actor call's round trip {rtt:.2f} ms (the least of the repeats' medians) = "
+              f"{rtt / coloc['ms_per_step']:.0%} of a colocated step; the separate layout makes one per step")
     with open(out / "actors.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()

@@ -8,6 +8,7 @@ import pytest
 import ray
 
 from specray.actors.coordinator import Coordinator
+from specray.actors.engine_worker import overlaps_by_default
 from tests.conftest import hf_greedy, tiny_llama
 from tests.test_actors import PROMPTS, shutdown
 
@@ -46,6 +47,20 @@ def test_overlap_keeps_greedy_output(ray_session, tiny_checkpoints, tiny_pair, o
             assert stats["hits"] > stats["rows"] / 2, stats
     finally:
         shutdown(c)
+
+
+def test_overlap_is_off_by_default_on_the_cpu(ray_session, tiny_checkpoints, tiny_pair):
+    """Unset, overlapped drafting follows the device: these workers run on the CPU (fake GPUs),
+    where the ahead forward would compete with the verification for the same cores."""
+    c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 2})
+    try:
+        out = ray.get(c.generate.remote([PROMPTS[0]], GREEDY, {"method": "draft", "num_speculative_tokens": 2}))
+        assert out[0]["token_ids"] == hf_greedy(tiny_pair[0], PROMPTS[0], GREEDY["max_tokens"])
+        stats = ray.get(ray.get(c.workers.remote())["target"].overlap_stats.remote())["draft"]
+        assert stats["overlap"] is False and stats["rows"] > 0 and stats["hits"] == 0, stats
+    finally:
+        shutdown(c)
+    assert overlaps_by_default("cuda") and not overlaps_by_default("cpu")
 
 
 def test_overlap_keeps_the_sampling_distribution(ray_session, tmp_path):
