@@ -136,6 +136,8 @@ class EngineWorker(Placed):
                 self._outbox.extend(deltas)
                 self._wake.set()
             await asyncio.sleep(0)  # let adds, aborts and polls in between steps
+        for proxy in self.remote.values():  # idle: the finished requests' releases go now
+            proxy.flush()
 
     async def poll(self) -> dict:
         """What the steps produced since the last poll (waits until there is something):

@@ -6,7 +6,9 @@ the proxy, in order, and travel with the next ``propose`` (applied before it dra
 step costs the worker one actor call, not two. An actor call is a round trip of its own
 (gRPC both ways, serialization on both sides), whatever its size; a step's commit rides on
 the next step's propose for free. A long run of steps with nothing to draft (the rows held
-at k = 0) sends what waited in one call of its own every ``FLUSH_AFTER`` operations.
+at k = 0) sends what waited in one call of its own every ``FLUSH_AFTER`` operations, and the
+engine worker ``flush``es when it runs out of work. (With overlap a step also sends
+``propose_ahead``, which carries what waited as well.)
 
 Faults cost only speed: a worker that is still loading, or that died, answers ``None``
 (its rows decode plainly this step — the same greedy output); a dead one is replaced, and
@@ -100,6 +102,12 @@ class RemoteProposer(Supervised):
         ops, self._pending = self._pending, []
         return ops
 
+    def flush(self) -> None:
+        """Send what waits now (the engine went idle: the last requests' releases free the
+        worker's state without waiting for a next step)."""
+        if self._pending:
+            self.handle.apply.remote(self._take())
+
     def _tails(self, rows: Sequence) -> list:
         out = []
         for r in rows:
@@ -118,8 +126,8 @@ class RemoteProposer(Supervised):
 
     async def _propose(self, rows: list):
         try:
-            ahead = await self._ahead if self._ahead is not None else {}
-            self._ahead = None
+            ref, self._ahead = self._ahead, None  # taken first: a failed one is not awaited again next step
+            ahead = await ref if ref is not None else {}
             drafts = [None] * len(rows)
             missing = []
             for i, r in enumerate(rows):

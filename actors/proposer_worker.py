@@ -6,6 +6,7 @@ The engine worker drives it through a ``RemoteProposer`` proxy (``actors/propose
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 from typing import Sequence
@@ -50,6 +51,8 @@ class Placed:
 
         return ray.get_runtime_context().get_node_id()
 
+
+log = logging.getLogger(__name__)
 
 QUEUED = frozenset({"prefill", "commit", "release", "load_version"})  # what travels with a propose
 
@@ -97,7 +100,12 @@ class ProposerWorker(Placed):
         for op, arg in ops:
             if op not in QUEUED:
                 raise ValueError(f"not a queued proposer operation: {op!r}")
-            getattr(self, op)(arg)
+            try:
+                getattr(self, op)(arg)
+            except Exception:  # noqa: BLE001 - one failed operation must not drop the ones after it
+                # (each was a call of its own before they were queued: it failed alone); drafts
+                # are proposals, so a slot left stale costs acceptance, never output.
+                log.exception("proposer %s failed", op)
 
     def propose(self, ops: Sequence[tuple[str, object]], rows: Sequence[tuple[int, ProposalRow]]) -> Draft:
         self.apply(ops)

@@ -259,7 +259,8 @@ def _report(rows: list[dict], out: pathlib.Path) -> None:
         coloc = next(r for r in rows if r["batch"] == batch and r["layout"] == "colocated actor")
         rtt = coloc["actor_round_trip_ms"]
         print(f"batch {batch}: one actor call's round trip {rtt:.2f} ms (the least of the repeats' medians) = "
-              f"{rtt / coloc['ms_per_step']:.0%} of a colocated step; the separate layout makes one per step")
+              f"{rtt / coloc['ms_per_step']:.0%} of a colocated step; a separate-layout step waits for one, its draft worker's, "
+              "unless overlap drafted the step ahead")
     with open(out / "actors.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()

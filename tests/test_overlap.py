@@ -50,9 +50,8 @@ def test_overlap_keeps_greedy_output(ray_session, tiny_checkpoints, tiny_pair, o
 
 
 def test_overlap_is_off_by_default_on_the_cpu(ray_session, tiny_checkpoints, tiny_pair):
-    """Unset, overlapped drafting follows the device: these workers run on the CPU (fake GPUs),
-    where the ahead forward would compete with the verification for the same cores."""
-    c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 2})
+    """Unset, overlapped drafting follows the device: these workers run on the CPU, where the ahead forward would compete with the verification for the same cores."""
+    c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 2, "device": "cpu"})
     try:
         out = ray.get(c.generate.remote([PROMPTS[0]], GREEDY, {"method": "draft", "num_speculative_tokens": 2}))
         assert out[0]["token_ids"] == hf_greedy(tiny_pair[0], PROMPTS[0], GREEDY["max_tokens"])
