@@ -1,11 +1,11 @@
 """A proposer in an actor of its own, seen by the engine as a proposer (a proxy).
 
 ``propose`` returns an awaitable (the driver awaits it while local proposers run).
-``prefill``/``commit``/``release``/``load_version`` are not calls of their own: they wait in
-the proxy, in order, and travel with the next ``propose`` (applied before it drafts), so a
-step costs the worker one actor call, not two. An actor call is a round trip of its own
-(gRPC both ways, serialization on both sides), whatever its size; a step's commit rides on
-the next step's propose for free. A long run of steps with nothing to draft (the rows held
+``prefill``/``commit``/``release`` are not calls of their own: they wait in the proxy, in
+order, and travel with the next ``propose`` (applied before it drafts), so a step costs the
+worker one actor call, not two (``load_version`` goes at once, after what waited). An actor
+call is a round trip of its own (gRPC both ways, serialization on both sides), whatever its
+size; a step's commit rides on the next step's propose for free. A long run of steps with nothing to draft (the rows held
 at k = 0) sends what waited in one call of its own every ``FLUSH_AFTER`` operations, and the
 engine worker ``flush``es when it runs out of work. (With overlap a step also sends
 ``propose_ahead``, which carries what waited as well.)
@@ -162,7 +162,10 @@ class RemoteProposer(Supervised):
         """A new drafter version (between steps): the worker swaps it in and rebuilds its slots;
         a draft made ahead with the old one is dropped."""
         self._ahead, self._ahead_len = None, {}
+        # Sent at once, after what waited: versions are rare and their weights large, so none
+        # waits in the proxy (several could pile up while nothing drafts).
         self._queue("load_version", state)
+        self.flush()
 
     def release(self, slot: int) -> None:
         self._sent.pop(slot, None)

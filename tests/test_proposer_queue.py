@@ -70,6 +70,9 @@ def test_waiting_operations_are_bounded_and_flushed_when_idle():
     assert name == "apply" and [a for _, a in ops] == [[i] for i in range(FLUSH_AFTER, FLUSH_AFTER + 5)]
     proxy.flush()  # nothing waits: nothing sent
     assert len(proxy.handle.calls) == 2
+    proxy.release(1)
+    proxy.load_version({"w": 1})  # a version goes at once, after what waited (its weights never pile up)
+    assert proxy.handle.calls[-1] == ("apply", ([("release", [1]), ("load_version", {"w": 1})],))
 
 
 def test_a_failing_operation_does_not_drop_the_ones_after_it():
