@@ -143,8 +143,12 @@ class StaticForward:
             # 2 kv heads, which would recompile when either changes.
             torch.fx.experimental._config.use_duck_shape = False
             # The KV cache never changes shape: static, or every buffer's dims become symbols of
-            # their own (with duck sizing off), which slowed tracing and every call's guards.
-            for buf in (*getattr(runner.cache, "keys", ()), *getattr(runner.cache, "values", ())):
+            # their own (with duck sizing off), which slowed tracing and every call's guards, and
+            # each symbol is one more argument the C++ wrapper turns into a tensor per call. The
+            # paged cache's block table is part of it.
+            table = getattr(runner.cache, "table", None)
+            for buf in (*getattr(runner.cache, "keys", ()), *getattr(runner.cache, "values", ()),
+                        *(() if table is None else (table,))):
                 torch._dynamo.mark_static(buf)
             # The model's modules never change after start-up, so their guards are skipped:
             # checking every parameter on each call cost more than a small model's forward.
