@@ -5,9 +5,9 @@
 order, and travel with the next ``propose`` (applied before it drafts), so a step costs the
 worker one actor call, not two (``load_version`` goes at once, after what waited). An actor
 call is a round trip of its own (gRPC both ways, serialization on both sides), whatever its
-size; a step's commit rides on the next step's propose for free. A long run of steps with nothing to draft (the rows held
-at k = 0) sends what waited in one call of its own every ``FLUSH_AFTER`` operations, and the
-engine worker ``flush``es when it runs out of work. (With overlap a step also sends
+size; a step's commit rides on the next step's propose for free. A long run of steps with
+nothing to draft (the rows held at k = 0) sends what waited in one call of its own every
+``FLUSH_AFTER`` operations, and the engine worker ``flush``es when it runs out of work. (With overlap a step also sends
 ``propose_ahead``, which carries what waited as well.)
 
 Faults cost only speed: a worker that is still loading, or that died, answers ``None``
@@ -96,7 +96,7 @@ class RemoteProposer(Supervised):
     def _queue(self, op: str, arg) -> None:
         self._pending.append((op, arg))
         if len(self._pending) >= FLUSH_AFTER:
-            self.handle.apply.remote(self._take())
+            self.flush()
 
     def _take(self) -> list:
         ops, self._pending = self._pending, []

@@ -21,6 +21,8 @@ from specray.engine.gc_pauses import freeze_loaded_heap
 from specray.policies.base import CommitRow, Draft, PrefillRow, ProposalRow
 from specray.policies.registry import ProposerContext, method_spec
 
+log = logging.getLogger(__name__)
+
 
 def worker_device() -> str:
     """The GPU Ray gave this actor, or the CPU (fake GPUs in tests, laptops)."""
@@ -51,8 +53,6 @@ class Placed:
 
         return ray.get_runtime_context().get_node_id()
 
-
-log = logging.getLogger(__name__)
 
 QUEUED = frozenset({"prefill", "commit", "release", "load_version"})  # what travels with a propose
 
