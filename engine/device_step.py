@@ -37,7 +37,7 @@ from specray.kernels.batch_acceptance import (
 from specray.kernels.sampling import uniforms
 from specray.kernels.tree import TokenTree, device_children, device_layout
 from specray.engine.graphs import COMPILED
-from specray.policies.compiled import compile_fn
+from specray.policies.compiled import compile_fn, inference
 from specray.policies.base import DeviceDraft, DraftRow
 
 
@@ -51,6 +51,7 @@ class DeviceVerification:
     logits: torch.Tensor | None = None  # [B, W, V] the target's at every verified node (step taps)
 
 
+@inference  # (its slices and small tensors are cheaper made in inference mode; none outlives the step but as output)
 def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
                      device_parts: Mapping[str, tuple[list[int], DeviceDraft]]) -> DeviceVerification:
     """One fixed-shape verification of the batch; device_parts: method -> (batch indices,
@@ -69,29 +70,36 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
     out = static.run([r.slot for r in reqs], inputs.tokens, inputs.layout, spliced, trees=trees,
                      sizes=[d.size for d in drafts])
     batch, (rows_b, width) = len(reqs), out.ids.shape
-    ids, anc, depth = out.ids[:batch], out.tree[:batch], out.offsets[:batch]
     raw = out.logits[:batch]  # [B, W, V]
     scored = out.logits  # [Bb, W, V]: the padded batch, as the compiled forward's shapes
-    if any(r.sampling.processes_logits for r in reqs):  # as each row samples (its history at each node)
+    processing = any(r.sampling.processes_logits for r in reqs)
+    greedy = all(r.sampling.greedy for r in reqs)
+    if processing:  # as each row samples (its history at each node)
         scored = scored.clone()
-        scored[:batch] = processed(raw, reqs, Positions(ids, anc, depth))
-    if out.after and scored is out.logits:  # the forward's own graph accepted (``greedy_pass`` its epilogue)
+        scored[:batch] = processed(raw, reqs, Positions(out.ids[:batch], out.tree[:batch], out.offsets[:batch]))
+    if out.after and not processing:  # the forward's own graph accepted (``greedy_pass`` its epilogue)
         num, path, emitted_t, best_t, packed = out.after
-        if not all(r.sampling.greedy for r in reqs):  # rejection sampling rewrites them (not inference tensors)
+        if not greedy:  # rejection sampling rewrites them (not inference tensors)
             num, path, emitted_t = num.clone(), path.clone(), emitted_t.clone()
     else:
         sizes = torch.tensor([d.size for d in drafts] + [0] * (rows_b - batch), dtype=torch.long).to(device, non_blocking=True)
         num, path, emitted_t, best_t, packed = _greedy(static.mode, device)(out.ids, out.tree, out.offsets, sizes, scored)
-    acc = BatchAcceptance(num[:batch], path[:batch], emitted_t[:batch])
-    logits = scored[:batch]
-    host_rows = _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc, built)
-    if any(not d.is_chain for d in drafts):
-        bases = torch.tensor([r.num_tokens - 1 for r in reqs], dtype=torch.long).to(device, non_blocking=True)
-        target.compact_paths(out.rows[:batch], bases, acc.path, acc.num_accepted)
-    if any(not r.sampling.greedy for r in reqs):  # rejection sampling rewrote rows of acc
-        packed = _pack(acc.num_accepted, acc.path, acc.emitted, best_t[:batch], ids, packed[:batch, 1 + 4 * width :])
+    host_rows: list[int] = []
+    # Greedy chains (the common step) need nothing more: the padded rows' read-back is ignored.
+    # Sampled rows are accepted again, and trees' accepted paths compacted, over the batch's rows.
+    if not greedy or not all(d.is_chain for d in drafts):
+        ids, anc, depth = out.ids[:batch], out.tree[:batch], out.offsets[:batch]
+        acc = BatchAcceptance(num[:batch], path[:batch], emitted_t[:batch])
+        logits = scored[:batch]
+        if not greedy:
+            host_rows = _sampled(reqs, drafts, device_parts, ids, anc, depth, logits, acc, built)
+        if any(not d.is_chain for d in drafts):
+            bases = torch.tensor([r.num_tokens - 1 for r in reqs], dtype=torch.long).to(device, non_blocking=True)
+            target.compact_paths(out.rows[:batch], bases, acc.path, acc.num_accepted)
+        if not greedy:  # rejection sampling rewrote rows of acc
+            packed = _pack(acc.num_accepted, acc.path, acc.emitted, best_t[:batch], ids, packed[:batch, 1 + 4 * width :])
     # The one read-back of the step.
-    host = packed[:batch].tolist()
+    host = packed.tolist()[:batch]
     accepted, emitted, paths, extra_best, filled = [], [], [], [], list(drafts)
     device_rows = {i for idx, _ in device_parts.values() for i in idx}
     for i, row in enumerate(host):

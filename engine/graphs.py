@@ -47,7 +47,7 @@ import torch
 from specray.kernels import attention
 from specray.kernels.logits import fit_vocab
 from specray.kernels.sampling import probs_from_logits, sample_from_uniform
-from specray.policies.compiled import compiled
+from specray.policies.compiled import compiled, inference
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class StaticForward:
         return (logits, hidden, *taps.values(), *after)  # taps in layer order (self.layers is sorted)
 
     # -- one forward ---------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def run(
         self,
         slots: Sequence[int],
@@ -294,7 +294,7 @@ class StaticForward:
         capture the one-forward step)."""
         return self.epilogue is None and self.mode not in CAPTURED and not getattr(self.run, "_mirrored", False)
 
-    @torch.inference_mode()
+    @inference
     def chain(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], steps: int, vocab: int,
               sampling: Sequence[torch.Tensor] | None = None):
         """Drafting in one call: append ``tokens[i]`` to ``slots[i]``, draw a token after each

@@ -10,6 +10,7 @@ so checking every parameter per call would only cost time.
 
 from __future__ import annotations
 
+import functools
 import time
 import types
 from contextlib import contextmanager
@@ -98,6 +99,21 @@ def compile_options(device) -> dict:
     if torch.device(device).type == "cpu":
         options["cpp_wrapper"] = True
     return options
+
+
+def inference(fn):
+    """``fn`` under ``torch.inference_mode()``, entered only where it is not on already: a
+    verification enters it once (``engine/device_step.py``), and the forwards it calls do not
+    build and tear down a context of their own, host time on every step."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return call
 
 
 def compile_fn(fn, device="cpu"):

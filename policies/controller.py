@@ -167,6 +167,14 @@ class _Acceptance:
         return prior
 
 
+def _counts(table: dict[str, _Acceptance], key: str) -> _Acceptance:
+    """``table[key]``, made empty where missing (``setdefault`` would build one every step)."""
+    counts = table.get(key)
+    if counts is None:
+        counts = table[key] = _Acceptance()
+    return counts
+
+
 def _best(values: list[float]) -> int:
     """The index of the k to take from each k's expected tokens/s: speculate only where it
     clearly pays (noise in measured costs must not keep a useless draft on), and of
@@ -199,22 +207,28 @@ class _Costs:
         self.methods, self.forget, self.prior_weight = list(methods), forget, prior_weight
         self.blocks = [m for m in self.methods if m in blocks]
         n = len(self.methods) + len(self.blocks) + 1
-        self.xx, self.xy = np.zeros((n, n)), np.zeros(n)
+        self._xx, self._xy = np.zeros((n, n)), np.zeros(n)
+        # Steps added since the sums were last folded: (x, seconds). The sums are folded in
+        # when read (a solve), all at once: numpy's per-call overhead on these few numbers
+        # cost more per step than the rest of the bookkeeping of a step whose k is fixed.
+        self._pending: list[tuple[tuple[float, ...], float]] = []
         self.prior: np.ndarray | None = None
         self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
         self._theta: np.ndarray | None = None  # the last theta solved
+        self._theta_list: list[float] = []  # the same, as Python floats
         self._unsolved = 0  # steps added since the last solve (any: theta() solves again; caps and add share one solve a step)
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
-        x = self._x(ks)
+        x = self._xs(ks)
         # The outlier clip: a step that drafted reads the model as of now where ``caps`` solved
         # it this step, else one solved at most CLIP_SOLVE_EVERY steps ago (every row's k
         # fixed); a plain step reads the last one solved: where every row decodes plainly
         # ``caps`` decides nothing, and a solve per step there would serve only this clip.
         recent = self._theta is not None and (not any(ks.values()) or self._unsolved < CLIP_SOLVE_EVERY)
-        theta = self._theta if recent else self.theta()
-        if theta is not None:
-            seconds = min(seconds, OUTLIER * float(theta @ x))
+        if not recent:
+            self.theta()
+        if self._theta is not None:
+            seconds = min(seconds, OUTLIER * sum(t * v for t, v in zip(self._theta_list, x)))
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
             base = seconds / (1.0 + NODE_PRIOR * sum(ks.values()))
             self.prior = self._guess(base, {})
@@ -229,9 +243,32 @@ class _Costs:
             fixed = sum(BLOCK_PRIOR * seconds for m in self.blocks if first.get(m))  # the block forwards
             per_node = max(first_s - seconds - fixed, 0.0) / max(sum(first.values()), 1)
             self.prior = self._guess(seconds, {m: per_node for m in first if first[m]})
-        self.xx = self.forget * self.xx + np.outer(x, x)
-        self.xy = self.forget * self.xy + x * seconds
+        self._pending.append((x, seconds))
         self._unsolved += 1
+
+    @property
+    def xx(self) -> np.ndarray:
+        """sum over steps of forget^age * x x^T (the ridge's normal equations)."""
+        self._fold()
+        return self._xx
+
+    @property
+    def xy(self) -> np.ndarray:
+        """sum over steps of forget^age * x * seconds."""
+        self._fold()
+        return self._xy
+
+    def _fold(self) -> None:
+        """The pending steps into the sums, oldest first, each forgotten as if added in turn."""
+        if not self._pending:
+            return
+        xs = np.array([x for x, _ in self._pending])  # [m, n]
+        ys = np.array([y for _, y in self._pending])
+        w = self.forget ** np.arange(len(xs) - 1, -1, -1, dtype=float)  # the newest weighs 1
+        decay = self.forget ** len(xs)
+        self._xx = decay * self._xx + (xs * w[:, None]).T @ xs
+        self._xy = decay * self._xy + xs.T @ (w * ys)
+        self._pending.clear()
 
     def _guess(self, plain: float, per_node: Mapping[str, float]) -> np.ndarray:
         """A prior: a plain step's seconds, each method's per-node cost (``per_node`` where
@@ -245,6 +282,7 @@ class _Costs:
         if self._unsolved or self._theta is None:
             lam = self.prior_weight * np.eye(len(self.prior))
             self._theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
+            self._theta_list = self._theta.tolist()  # the clip's dot product, in Python (a few numbers)
             self._unsolved = 0
         return self._theta
 
@@ -258,7 +296,7 @@ class _Costs:
                      frozenset(self.blocks) | frozenset(blocks))
         at = ([0] + [1 + out.methods.index(m) for m in self.methods]  # old coordinates in the new
               + [1 + len(out.methods) + out.blocks.index(m) for m in self.blocks])
-        out.xx[np.ix_(at, at)], out.xy[at], out._first = self.xx, self.xy, self._first
+        out._xx[np.ix_(at, at)], out._xy[at], out._first = self.xx, self.xy, self._first
         if self.prior is not None:
             out.prior = out._guess(self.prior[0], {})
             out.prior[at] = self.prior
@@ -270,8 +308,10 @@ class _Costs:
         return float(theta @ self._x(ks))
 
     def _x(self, ks: dict[str, int]) -> np.ndarray:
-        return np.array([1.0] + [float(ks.get(m, 0)) for m in self.methods]
-                        + [float(ks.get(m, 0) > 0) for m in self.blocks])
+        return np.array(self._xs(ks))
+
+    def _xs(self, ks: dict[str, int]) -> tuple[float, ...]:
+        return (1.0, *(float(ks.get(m, 0)) for m in self.methods), *(float(ks.get(m, 0) > 0) for m in self.blocks))
 
 
 class AdaptiveSpeculation:
@@ -312,7 +352,7 @@ class AdaptiveSpeculation:
         """Per row: the most draft nodes it may take this step (None: the method's own size)."""
         self._steps += 1
         self._blocks.update(r.method for r in rows if r.block)
-        bucket = self._buckets.setdefault(_bucket(len(rows)), _Bucket())
+        bucket = self._bucket_of(len(rows))
         bucket.steps += 1
         if all(r.fixed or r.method == "none" for r in rows):  # nothing to decide (plain rows, given k)
             self._on = set()
@@ -453,6 +493,13 @@ class AdaptiveSpeculation:
     def _tree_nodes(self, row: RowView) -> int:
         return self._nodes.get(row.method, 8)
 
+    def _bucket_of(self, batch: int) -> _Bucket:
+        key = _bucket(batch)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket()
+        return bucket
+
     def _cost_model(self, batch: int, methods: list[str]) -> _Costs:
         bucket = _bucket(batch)
         model = self._costs.get(bucket)
@@ -487,8 +534,8 @@ class AdaptiveSpeculation:
             if r.tree:
                 nodes[r.method] = max(nodes.get(r.method, 0), d)
                 d = a + 1 if a < d else d  # trees: depth positions up to the first miss were reached
-            self._methods.setdefault(r.method, _Acceptance()).add(d, a, self.forget)
-            self._requests.setdefault(r.request_id, _Acceptance()).add(d, a, REQUEST_FORGET)
+            _counts(self._methods, r.method).add(d, a, self.forget)
+            _counts(self._requests, r.request_id).add(d, a, REQUEST_FORGET)
             learned.add(r.method)
         for m in learned:
             self._learn(m)
@@ -499,7 +546,7 @@ class AdaptiveSpeculation:
         methods = sorted({r.method for r in rows if r.method != "none"})
         self._blocks.update(r.method for r in rows if r.block)
         self._cost_model(len(rows), methods).add(ks, seconds)
-        bucket = self._buckets.setdefault(_bucket(len(rows)), _Bucket())
+        bucket = self._bucket_of(len(rows))
         for m in {r.method for r in rows if r.request_id in self._on}:
             bucket.tries[m] = bucket.tries.get(m, 0) + 1
         if not any(ks.values()):
