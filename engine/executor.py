@@ -224,10 +224,12 @@ class LocalExecutor:
             r = self._live.get(slot)
             if r is None:
                 continue
-            self.target.publish(slot, r.token_ids)
             head = self._head_runner(r.method)
-            if head is not None:
-                head.publish(slot, r.token_ids)
+            runners = [x for x in (self.target, head) if x is not None and x.publishes(slot, r.num_tokens)]
+            if runners:  # a block filled (the token list is built only then: it grows with the request)
+                tokens = r.token_ids
+                for runner in runners:
+                    runner.publish(slot, tokens)
 
     def recover(self, reqs, drafts):
         out = list(drafts)
@@ -305,7 +307,7 @@ class LocalExecutor:
         """The forward's feature arguments: the final norm's and/or the layers the batch's methods read."""
         final, layers = False, set()
         for method in {r.method for r in reqs}:
-            if method_spec(method).needs_features:
+            if method != "none" and method_spec(method).needs_features:
                 taps = self.proposers.feature_layers(method)
                 final |= taps is None
                 layers.update(taps or ())

@@ -156,6 +156,10 @@ class ModelRunner:
         if self.blocks is not None:
             self.blocks.forget()
 
+    def publishes(self, slot: int, num_tokens: int) -> bool:
+        """Whether ``publish`` of the slot's ``num_tokens`` tokens would cache a block now."""
+        return self.blocks is not None and self.blocks.publishes(slot, num_tokens, self.lengths[slot])
+
     def publish(self, slot: int, token_ids: Sequence[int]) -> None:
         """The slot's cached positions hold token_ids' entries: its full blocks may be reused
         by rows that start with the same tokens."""
