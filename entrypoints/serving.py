@@ -269,8 +269,10 @@ def _late_consume(record: logging.LogRecord) -> bool:
     down. Ray Serve (2.60) advances each unary handle call's stream from a readiness callback
     on a core-worker thread. The drain's last call returns before that callback has run, so it
     can run after ``ray.shutdown()`` and log "Ray has not been started yet". The reply was
-    already received, so nothing is lost. Installed only as Ray goes down."""
-    return not record.getMessage().startswith("failed to consume generator ref")
+    already received, so nothing is lost. Installed only as Ray goes down, and only that error
+    (Ray gone under it) is dropped."""
+    late = record.getMessage().startswith("failed to consume generator ref")
+    return not (late and record.exc_info is not None and "has not been started" in str(record.exc_info[1]))
 
 
 def _url_host(host: str) -> str:

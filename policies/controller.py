@@ -244,6 +244,8 @@ class _Costs:
             per_node = max(first_s - seconds - fixed, 0.0) / max(sum(first.values()), 1)
             self.prior = self._guess(seconds, {m: per_node for m in first if first[m]})
         self._pending.append((x, seconds))
+        if len(self._pending) >= CLIP_SOLVE_EVERY:  # bounded where nothing solves (every row's k fixed, none drafting)
+            self._fold()
         self._unsolved += 1
 
     @property

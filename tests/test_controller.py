@@ -442,3 +442,34 @@ def test_steps_whose_rows_all_decode_plainly_by_request_teach_nothing():
         c.caps(plain)
         c.observe(plain, [0, 0], [0, 0], 0.01)
     assert c.caps(mixed)[1] > 0
+
+
+def test_the_cost_sums_fold_as_sequential_updates_and_stay_bounded():
+    """The cost model folds its steps into its sums when a solve reads them: the sums equal
+    the per-step forgetting update (forget * sum + x x^T, in order), and steps that nothing
+    solves (every row's k fixed, none drafting) do not pile up unfolded."""
+    import numpy as np
+
+    from specray.policies.controller import _Costs
+
+    c = _Costs(["draft", "ngram"], 0.98, 0.3)
+    xx, xy = np.zeros((3, 3)), np.zeros(3)
+    rng = np.random.default_rng(0)
+    for i in range(300):
+        ks = {"draft": int(rng.integers(0, 5)), "ngram": int(rng.integers(0, 3))}
+        seconds = 0.004 + 0.001 * ks["draft"] + 0.0005 * ks["ngram"]
+        c.add(ks, seconds)
+        x = np.array([1.0, ks["draft"], ks["ngram"]])
+        # the sequential update, with the step's outlier clip as ``add`` applied it
+        clipped = seconds if c._theta is None else min(seconds, 4.0 * float(c._theta @ x))
+        xx, xy = 0.98 * xx + np.outer(x, x), 0.98 * xy + x * clipped
+        if i % 7 == 0:
+            c.theta()
+        assert len(c._pending) < 16
+    np.testing.assert_allclose(c.xx, xx, rtol=1e-9)
+    np.testing.assert_allclose(c.xy, xy, rtol=1e-9)
+    plain = _Costs(["draft"], 0.98, 0.3)
+    plain.theta()
+    for _ in range(1000):  # plain steps read the last solve; nothing solves here
+        plain.add({"draft": 0}, 0.004)
+    assert len(plain._pending) < 16
