@@ -51,7 +51,7 @@ class DeviceVerification:
     logits: torch.Tensor | None = None  # [B, W, V] the target's at every verified node (step taps)
 
 
-@inference  # (its slices and small tensors are cheaper made in inference mode; none outlives the step but as output)
+@inference  # once for the whole verification: its forwards enter no context of their own
 def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
                      device_parts: Mapping[str, tuple[list[int], DeviceDraft]]) -> DeviceVerification:
     """One fixed-shape verification of the batch; device_parts: method -> (batch indices,

@@ -224,11 +224,10 @@ class LocalExecutor:
             r = self._live.get(slot)
             if r is None:
                 continue
-            head = self._head_runner(r.method)
-            runners = [x for x in (self.target, head) if x is not None and x.publishes(slot, r.num_tokens)]
-            if runners:  # a block filled (the token list is built only then: it grows with the request)
-                tokens = r.token_ids
-                for runner in runners:
+            tokens = None  # built only where a block filled: it grows with the request
+            for runner in (self.target, self._head_runner(r.method)):
+                if runner is not None and runner.publishes(slot, r.num_tokens):
+                    tokens = r.token_ids if tokens is None else tokens
                     runner.publish(slot, tokens)
 
     def recover(self, reqs, drafts):
@@ -307,7 +306,7 @@ class LocalExecutor:
         """The forward's feature arguments: the final norm's and/or the layers the batch's methods read."""
         final, layers = False, set()
         for method in {r.method for r in reqs}:
-            if method != "none" and method_spec(method).needs_features:
+            if method_spec(method).needs_features:
                 taps = self.proposers.feature_layers(method)
                 final |= taps is None
                 layers.update(taps or ())

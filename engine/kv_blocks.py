@@ -291,19 +291,21 @@ class BlockTables:
 
     def publishes(self, row: int, num_tokens: int, length: int) -> bool:
         """Whether ``publish`` with ``num_tokens`` tokens would cache a block not cached before."""
-        return self.pool.prefix_caching and self._full_blocks(row, num_tokens, length) > len(self._chains[row])
+        return self._full_blocks(row, num_tokens, length) > len(self._chains[row])
 
     def _full_blocks(self, row: int, num_tokens: int, length: int) -> int:
+        """The row's blocks full of committed tokens (0 without prefix caching: none is cached)."""
+        if not self.pool.prefix_caching:
+            return 0
         return min(min(length, num_tokens - self.shift) // self.block_size, len(self.rows[row]))
 
     def publish(self, row: int, token_ids: Sequence[int], length: int) -> None:
         """The row's positions 0..length-1 hold token_ids' entries: cache its full blocks (only
         the ones not published before are hashed)."""
-        if not self.publishes(row, len(token_ids), length):
-            return
         chain = self._chains[row]
-        done = len(chain)
-        n = self._full_blocks(row, len(token_ids), length)
+        done, n = len(chain), self._full_blocks(row, len(token_ids), length)
+        if n <= done:
+            return
         chain += chain_hashes(token_ids, self.block_size, done, n, chain[-1] if chain else None)
         for j in range(done, n):
             key = cache_key(chain[j], token_ids, (j + 1) * self.block_size, self.shift)

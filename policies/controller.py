@@ -46,6 +46,7 @@ over all its steps. A request that set ``num_speculative_tokens`` keeps it.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -167,14 +168,6 @@ class _Acceptance:
         return prior
 
 
-def _counts(table: dict[str, _Acceptance], key: str) -> _Acceptance:
-    """``table[key]``, made empty where missing (``setdefault`` would build one every step)."""
-    counts = table.get(key)
-    if counts is None:
-        counts = table[key] = _Acceptance()
-    return counts
-
-
 def _best(values: list[float]) -> int:
     """The index of the k to take from each k's expected tokens/s: speculate only where it
     clearly pays (noise in measured costs must not keep a useless draft on), and of
@@ -209,17 +202,16 @@ class _Costs:
         n = len(self.methods) + len(self.blocks) + 1
         self._xx, self._xy = np.zeros((n, n)), np.zeros(n)
         # Steps added since the sums were last folded: (x, seconds). The sums are folded in
-        # when read (a solve), all at once: numpy's per-call overhead on these few numbers
-        # cost more per step than the rest of the bookkeeping of a step whose k is fixed.
+        # when read (a solve), or every CLIP_SOLVE_EVERY steps, all at once: not a few numpy
+        # calls on a few numbers every step.
         self._pending: list[tuple[tuple[float, ...], float]] = []
         self.prior: np.ndarray | None = None
         self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
         self._theta: np.ndarray | None = None  # the last theta solved
-        self._theta_list: list[float] = []  # the same, as Python floats
         self._unsolved = 0  # steps added since the last solve (any: theta() solves again; caps and add share one solve a step)
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
-        x = self._xs(ks)
+        x = self._x(ks)
         # The outlier clip: a step that drafted reads the model as of now where ``caps`` solved
         # it this step, else one solved at most CLIP_SOLVE_EVERY steps ago (every row's k
         # fixed); a plain step reads the last one solved: where every row decodes plainly
@@ -228,7 +220,7 @@ class _Costs:
         if not recent:
             self.theta()
         if self._theta is not None:
-            seconds = min(seconds, OUTLIER * sum(t * v for t, v in zip(self._theta_list, x)))
+            seconds = min(seconds, OUTLIER * float(self._theta @ x))
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
             base = seconds / (1.0 + NODE_PRIOR * sum(ks.values()))
             self.prior = self._guess(base, {})
@@ -284,7 +276,6 @@ class _Costs:
         if self._unsolved or self._theta is None:
             lam = self.prior_weight * np.eye(len(self.prior))
             self._theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
-            self._theta_list = self._theta.tolist()  # the clip's dot product, in Python (a few numbers)
             self._unsolved = 0
         return self._theta
 
@@ -309,10 +300,7 @@ class _Costs:
         may know methods this step lacks)."""
         return float(theta @ self._x(ks))
 
-    def _x(self, ks: dict[str, int]) -> np.ndarray:
-        return np.array(self._xs(ks))
-
-    def _xs(self, ks: dict[str, int]) -> tuple[float, ...]:
+    def _x(self, ks: dict[str, int]) -> tuple[float, ...]:
         return (1.0, *(float(ks.get(m, 0)) for m in self.methods), *(float(ks.get(m, 0) > 0) for m in self.blocks))
 
 
@@ -327,14 +315,14 @@ class AdaptiveSpeculation:
         # method -> acceptance per position measured when its weights were trained (the
         # weights' ``specray_acceptance``): where the estimates start instead of the prior.
         self.priors = {m: [float(r) for r in rates] for m, rates in (priors or {}).items() if rates}
-        self._methods: dict[str, _Acceptance] = {}
-        self._requests: dict[str, _Acceptance] = {}
+        self._methods: defaultdict[str, _Acceptance] = defaultdict(_Acceptance)
+        self._requests: defaultdict[str, _Acceptance] = defaultdict(_Acceptance)
         self._costs: dict[int, _Costs] = {}
         self._choice: dict[str, int | None] = {}
         self._nodes: dict[str, int] = {}  # tree methods: nodes a tree had lately
         self._on: set[str] = set()  # rows of the last step the controller let draft
         self._steps = 0
-        self._buckets: dict[int, _Bucket] = {}  # per batch-size bucket: its exploration so far
+        self._buckets: defaultdict[int, _Bucket] = defaultdict(_Bucket)  # per batch-size bucket: its exploration so far
         self._off: dict[str, list[int]] = {}  # method switched off -> [since step, retry interval]
         self._burst: dict[str, int] = {}  # method retried -> steps it still drafts before it is judged
         self._blocks: set[str] = set()  # methods that draft a whole block in one forward
@@ -354,7 +342,7 @@ class AdaptiveSpeculation:
         """Per row: the most draft nodes it may take this step (None: the method's own size)."""
         self._steps += 1
         self._blocks.update(r.method for r in rows if r.block)
-        bucket = self._bucket_of(len(rows))
+        bucket = self._buckets[_bucket(len(rows))]
         bucket.steps += 1
         if all(r.fixed or r.method == "none" for r in rows):  # nothing to decide (plain rows, given k)
             self._on = set()
@@ -495,13 +483,6 @@ class AdaptiveSpeculation:
     def _tree_nodes(self, row: RowView) -> int:
         return self._nodes.get(row.method, 8)
 
-    def _bucket_of(self, batch: int) -> _Bucket:
-        key = _bucket(batch)
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = _Bucket()
-        return bucket
-
     def _cost_model(self, batch: int, methods: list[str]) -> _Costs:
         bucket = _bucket(batch)
         model = self._costs.get(bucket)
@@ -536,8 +517,8 @@ class AdaptiveSpeculation:
             if r.tree:
                 nodes[r.method] = max(nodes.get(r.method, 0), d)
                 d = a + 1 if a < d else d  # trees: depth positions up to the first miss were reached
-            _counts(self._methods, r.method).add(d, a, self.forget)
-            _counts(self._requests, r.request_id).add(d, a, REQUEST_FORGET)
+            self._methods[r.method].add(d, a, self.forget)
+            self._requests[r.request_id].add(d, a, REQUEST_FORGET)
             learned.add(r.method)
         for m in learned:
             self._learn(m)
@@ -548,7 +529,7 @@ class AdaptiveSpeculation:
         methods = sorted({r.method for r in rows if r.method != "none"})
         self._blocks.update(r.method for r in rows if r.block)
         self._cost_model(len(rows), methods).add(ks, seconds)
-        bucket = self._bucket_of(len(rows))
+        bucket = self._buckets[_bucket(len(rows))]
         for m in {r.method for r in rows if r.request_id in self._on}:
             bucket.tries[m] = bucket.tries.get(m, 0) + 1
         if not any(ks.values()):
