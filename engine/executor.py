@@ -340,14 +340,19 @@ def _hand_over(proposer, rows) -> None:
 def _with_features(rows, feats):
     """Each (batch index, row) with its new positions' features from ``feats`` [B, q, F]: a
     prompt's, a view; the kept paths of every commit row, copied out by one gather for the
-    batch (a copy: a fixed-shape step reuses ``feats``' buffer), not one index per row."""
-    paths = [(i, row.path) for i, row in rows if not isinstance(row, PrefillRow)]
-    parts = iter(())
-    if paths:
-        at = torch.tensor([(i, p) for i, path in paths for p in path], device=feats.device)
-        parts = iter(feats[at[:, 0], at[:, 1]].split([len(path) for _, path in paths]))
-    return [(i, replace(row, features=feats[i, : len(row.token_ids) - row.start] if isinstance(row, PrefillRow)
-                        else next(parts))) for i, row in rows]
+    batch (a copy: a fixed-shape step reuses ``feats``' buffer), not one index per row. It
+    runs every step for every row of a feature method, drafting or not (a method switched off
+    still hands its features over for its catch-up), so it is written for the host's time: a
+    flat index, one ``index_select``, and each row built once."""
+    commits = [(i, row) for i, row in rows if not isinstance(row, PrefillRow)]
+    parts = {}
+    if commits:
+        q = feats.shape[1]
+        at = torch.tensor([i * q + p for i, row in commits for p in row.path], device=feats.device)
+        kept = feats.flatten(0, 1).index_select(0, at).split([len(row.path) for _, row in commits])
+        parts = {id(row): part for (_, row), part in zip(commits, kept)}
+    return [(i, row.with_features(parts[id(row)]) if id(row) in parts
+             else replace(row, features=feats[i, : len(row.token_ids) - row.start])) for i, row in rows]
 
 
 class ProposerTable:

@@ -252,6 +252,11 @@ class CommitRow:
     def num_accepted(self) -> int:
         return len(self.path) - 1
 
+    def with_features(self, features: torch.Tensor) -> "CommitRow":
+        """This row carrying ``features`` (``dataclasses.replace`` without its field lookups:
+        the executor builds one per row of a feature method per step)."""
+        return CommitRow(self.slot, self.tokens, self.path, features, self.extra_best)
+
 
 @dataclass(frozen=True)
 class PrefillRow:
