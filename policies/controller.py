@@ -349,9 +349,10 @@ class AdaptiveSpeculation:
             return [r.requested if r.fixed else None for r in rows]
         methods = sorted({r.method for r in rows if r.method != "none"})
         model = self._cost_model(len(rows), methods)
-        costs = model.theta()
+        measured = model.prior is not None  # (theta() is None before the bucket's first step)
         # A plain probe: the bucket has measured drafting, never a plain step (or long ago).
-        probe = costs is not None and bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
+        probe = measured and bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
+        costs = None  # solved only for a method judged this step: a method that stays off needs none
         tables: dict[bool, dict[str, list[float]]] = {}
 
         def table(prior_only: bool) -> dict[str, list[float]]:
@@ -375,9 +376,10 @@ class AdaptiveSpeculation:
                 choice[m] = 0
                 continue
             hoped = table(True)
-            if costs is None:  # no measurement yet: draft, to learn
+            if not measured:  # no measurement yet: draft, to learn
                 choice[m] = None if tree else min(4, self.max_k)
                 continue
+            costs = model.theta() if costs is None else costs
             # What the priors promise at this step's measured costs: while a method is new in
             # this bucket it is judged by that alone (a few drafts say little about a drafter;
             # a step's cost says much), and it tells whether an off method is worth retrying.
