@@ -105,9 +105,10 @@ one step many times its peers; taken whole, it priced a paying drafter off
 the model: each clipped step pulls it up to 4x what it predicted."""
 
 CLIP_SOLVE_EVERY = 16
-"""The outlier clip reads a cost model solved at most this many steps ago. Where ``caps``
-decides nothing (every row's k fixed by its request) nothing else solves it, and a solve per
-step would serve only a bound that a model a few steps old sets as well."""
+"""The outlier clip of a step that drafted reads a cost model solved at most this many steps
+ago. Where ``caps`` judges no method (every row's k fixed by its request, or every self-tuned
+method probed or staying off) nothing else solves it, and a solve per step would serve only a
+bound that a model a few steps old sets as well."""
 
 REJUDGE_OFF_EVERY = 8
 """A method off in a batch-size bucket for more than 8 steps, and not due for a retry, is judged
@@ -208,14 +209,14 @@ class _Costs:
         self.prior: np.ndarray | None = None
         self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
         self._theta: np.ndarray | None = None  # the last theta solved
-        self._unsolved = 0  # steps added since the last solve (any: theta() solves again; caps and add share one solve a step)
+        self._unsolved = 0  # steps added since the last solve (any: theta() solves again; a step where caps judged a method shares its solve with add)
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
         # The outlier clip: a step that drafted reads the model as of now where ``caps`` solved
-        # it this step, else one solved at most CLIP_SOLVE_EVERY steps ago (every row's k
-        # fixed); a plain step reads the last one solved: where every row decodes plainly
-        # ``caps`` decides nothing, and a solve per step there would serve only this clip.
+        # it this step, else one solved at most CLIP_SOLVE_EVERY steps ago (caps judged no
+        # method: every row's k fixed, or every self-tuned method probed or staying off); a
+        # plain step reads the last one solved: a solve there would serve only this clip.
         recent = self._theta is not None and (not any(ks.values()) or self._unsolved < CLIP_SOLVE_EVERY)
         if not recent:
             self.theta()
