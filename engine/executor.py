@@ -345,14 +345,13 @@ def _with_features(rows, feats):
     still hands its features over for its catch-up), so it is written for the host's time: a
     flat index, one ``index_select``, and each row built once."""
     commits = [(i, row) for i, row in rows if not isinstance(row, PrefillRow)]
-    parts = {}
+    parts = iter(())
     if commits:
         q = feats.shape[1]
         at = torch.tensor([i * q + p for i, row in commits for p in row.path], device=feats.device)
-        kept = feats.flatten(0, 1).index_select(0, at).split([len(row.path) for _, row in commits])
-        parts = {id(row): part for (_, row), part in zip(commits, kept)}
-    return [(i, row.with_features(parts[id(row)]) if id(row) in parts
-             else replace(row, features=feats[i, : len(row.token_ids) - row.start])) for i, row in rows]
+        parts = iter(feats.flatten(0, 1).index_select(0, at).split([len(row.path) for _, row in commits]))
+    return [(i, replace(row, features=feats[i, : len(row.token_ids) - row.start]) if isinstance(row, PrefillRow)
+             else row.with_features(next(parts))) for i, row in rows]
 
 
 class ProposerTable:
