@@ -46,6 +46,7 @@ over all its steps. A request that set ``num_speculative_tokens`` keeps it.
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -209,6 +210,10 @@ class _Costs:
         self.prior: np.ndarray | None = None
         self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
         self._theta: np.ndarray | None = None  # the last theta solved
+        # ... as Python floats, for the outlier clip's dot product every step: numpy's matmul
+        # of a few numbers, right after a compiled forward, cost about half of ``add`` (a
+        # compiled batch-1 draft step: ``add`` 50 -> 25 us a step with Python's), a few us.
+        self._theta_floats: tuple[float, ...] = ()
         self._unsolved = 0  # steps added since the last solve (any: theta() solves again; a step where caps judged a method shares its solve with add)
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
@@ -221,7 +226,7 @@ class _Costs:
         if not recent:
             self.theta()
         if self._theta is not None:
-            seconds = min(seconds, OUTLIER * float(self._theta @ x))
+            seconds = min(seconds, OUTLIER * sum(map(operator.mul, self._theta_floats, x)))
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
             base = seconds / (1.0 + NODE_PRIOR * sum(ks.values()))
             self.prior = self._guess(base, {})
@@ -277,6 +282,7 @@ class _Costs:
         if self._unsolved or self._theta is None:
             lam = self.prior_weight * np.eye(len(self.prior))
             self._theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
+            self._theta_floats = tuple(self._theta.tolist())
             self._unsolved = 0
         return self._theta
 
