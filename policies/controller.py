@@ -302,10 +302,15 @@ class _Costs:
             out.prior[at] = self.prior
         return out
 
-    def seconds(self, theta: np.ndarray, ks: dict[str, int]) -> float:
+    def coefficients(self) -> tuple[float, ...] | None:
+        """``theta()`` as Python floats: what ``seconds`` multiplies, for every candidate k of
+        every method judged, each step (numpy's matmul of a few numbers costs more than that)."""
+        return None if self.theta() is None else self._theta_floats
+
+    def seconds(self, coefficients: Sequence[float], ks: dict[str, int]) -> float:
         """Predicted seconds of a step whose methods draft ``ks`` (by name: the bucket's model
-        may know methods this step lacks)."""
-        return float(theta @ self._x(ks))
+        may know methods this step lacks); ``coefficients``: ``coefficients()``."""
+        return sum(map(operator.mul, coefficients, self._x(ks)))
 
     def _x(self, ks: dict[str, int]) -> tuple[float, ...]:
         return (1.0, *(float(ks.get(m, 0)) for m in self.methods), *(float(ks.get(m, 0) > 0) for m in self.blocks))
@@ -386,7 +391,7 @@ class AdaptiveSpeculation:
             if not measured:  # no measurement yet: draft, to learn
                 choice[m] = None if tree else min(4, self.max_k)
                 continue
-            costs = model.theta() if costs is None else costs
+            costs = model.coefficients() if costs is None else costs
             # What the priors promise at this step's measured costs: while a method is new in
             # this bucket it is judged by that alone (a few drafts say little about a drafter;
             # a step's cost says much), and it tells whether an off method is worth retrying.
