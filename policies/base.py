@@ -253,9 +253,9 @@ class CommitRow:
         return len(self.path) - 1
 
     def with_features(self, features: torch.Tensor) -> "CommitRow":
-        """This row carrying ``features`` (``dataclasses.replace`` without its field lookups:
-        the executor builds one per row of a feature method per step)."""
-        return CommitRow(self.slot, self.tokens, self.path, features, self.extra_best)
+        """This row carrying ``features``: ``dataclasses.replace`` without its field lookups
+        (the executor builds one per row of a feature method per step), every field kept."""
+        return CommitRow(**{**self.__dict__, "features": features})
 
 
 @dataclass(frozen=True)

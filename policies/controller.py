@@ -209,12 +209,12 @@ class _Costs:
         self._pending: list[tuple[tuple[float, ...], float]] = []
         self.prior: np.ndarray | None = None
         self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
-        self._theta: np.ndarray | None = None  # the last theta solved
-        # ... as Python floats, for the outlier clip's dot product every step: numpy's matmul
-        # of a few numbers, right after a compiled forward, cost about half of ``add`` (a
-        # compiled batch-1 draft step: ``add`` 50 -> 25 us a step with Python's), a few us.
-        self._theta_floats: tuple[float, ...] = ()
-        self._unsolved = 0  # steps added since the last solve (any: theta() solves again; a step where caps judged a method shares its solve with add)
+        # The last theta solved, as Python floats: the outlier clip and ``seconds`` multiply it
+        # every step, and numpy's matmul of a few numbers, right after a compiled forward, cost
+        # about half of ``add`` (a compiled batch-1 draft step: ``add`` 50 -> 25 us a step with
+        # Python's).
+        self._coef: tuple[float, ...] | None = None
+        self._unsolved = 0  # steps added since the last solve (any: coefficients() solves again; a step where caps judged a method shares its solve with add)
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
         x = self._x(ks)
@@ -222,11 +222,11 @@ class _Costs:
         # it this step, else one solved at most CLIP_SOLVE_EVERY steps ago (caps judged no
         # method: every row's k fixed, or every self-tuned method probed or staying off); a
         # plain step reads the last one solved: a solve there would serve only this clip.
-        recent = self._theta is not None and (not any(ks.values()) or self._unsolved < CLIP_SOLVE_EVERY)
+        recent = self._coef is not None and (not any(ks.values()) or self._unsolved < CLIP_SOLVE_EVERY)
         if not recent:
-            self.theta()
-        if self._theta is not None:
-            seconds = min(seconds, OUTLIER * sum(map(operator.mul, self._theta_floats, x)))
+            self.coefficients()
+        if self._coef is not None:
+            seconds = min(seconds, OUTLIER * sum(map(operator.mul, self._coef, x)))
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
             base = seconds / (1.0 + NODE_PRIOR * sum(ks.values()))
             self.prior = self._guess(base, {})
@@ -276,15 +276,22 @@ class _Costs:
         nodes = [per_node.get(m, (BLOCK_NODE_PRIOR if m in self.blocks else NODE_PRIOR) * plain) for m in self.methods]
         return np.array([plain] + nodes + [BLOCK_PRIOR * plain] * len(self.blocks))
 
-    def theta(self) -> np.ndarray | None:
+    def coefficients(self) -> tuple[float, ...] | None:
+        """theta, solved if steps were added since, as Python floats (None before the first
+        step): what ``seconds`` multiplies for every candidate k of every method judged."""
         if self.prior is None:
             return None
-        if self._unsolved or self._theta is None:
+        if self._unsolved or self._coef is None:
             lam = self.prior_weight * np.eye(len(self.prior))
-            self._theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
-            self._theta_floats = tuple(self._theta.tolist())
+            theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
+            self._coef = tuple(theta.tolist())
             self._unsolved = 0
-        return self._theta
+        return self._coef
+
+    def theta(self) -> np.ndarray | None:
+        """``coefficients()`` as an array."""
+        coef = self.coefficients()
+        return None if coef is None else np.array(coef)
 
     def widened(self, methods: Sequence[str], blocks: Sequence[str] = ()) -> "_Costs":
         """This model with ``methods`` added, what it measured kept: a method that joins a
@@ -301,11 +308,6 @@ class _Costs:
             out.prior = out._guess(self.prior[0], {})
             out.prior[at] = self.prior
         return out
-
-    def coefficients(self) -> tuple[float, ...] | None:
-        """``theta()`` as Python floats: what ``seconds`` multiplies, for every candidate k of
-        every method judged, each step (numpy's matmul of a few numbers costs more than that)."""
-        return None if self.theta() is None else self._theta_floats
 
     def seconds(self, coefficients: Sequence[float], ks: dict[str, int]) -> float:
         """Predicted seconds of a step whose methods draft ``ks`` (by name: the bucket's model
@@ -361,7 +363,7 @@ class AdaptiveSpeculation:
             return [r.requested if r.fixed else None for r in rows]
         methods = sorted({r.method for r in rows if r.method != "none"})
         model = self._cost_model(len(rows), methods)
-        measured = model.prior is not None  # (theta() is None before the bucket's first step)
+        measured = model.prior is not None  # (coefficients() is None before the bucket's first step)
         # A plain probe: the bucket has measured drafting, never a plain step (or long ago).
         probe = measured and bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
         costs = None  # solved only for a method judged this step: a method that stays off needs none

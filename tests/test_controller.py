@@ -461,7 +461,7 @@ def test_the_cost_sums_fold_as_sequential_updates_and_stay_bounded():
         c.add(ks, seconds)
         x = np.array([1.0, ks["draft"], ks["ngram"]])
         # the sequential update, with the step's outlier clip as ``add`` applied it
-        clipped = seconds if c._theta is None else min(seconds, 4.0 * float(c._theta @ x))
+        clipped = seconds if c._coef is None else min(seconds, 4.0 * float(np.array(c._coef) @ x))
         xx, xy = 0.98 * xx + np.outer(x, x), 0.98 * xy + x * clipped
         if i % 7 == 0:
             c.theta()
