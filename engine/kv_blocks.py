@@ -191,6 +191,7 @@ class BlockTables:
 
     def __init__(self, pool: BlockPool, table: torch.Tensor, block_size: int, shift: int = 0):
         self.pool, self.table, self.block_size, self.shift = pool, table, block_size, shift
+        self._host = table.numpy() if table.device.type == "cpu" else None  # the same memory
         self.scratch_block = pool.num_blocks
         rows = table.shape[0] - 1
         self.rows: list[list[int]] = [[] for _ in range(rows)]
@@ -221,6 +222,12 @@ class BlockTables:
         """Write the assignments made since the last sync into the device table (one copy)."""
         if not self._pending:
             return
+        if self._host is not None:  # a CPU table, written in place: two tensors and an index_put took
+            # 25 us where this takes 0.3 (isolated), and blocks fill every few steps
+            for row, col, block in self._pending:
+                self._host[row, col] = block
+            self._pending.clear()
+            return
         rows, cols, blocks = zip(*self._pending)
         self._pending.clear()
         device = self.table.device
@@ -234,7 +241,7 @@ class BlockTables:
         self._pending = [p for p in self._pending if p[0] != row]
         for block in blocks:
             self.pool.release(block)
-        self.table[row, : len(blocks)] = self.scratch_block
+        (self.table if self._host is None else self._host)[row, : len(blocks)] = self.scratch_block
         self.rows[row] = []
         self._chains[row] = []
 
