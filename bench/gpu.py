@@ -32,7 +32,7 @@ over ``--profile-steps`` steps, device-busy time per step against wall time (hos
 1 - busy / wall), kernel and graph launches and device-to-host copies per step; on the CPU,
 host reads of tensors per step (``bench/probes.py``) and, for compiled rows, the host share of a
 step: its wall time minus the time inside the compiled callables (``policies/compiled.py``),
-timed around them; and greedy agreement with plain decoding
+timed around them (the median of ``HOST_WINDOWS`` windows); and greedy agreement with plain decoding
 (bf16 random weights make logits flat, so differently shaped computations may diverge there:
 ``--dtype float32`` checks identity).
 
@@ -283,14 +283,29 @@ def forward_ms(runner, device: str, repeats: int = 20) -> float:
     return 1e3 * statistics.median(times[2:])
 
 
+HOST_WINDOWS = 5  # windows the host share is the median of: one window of 16 steps moves with a shared core's moment
+
+
+def profile_tokens(steps: int) -> int:
+    """Tokens a profiled request may emit: never done early (six a step, the longest window)."""
+    return 4 * steps * 6 + 16
+
+
 def step_profile(engine, prompts, spec, steps: int, device: str) -> dict:
-    """Where a decode step's time goes (requests admitted first, then ``steps`` steps)."""
+    """Where a decode step's time goes (requests admitted first, then ``steps`` steps). The
+    compiled rows' host share is the median of ``HOST_WINDOWS`` windows of ``steps`` steps,
+    each on requests admitted afresh (the same contexts every window)."""
     from specray.engine import SamplingParams, SpeculationParams
 
-    long = SamplingParams(max_tokens=4 * steps * 6 + 16, temperature=0, ignore_eos=True)  # never done early
-    ids = [engine.add_request(p, long, SpeculationParams(**spec)) for p in prompts]
-    engine.step()
-    engine.step()  # admitted, and one step for lazy captures
+    long = SamplingParams(max_tokens=profile_tokens(steps), temperature=0, ignore_eos=True)
+
+    def admitted() -> list[str]:
+        ids = [engine.add_request(p, long, SpeculationParams(**spec)) for p in prompts]
+        engine.step()
+        engine.step()  # admitted, and one step for lazy captures
+        return ids
+
+    ids = admitted()
     out = {}
     dt, _ = timed(lambda: [engine.step() for _ in range(steps)], device)
     out["wall_ms"] = 1e3 * dt / steps
@@ -306,13 +321,20 @@ def step_profile(engine, prompts, spec, steps: int, device: str) -> dict:
             reads.append(n["reads"])
         out["reads"] = max(reads)
     if engine.step_mode in COMPILED:  # wall time minus the time inside compiled callables
-        with timing() as clock:
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            wall = time.perf_counter() - start
-        out["compiled_ms"] = 1e3 * clock.seconds / steps
-        out["host_share"] = max(0.0, 1 - clock.seconds / wall)
+        inside, shares = [], []
+        for _ in range(HOST_WINDOWS):
+            for rid in ids:
+                engine.abort(rid)
+            ids = admitted()
+            with timing() as clock:
+                start = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                wall = time.perf_counter() - start
+            inside.append(clock.seconds)
+            shares.append(max(0.0, 1 - clock.seconds / wall))
+        out["compiled_ms"] = 1e3 * statistics.median(inside) / steps
+        out["host_share"] = statistics.median(shares)
     for rid in ids:
         engine.abort(rid)
     return out
@@ -409,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         longest = max(map(len, prompts))
         engine = engines[mode] = LLMEngine(
             EngineConfig(target="synthetic" if synthetic else "demo", max_num_seqs=max(args.batches),
-                         max_model_len=longest + max(args.max_tokens, 24 * args.profile_steps + 16) + 8,
+                         max_model_len=longest + max(args.max_tokens, profile_tokens(args.profile_steps)) + 8,
                          step=mode, dtype=args.dtype, device=device),
             target_model=target, draft_model=draft)
         if engine.warmup_seconds is not None:

@@ -17,7 +17,7 @@ host (opt-in; it reads its rows' probabilities).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -110,10 +110,10 @@ def verify_on_device(target, reqs: Sequence, drafts: Sequence[DraftRow],
         d = drafts[i]
         extra_best.append(row[1 + 2 * width + d.size + 1 : 1 + 2 * width + d.size + 1 + len(d.extra.tokens)]
                           if d.extra is not None else None)
-        if i in device_rows:
-            filled[i] = replace(d, tokens=row[2 + 3 * width : 2 + 3 * width + d.size])
-        if i in built:
-            filled[i] = replace(filled[i], tree=TokenTree.from_parents(row[2 + 4 * width : 2 + 4 * width + d.size]))
+        if i in device_rows or i in built:  # drafted on the device: its tokens (and tree) as read back
+            tokens = row[2 + 3 * width : 2 + 3 * width + d.size] if i in device_rows else d.tokens
+            tree = TokenTree.from_parents(row[2 + 4 * width : 2 + 4 * width + d.size]) if i in built else None
+            filled[i] = d.filled(tokens, tree)
     result = StepResult(accepted, emitted, paths)
     if host_rows:  # typical acceptance (lossy, opt-in): the per-row host rule
         scores = TargetScores.from_logits(logits[host_rows], list(range(len(host_rows))))

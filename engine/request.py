@@ -18,6 +18,9 @@ from specray.engine.params import SamplingParams
 from specray.policies.registry import MethodOptions
 
 
+DETOKENIZE_CONTEXT = 8  # tokens of context an incremental decode may keep before moving up
+
+
 @dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for a request (and, once finished, its completion)."""
@@ -56,6 +59,7 @@ class Request:
     row_view: object = field(default=None, repr=False, compare=False)  # the controller's view (``step.row_view``)
     _prefix_offset: int = 0  # incremental detokenisation (``_decode_new``)
     _read_offset: int = 0
+    _prefix_text: str | None = None  # the text of output_ids[_prefix_offset:_read_offset], when known
 
     @property
     def method(self) -> str:
@@ -142,14 +146,24 @@ class Request:
 
     def _decode_new(self, tokenizer, final: bool = False) -> str:
         """Text of the tokens since the last call (vLLM's incremental detokenisation: decode
-        from one emission back, for context, and hold back a trailing incomplete character),
-        so a step costs what it adds, and the text only ever grows."""
+        from a few tokens back, for context, and hold back a trailing incomplete character),
+        so a step costs what it adds, and the text only ever grows. The context's start stays
+        put until it lies ``DETOKENIZE_CONTEXT`` tokens back, so that the last call's text is
+        this call's prefix: one decode a step, not two (a decode costs its call more than its
+        few extra tokens)."""
         ids = self.output_ids
-        prefix = self._decode(tokenizer, ids[self._prefix_offset : self._read_offset])
+        prefix = self._prefix_text
+        if prefix is None:
+            prefix = self._decode(tokenizer, ids[self._prefix_offset : self._read_offset])
         full = self._decode(tokenizer, ids[self._prefix_offset :])
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            self._prefix_text = prefix
             return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        if self._read_offset - self._prefix_offset >= DETOKENIZE_CONTEXT:
+            self._prefix_offset, self._prefix_text = self._read_offset, None
+        else:
+            self._prefix_text = full
+        self._read_offset = len(ids)
         return full[len(prefix) :]
 
     def _decode(self, tokenizer, ids: Sequence[int]) -> str:

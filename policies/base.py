@@ -116,6 +116,12 @@ class DraftRow:
         """The tree, a chain's included (for code that walks any row the same way)."""
         return self.tree if self.tree is not None else chain_tree(len(self.tokens))
 
+    def filled(self, tokens: list[int], tree: TokenTree | None = None) -> "DraftRow":
+        """This draft with ``tokens`` (and ``tree`` where given) read back from the device:
+        ``dataclasses.replace`` without its field lookups (a device step builds one per row
+        drafted there), every other field kept."""
+        return DraftRow(tokens, self.tree if tree is None else tree, self.probs, self.extra)
+
     def cut(self, n: int) -> "DraftRow":
         """A chain's first ``n`` nodes (trees are cut by their proposer, which knows its order)."""
         if self.tree is not None or n >= len(self.tokens):

@@ -171,3 +171,20 @@ def test_tensor_view_of_a_draft():
     d = Draft([DraftRow([1, 2]), DraftRow([]), DraftRow([3], probs=torch.ones(1, 4) / 4)])
     assert d.tokens.tolist() == [[1, 2], [0, 0], [3, 0]] and d.lengths.tolist() == [2, 0, 1]
     assert d.probs.shape == (3, 2, 4) and float(d.probs[2, 0].sum()) == pytest.approx(1.0)
+
+
+def test_a_filled_draft_keeps_every_field():
+    """``DraftRow.filled`` (the device step's read-back) is ``dataclasses.replace`` spelled out:
+    a field added to DraftRow and not carried there fails here."""
+    import dataclasses
+
+    from specray.policies.base import ExtraNodes
+    from specray.kernels.tree import TokenTree
+
+    fields = [f.name for f in dataclasses.fields(DraftRow)]
+    d = DraftRow([0, 0], TokenTree.from_parents([0, 0]), torch.ones(2, 4) / 4,
+                 ExtraNodes([5], [1], torch.ones(1, 4, dtype=torch.bool)))
+    tree = TokenTree.from_parents([0, 1])
+    for new, want in ((d.filled([7, 8]), dataclasses.replace(d, tokens=[7, 8])),
+                      (d.filled([7, 8], tree), dataclasses.replace(d, tokens=[7, 8], tree=tree))):
+        assert all(getattr(new, f) is getattr(want, f) or getattr(new, f) == getattr(want, f) for f in fields)
