@@ -120,6 +120,13 @@ steps off are each judged: there the costs are new (a bucket's first drafting st
 cold one) and turned a drafter back on within a few steps
 (``test_dflash.py::test_training_learns_and_saves_the_published_layout``)."""
 
+LEARN_EVERY = 32
+"""Steps in which the controller decided nothing (every row's k fixed, or plain rows) are
+learned from 32 at a time, in order, with the step counts they had (the same state as learning
+after each): nothing reads what they teach before a step where it decides, or a request leaves,
+and learning calls run right after each compiled forward cost several times what they cost run
+together (a fixed-k draft step's ``observe`` was among its largest host costs)."""
+
 COSTS_RETRY_AFTER = (4 * PROBE_EVERY, 16 * PROBE_EVERY)
 """A method its costs switched off (even its priors say it does not pay at this batch size)
 is retried one step after 256 steps, then 512, then every 1024. Such a retry re-measures only
@@ -345,6 +352,8 @@ class AdaptiveSpeculation:
         # in which a method stays off recomputes none.
         self._learned: dict[str, int] = {}
         self._tables: dict = {}  # request id, or ("prior", method, k): (what it was made from, the table)
+        self._decided = True  # the last caps judged a method (its observe learns at once)
+        self._unlearned: list[tuple] = []  # steps where caps decided nothing, not yet learned from
 
     def fresh(self) -> "AdaptiveSpeculation":
         """A controller with these settings and priors that has learned nothing yet."""
@@ -359,8 +368,10 @@ class AdaptiveSpeculation:
         bucket = self._buckets[_bucket(len(rows))]
         bucket.steps += 1
         if all(r.fixed or r.method == "none" for r in rows):  # nothing to decide (plain rows, given k)
-            self._on = set()
+            self._on, self._decided = set(), False
             return [r.requested if r.fixed else None for r in rows]
+        self._decided = True
+        self._learn_pending()
         methods = sorted({r.method for r in rows if r.method != "none"})
         model = self._cost_model(len(rows), methods)
         measured = model.prior is not None  # (coefficients() is None before the bucket's first step)
@@ -513,11 +524,33 @@ class AdaptiveSpeculation:
         """After a step: each row's drafted nodes and accepted count, and the step's seconds.
         A step whose every row asked for plain decoding updates no cost model (no row could
         draft; a plain server's step paid that for nothing) but still counts as the bucket's
-        last plain step, so rows that may draft later are not made to probe first."""
+        last plain step, so rows that may draft later are not made to probe first. A step
+        whose caps decided nothing is learned from later, in order (``LEARN_EVERY``)."""
+        bucket = self._buckets.get(_bucket(len(rows)))
+        steps = bucket.steps if bucket is not None else 0
+        if not self._decided:
+            self._decided = True  # (an observe without its caps learns at once)
+            self._unlearned.append((rows, list(drafted), list(accepted), seconds, steps))
+            if len(self._unlearned) >= LEARN_EVERY:
+                self._learn_pending()
+            return
+        self._learn_pending()
+        self._observe(rows, drafted, accepted, seconds, steps, self._on)
+
+    def _learn_pending(self) -> None:
+        """Learn from the steps not learned from yet, oldest first (their caps let no row
+        decide: no row was on)."""
+        pending, self._unlearned = self._unlearned, []
+        for rows, drafted, accepted, seconds, steps in pending:
+            self._observe(rows, drafted, accepted, seconds, steps, frozenset())
+
+    def _observe(self, rows, drafted, accepted, seconds: float, steps: int, on) -> None:
+        """``observe`` of a step the bucket counted as its ``steps``-th, ``on``: the rows its
+        caps let draft."""
         if all(r.method == "none" for r in rows):
             bucket = self._buckets.get(_bucket(len(rows)))
             if bucket is not None:
-                bucket.plain_at = bucket.steps
+                bucket.plain_at = steps
             return
         ks: dict[str, int] = {}
         nodes: dict[str, int] = {}
@@ -526,7 +559,7 @@ class AdaptiveSpeculation:
             if r.method == "none":
                 continue
             ks[r.method] = max(ks.get(r.method, 0), d)
-            if d <= 0 and r.request_id in self._on:
+            if d <= 0 and r.request_id in on:
                 d = 1  # let draft, nothing to propose: a miss at the first position
             elif d <= 0:
                 continue
@@ -540,22 +573,23 @@ class AdaptiveSpeculation:
             self._learn(m)
         self._nodes.update(nodes)
         for m in [m for m, left in self._burst.items() if left]:  # a retry that accepted nothing ends its burst
-            if not any(a for r, a in zip(rows, accepted) if r.method == m and r.request_id in self._on):
+            if not any(a for r, a in zip(rows, accepted) if r.method == m and r.request_id in on):
                 del self._burst[m]
         methods = sorted({r.method for r in rows if r.method != "none"})
         self._blocks.update(r.method for r in rows if r.block)
         self._cost_model(len(rows), methods).add(ks, seconds)
         bucket = self._buckets[_bucket(len(rows))]
-        for m in {r.method for r in rows if r.request_id in self._on}:
+        for m in {r.method for r in rows if r.request_id in on}:
             bucket.tries[m] = bucket.tries.get(m, 0) + 1
         if not any(ks.values()):
-            bucket.plain_at = bucket.steps
+            bucket.plain_at = steps
 
     def _learn(self, method: str) -> None:
         """What ``method``'s tables read changed: they are recomputed when next read."""
         self._learned[method] = self._learned.get(method, 0) + 1
 
     def release(self, request_id: str) -> None:
+        self._learn_pending()
         self._requests.pop(request_id, None)
         self._tables.pop(request_id, None)
 
@@ -564,6 +598,7 @@ class AdaptiveSpeculation:
         old version accepted and start from ``rates`` — per draft position, P(accepted | the one
         before accepted), as the version's gate measured it — as a trained head starts from its
         saved acceptance (the same priors)."""
+        self._learn_pending()
         self.priors[method] = [min(max(float(r), 0.0), 1.0) for r in rates]
         self._methods.pop(method, None)
         self._off.pop(method, None)

@@ -473,3 +473,47 @@ def test_the_cost_sums_fold_as_sequential_updates_and_stay_bounded():
     for _ in range(1000):  # plain steps read the last solve; nothing solves here
         plain.add({"draft": 0}, 0.004)
     assert len(plain._pending) < 16
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_steps_it_decided_nothing_in_are_learned_later_as_if_at_once(monkeypatch, seed):
+    """Steps whose caps decided nothing (every row's k given, or plain rows) are learned from
+    ``LEARN_EVERY`` at a time: over a random mix of such steps, self-tuned steps, plain steps,
+    two batch sizes and requests that leave, every caps answers and the learned state equal a
+    controller that learns after every step."""
+    import random
+
+    import numpy as np
+
+    from specray.policies import controller
+
+    def run(learn_every: int):
+        monkeypatch.setattr(controller, "LEARN_EVERY", learn_every)
+        rng = random.Random(seed)
+        c, answers, n = AdaptiveSpeculation(), [], 0
+        for step in range(400):
+            kind = rng.choice(["fixed", "fixed", "fixed", "auto", "plain", "mixed"])
+            size = rng.choice([1, 3])
+            if rng.random() < 0.05:
+                n += 1  # the rows of earlier steps leave
+                c.release(f"r{n - 1}-0")
+            rows = [RowView(f"r{n}-{i}", "none" if kind == "plain" else "m",
+                            requested=4 if kind == "fixed" or (kind == "mixed" and i) else None,
+                            fixed=kind == "fixed" or (kind == "mixed" and i > 0)) for i in range(size)]
+            ks = c.caps(rows)
+            answers.append(ks)
+            drafted = [k if k is not None else 0 for k in ks]
+            accepted = [rng.randint(0, k) for k in drafted]
+            c.observe(rows, drafted, accepted, 0.001 * (1 + 0.15 * max(drafted)) * rng.uniform(0.9, 1.1))
+        c._learn_pending()
+        state = ({m: (a.reached, a.accepted) for m, a in c._methods.items()},
+                 {r: (a.reached, a.accepted) for r, a in c._requests.items()},
+                 {b: (m.methods, np.asarray(m.xx).tolist(), np.asarray(m.xy).tolist(), m.coefficients())
+                  for b, m in c._costs.items()},
+                 {b: (k.steps, k.plain_at, k.tries, k.off_since) for b, k in c._buckets.items()})
+        return answers, state
+
+    every = controller.LEARN_EVERY
+    assert every > 1
+    later, at_once = run(every), run(1)
+    assert later == at_once
