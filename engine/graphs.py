@@ -297,7 +297,8 @@ class StaticForward:
         """Whether ``chain`` serves this runner: a whole model (not a tensor-parallel shard, whose
         other ranks hold no logits to draw the next token from) outside CUDA graphs (which
         capture the one-forward step)."""
-        return self.epilogue is None and self.mode not in CAPTURED and not getattr(self.run, "_mirrored", False)
+        # (a mirror wraps ``run`` on the instance: read there, not through a bound method each call)
+        return self.epilogue is None and self.mode not in CAPTURED and not getattr(self.__dict__.get("run"), "_mirrored", False)
 
     @inference
     def chain(self, slots: Sequence[int], tokens: Sequence[Sequence[int]], steps: int, vocab: int,

@@ -58,6 +58,7 @@ class DraftOptions(LinearOptions):
 # one compiled forward at a time (warm-up compiles that forward too), so a step never waits on
 # a compile.
 CHAINED = frozenset({DraftOptions.model_fields["num_speculative_tokens"].default})
+_CHAIN_FOR: dict[int, int | None] = {}  # k -> the shortest length of CHAINED that covers it
 
 
 class DraftModelProposer:
@@ -137,7 +138,9 @@ class DraftModelProposer:
                                               self._chain_sampling(rows, sampled, u, steps))
                 drafted, probs = drafted[:, :k_max], probs[:, :k_max]
             else:
-                drafted, probs = static.chain(slots, pending, steps, self.vocab_size)[:, :k_max], None
+                drafted, probs = static.chain(slots, pending, steps, self.vocab_size), None
+                if drafted.shape[1] != k_max:  # (a slice is host time: only where the chain ran longer)
+                    drafted = drafted[:, :k_max]
         else:
             sampling, probs = None, None
             if sampled:
@@ -169,7 +172,9 @@ class DraftModelProposer:
             return k
         if k == 1:  # one forward either way: no chain's extra forwards
             return None
-        steps = min((c for c in CHAINED if c >= k), default=None)
+        steps = _CHAIN_FOR.get(k, -1)
+        if steps == -1:
+            steps = _CHAIN_FOR[k] = min((c for c in CHAINED if c >= k), default=None)
         lengths, capacity = self.runner.lengths, self.runner.capacity
         if steps is None or any(lengths[s] + len(p) + steps - 1 > capacity for s, p in zip(slots, pending)):
             return None
