@@ -356,10 +356,10 @@ class StaticForward:
     def _host_inputs(self, slots, tokens, q_lens, lengths, rows_b, width, sizes=None):
         """ids [Bb, W], lengths, new-token counts and cache rows [Bb] (and the draft sizes
         [Bb] when given): one int64 buffer per shape, written on the host in one numpy
-        assignment (and copied to the device once), the inputs its views, made once. Slicing a
-        fresh buffer into its inputs cost more than the rest of this (a tensor slice is a few
-        us from Python: ~19 against ~1 us a call at batch 1). The views are rewritten by the
-        next forward of the same shape: a caller reads them before it runs another."""
+        assignment (and copied to the device once), the inputs its views, made once: slicing a
+        fresh buffer into its inputs each call (a tensor slice from Python is a few us) cost more
+        than the rest of this. The views are rewritten by the next forward of the same shape:
+        a caller reads them before it runs another."""
         pad = rows_b - len(slots)
         values: list[int] = []
         for row in tokens:
@@ -379,16 +379,17 @@ class StaticForward:
         buf = self._input_buffers(rows_b, width, sizes is not None)
         buf.host[:] = values
         if buf.device is not None:  # pageable memory: the copy has read it when this returns
-            buf.device.copy_(torch.from_numpy(buf.host), non_blocking=True)
+            buf.device.copy_(buf.source, non_blocking=True)
         return buf.views
 
     def _new_input_buffers(self, rows_b: int, width: int, sized: bool) -> "_InputBuffers":
         n = rows_b * width
         host = np.zeros(n + rows_b * (4 if sized else 3), dtype=np.int64)
         device = self.runner.device
-        on = torch.from_numpy(host) if device.type == "cpu" else torch.zeros(len(host), dtype=torch.long, device=device)
+        source = torch.from_numpy(host)  # the same memory
+        on = source if device.type == "cpu" else torch.zeros(len(host), dtype=torch.long, device=device)
         views = [on[:n].view(rows_b, width)] + [on[at : at + rows_b] for at in range(n, len(host), rows_b)]
-        return _InputBuffers(host, None if device.type == "cpu" else on, views)
+        return _InputBuffers(host, source, None if device.type == "cpu" else on, views)
 
     def _chain(self, rows_b: int, width: int):
         key = (rows_b, width)
@@ -469,6 +470,7 @@ class _Layers:
 @dataclass
 class _InputBuffers:
     host: np.ndarray  # [Bb * W + Bb * (3 or 4)] int64, the values written each call
+    source: torch.Tensor  # host as a tensor (its memory)
     device: torch.Tensor | None  # its device copy (None on the CPU: the inputs view host's memory)
     views: list[torch.Tensor]  # ids [Bb, W], lengths, q_lens, rows (, sizes) [Bb]
 

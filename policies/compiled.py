@@ -108,8 +108,7 @@ def inference(fn):
     """``fn`` under ``torch.inference_mode()``, entered only where it is not on already: a
     verification enters it once (``engine/device_step.py``), and the forwards it calls do not
     build and tear down a context of their own, host time on every step. It enters torch's
-    own guard, the one ``torch.inference_mode`` enters, without that class's Python layers
-    (1.3 against 3.2 us a call, isolated)."""
+    own guard, the one ``torch.inference_mode`` enters, without that class's Python layers."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

@@ -124,8 +124,7 @@ LEARN_EVERY = 32
 """Steps in which the controller decided nothing (every row's k fixed, or plain rows) are
 learned from 32 at a time, in order, with the step counts they had (the same state as learning
 after each): nothing reads what they teach before a step where it decides, or a request leaves,
-and learning calls run right after each compiled forward cost several times what they cost run
-together (a fixed-k draft step's ``observe`` was among its largest host costs)."""
+and learning calls run right after each compiled forward cost more than run together."""
 
 COSTS_RETRY_AFTER = (4 * PROBE_EVERY, 16 * PROBE_EVERY)
 """A method its costs switched off (even its priors say it does not pay at this batch size)
@@ -217,9 +216,7 @@ class _Costs:
         self.prior: np.ndarray | None = None
         self._first: tuple[dict[str, int], float] | None = None  # the first step, while no plain one was seen
         # The last theta solved, as Python floats: the outlier clip and ``seconds`` multiply it
-        # every step, and numpy's matmul of a few numbers, right after a compiled forward, cost
-        # about half of ``add`` (a compiled batch-1 draft step: ``add`` 50 -> 25 us a step with
-        # Python's).
+        # every step, and numpy's matmul of a few numbers costs more than Python's here.
         self._coef: tuple[float, ...] | None = None
         self._unsolved = 0  # steps added since the last solve (any: coefficients() solves again; a step where caps judged a method shares its solve with add)
 

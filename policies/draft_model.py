@@ -16,6 +16,8 @@ sampler.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import replace
 from typing import Literal, Protocol, Sequence
 
@@ -58,7 +60,12 @@ class DraftOptions(LinearOptions):
 # one compiled forward at a time (warm-up compiles that forward too), so a step never waits on
 # a compile.
 CHAINED = frozenset({DraftOptions.model_fields["num_speculative_tokens"].default})
-_CHAIN_FOR: dict[int, int | None] = {}  # k -> the shortest length of CHAINED that covers it
+
+
+@functools.cache
+def _chain_for(k: int) -> int | None:
+    """The shortest length of ``CHAINED`` that covers k (looked up once per k)."""
+    return min((c for c in CHAINED if c >= k), default=None)
 
 
 class DraftModelProposer:
@@ -172,9 +179,7 @@ class DraftModelProposer:
             return k
         if k == 1:  # one forward either way: no chain's extra forwards
             return None
-        steps = _CHAIN_FOR.get(k, -1)
-        if steps == -1:
-            steps = _CHAIN_FOR[k] = min((c for c in CHAINED if c >= k), default=None)
+        steps = _chain_for(k)
         lengths, capacity = self.runner.lengths, self.runner.capacity
         if steps is None or any(lengths[s] + len(p) + steps - 1 > capacity for s, p in zip(slots, pending)):
             return None
