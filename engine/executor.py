@@ -346,7 +346,10 @@ def _with_features(rows, feats):
     flat index, one ``index_select``, and each row built once."""
     commits = [(i, row) for i, row in rows if not isinstance(row, PrefillRow)]
     parts = iter(())
-    if commits:
+    if commits and feats.shape[1] == 1:  # one token a row (plain steps, a method switched off): rows as they are
+        whole = feats.clone().unbind(0)  # [1, F] each
+        parts = iter([whole[i] for i, _ in commits])
+    elif commits:
         q = feats.shape[1]
         at = torch.tensor([i * q + p for i, row in commits for p in row.path], device=feats.device)
         parts = iter(feats.flatten(0, 1).index_select(0, at).split([len(row.path) for _, row in commits]))

@@ -259,9 +259,14 @@ class CommitRow:
         return len(self.path) - 1
 
     def with_features(self, features: torch.Tensor) -> "CommitRow":
-        """This row carrying ``features``: ``dataclasses.replace`` without its field lookups
-        (the executor builds one per row of a feature method per step), every field kept."""
-        return CommitRow(**{**self.__dict__, "features": features})
+        """This row carrying ``features``, every other field kept. The executor builds one per
+        row of a feature method per step, drafting or not, so the copy skips the frozen
+        dataclass's ``__init__`` (one ``object.__setattr__`` per field): the same fields,
+        copied as a dict."""
+        row = object.__new__(CommitRow)
+        row.__dict__.update(self.__dict__)
+        row.__dict__["features"] = features
+        return row
 
 
 @dataclass(frozen=True)

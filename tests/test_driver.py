@@ -173,6 +173,33 @@ def test_tensor_view_of_a_draft():
     assert d.probs.shape == (3, 2, 4) and float(d.probs[2, 0].sum()) == pytest.approx(1.0)
 
 
+def test_rows_handed_features_keep_every_field_and_the_right_positions():
+    """``CommitRow.with_features`` copies the row's fields without its ``__init__``: a field
+    added to CommitRow and not carried fails here. ``_with_features`` hands each commit row the
+    features of its kept path, by one gather for the batch, or (one token a row: plain steps)
+    the batch's rows as they are; both are copies (a fixed-shape step reuses its buffer)."""
+    import dataclasses
+
+    from specray.engine.executor import _with_features
+    from specray.policies.base import CommitRow
+
+    row = CommitRow(3, [5, 6], [0, 2], None, [9])
+    feats = torch.randn(2, 1)
+    new = row.with_features(feats)
+    assert type(new) is CommitRow and row.features is None
+    assert dataclasses.astuple(dataclasses.replace(new, features=None)) == dataclasses.astuple(row)
+    assert new.features is feats and new == dataclasses.replace(row, features=feats)
+    for q in (1, 3):
+        batch = torch.randn(3, q, 4)
+        rows = [(2, CommitRow(7, [1], [0])), (0, CommitRow(4, [1, 2][:q], [0, 2][:q]))]
+        got = _with_features(rows, batch)
+        assert [i for i, _ in got] == [2, 0]
+        for (i, r), (_, g) in zip(rows, got):
+            assert torch.equal(g.features, batch[i, r.path]) and (g.slot, g.tokens, g.path) == (r.slot, r.tokens, r.path)
+        batch.zero_()  # the buffer rewritten: what was handed over stays
+        assert all(g.features.abs().sum() > 0 for _, g in got)
+
+
 def test_a_filled_draft_keeps_every_field():
     """``DraftRow.filled`` (the device step's read-back) is ``dataclasses.replace`` spelled out:
     a field added to DraftRow and not carried there fails here."""
