@@ -126,6 +126,13 @@ learned from 32 at a time, in order, with the step counts they had (the same sta
 after each): nothing reads what they teach before a step where it decides, or a request leaves,
 and learning calls run right after each compiled forward cost more than run together."""
 
+TREE_NODES_FORGET = 0.98
+"""A tree's size, as its cost is predicted: the most nodes it drafted lately, each step that drafts
+it forgetting 2% of the size seen before. Rows near their last tokens draft trees cut to the
+tokens left; taken as the tree's size (the last step's, as before), a queue's tail, where trees
+of 1 or 2 nodes were drafted, made a full tree look cheap at the next full batch, which then
+drafted a 16-node tree in 8 rows (several plain steps' time) at the start of every batch run."""
+
 COSTS_RETRY_AFTER = (4 * PROBE_EVERY, 16 * PROBE_EVERY)
 """A method its costs switched off (even its priors say it does not pay at this batch size)
 is retried one step after 256 steps, then 512, then every 1024. Such a retry re-measures only
@@ -194,6 +201,12 @@ class _Bucket:
     plain_at: int = 0  # its step number of the last step in which no row drafted (0: none yet)
     tries: dict[str, int] = field(default_factory=dict)
     off_since: dict[str, int] = field(default_factory=dict)  # method -> its step when judged off here
+    # A method switched off here: [its step when last tried, the retry interval]; retried: the
+    # steps it still drafts before it is judged again. Per bucket, as its costs are: a method
+    # on at batch 1 (a queue's tail) is no evidence at batch 8, and a retry burst begun at
+    # batch 2 drafting into the next batch of 8 cost a full tree in 8 rows every run.
+    off: dict[str, list[int]] = field(default_factory=dict)
+    burst: dict[str, int] = field(default_factory=dict)
 
 
 def _bucket(batch: int) -> int:
@@ -337,12 +350,10 @@ class AdaptiveSpeculation:
         self._requests: defaultdict[str, _Acceptance] = defaultdict(_Acceptance)
         self._costs: dict[int, _Costs] = {}
         self._choice: dict[str, int | None] = {}
-        self._nodes: dict[str, int] = {}  # tree methods: nodes a tree had lately
+        self._nodes: dict[str, float] = {}  # tree methods: the most nodes a tree had lately (TREE_NODES_FORGET)
         self._on: set[str] = set()  # rows of the last step the controller let draft
         self._steps = 0
         self._buckets: defaultdict[int, _Bucket] = defaultdict(_Bucket)  # per batch-size bucket: its exploration so far
-        self._off: dict[str, list[int]] = {}  # method switched off -> [since step, retry interval]
-        self._burst: dict[str, int] = {}  # method retried -> steps it still drafts before it is judged
         self._blocks: set[str] = set()  # methods that draft a whole block in one forward
         # Expected-token tables, recomputed only when what they read changed: a method's
         # ``_learned`` count grows with every step it drafts (and with new priors), so a step
@@ -416,7 +427,7 @@ class AdaptiveSpeculation:
                 best = _best([self._rate(rows, m, k, choice, model, costs, table(False)) for k in options])
                 if self.explore_every and self._steps % self.explore_every == 0 and not tree:
                     best = min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
-            choice[m] = options[self._retry(m, best, promised > 0)]
+            choice[m] = options[self._retry(bucket, m, best, promised > 0)]
             if choice[m] == 0:
                 bucket.off_since.setdefault(m, bucket.steps)
             else:
@@ -433,10 +444,10 @@ class AdaptiveSpeculation:
         off = bucket.off_since.get(method)
         if off is None or bucket.steps - off <= REJUDGE_OFF_EVERY or (bucket.steps - off) % REJUDGE_OFF_EVERY == 0:
             return False
-        since = self._off.get(method)
-        return not self._burst.get(method) and since is not None and self._steps - since[0] < since[1]
+        since = bucket.off.get(method)
+        return not bucket.burst.get(method) and since is not None and bucket.steps - since[0] < since[1]
 
-    def _retry(self, method: str, best: int, promising: bool) -> int:
+    def _retry(self, bucket: _Bucket, method: str, best: int, promising: bool) -> int:
         """``best``, or 1 (draft again) when the method has been off for its retry interval:
         ``RETRY_AFTER``, doubling, while its priors say it should pay here (its measured
         acceptance turned it off, and may be stale); ``COSTS_RETRY_AFTER``, doubling, when even
@@ -444,20 +455,20 @@ class AdaptiveSpeculation:
         load, slowly, a batch size of its own has a bucket of its own, and each retry of a big
         tree in a big batch costs several plain steps' time)."""
         if best:
-            self._off.pop(method, None)
-            self._burst.pop(method, None)
+            bucket.off.pop(method, None)
+            bucket.burst.pop(method, None)
             return best
-        if self._burst.get(method):
-            self._burst[method] -= 1
+        if bucket.burst.get(method):
+            bucket.burst[method] -= 1
             return 1
         first, most = RETRY_AFTER if promising else COSTS_RETRY_AFTER
-        since, interval = self._off.setdefault(method, [self._steps, first])
-        if self._steps - since < interval:
+        since, interval = bucket.off.setdefault(method, [bucket.steps, first])
+        if bucket.steps - since < interval:
             return 0
         later = min(2 * interval, most)
-        self._off[method] = [self._steps, later]
+        bucket.off[method] = [bucket.steps, later]
         if promising:  # (the costs turned it off: one step re-measures them)
-            self._burst[method] = RETRY_BURST - 1
+            bucket.burst[method] = RETRY_BURST - 1
         return 1
 
     def _rate(self, rows, method, k, choice, model, costs, expected) -> float:
@@ -568,14 +579,15 @@ class AdaptiveSpeculation:
             learned.add(r.method)
         for m in learned:
             self._learn(m)
-        self._nodes.update(nodes)
-        for m in [m for m, left in self._burst.items() if left]:  # a retry that accepted nothing ends its burst
+        for m, n in nodes.items():
+            self._nodes[m] = max(n, TREE_NODES_FORGET * self._nodes.get(m, 0))
+        bucket = self._buckets[_bucket(len(rows))]
+        for m in [m for m, left in bucket.burst.items() if left]:  # a retry that accepted nothing ends its burst
             if not any(a for r, a in zip(rows, accepted) if r.method == m and r.request_id in on):
-                del self._burst[m]
+                del bucket.burst[m]
         methods = sorted({r.method for r in rows if r.method != "none"})
         self._blocks.update(r.method for r in rows if r.block)
         self._cost_model(len(rows), methods).add(ks, seconds)
-        bucket = self._buckets[_bucket(len(rows))]
         for m in {r.method for r in rows if r.request_id in on}:
             bucket.tries[m] = bucket.tries.get(m, 0) + 1
         if not any(ks.values()):
@@ -598,5 +610,6 @@ class AdaptiveSpeculation:
         self._learn_pending()
         self.priors[method] = [min(max(float(r), 0.0), 1.0) for r in rates]
         self._methods.pop(method, None)
-        self._off.pop(method, None)
+        for bucket in self._buckets.values():
+            bucket.off.pop(method, None)
         self._learn(method)

@@ -25,8 +25,10 @@ def simulate(acceptance: float, steps: int = 300, batch: int = 1, draft_cost: fl
     rng = random.Random(0)
     c = AdaptiveSpeculation()
     rows = [RowView(f"r{i}", "m", block=block is not None) for i in range(batch)]
+    taken = []
     for _ in range(steps):
         ks = c.caps(rows)
+        taken.append(ks[0])
         accepted = []
         for k in ks:
             n = 0
@@ -36,8 +38,8 @@ def simulate(acceptance: float, steps: int = 300, batch: int = 1, draft_cost: fl
         k = max(ks)
         cost = 1 + draft_cost * k if block is None else 1 + (block + verify_cost * k if k else 0)
         c.observe(rows, ks, accepted, 0.001 * cost)
-    c._steps = 1  # decide without an exploration step
-    return c.caps(rows)[0]
+    last = taken[-40:]  # what it settled on: the k most of its last steps took (not a neighbour tried, or a retry)
+    return max(set(last), key=last.count)
 
 
 def test_controller_turns_speculation_off_when_nothing_is_accepted():
@@ -517,3 +519,33 @@ def test_steps_it_decided_nothing_in_are_learned_later_as_if_at_once(monkeypatch
     assert every > 1
     later, at_once = run(every), run(1)
     assert later == at_once
+
+
+def test_a_tree_off_at_a_big_batch_stays_off_after_a_tail_of_short_trees_that_paid():
+    """A queue through 8 slots ends in a tail at small batches, where a tree pays and rows near
+    their last tokens draft trees cut to 1 or 2 nodes. The next full batch judges the tree at its
+    own size (the most nodes it drafted lately, ``TREE_NODES_FORGET``), not the tail's cut one,
+    so it stays off there; and it is retried after ``COSTS_RETRY_AFTER`` of that bucket's own
+    steps (retry state is per batch-size bucket, as costs are), whatever the tail did."""
+    from specray.policies.controller import COSTS_RETRY_AFTER
+
+    c = AdaptiveSpeculation()
+
+    def run(batch: int, steps: int, tag: str, room: int = 64) -> int:
+        rows = [RowView(f"{tag}{i}", "tree", tree=True) for i in range(batch)]
+        drafted = 0
+        for step in range(steps):
+            caps = c.caps(rows)
+            size = min(16, room - step)  # rows near their last tokens draft what is left
+            nodes = [0 if k == 0 else size for k in caps]
+            drafted += any(nodes)
+            base, per_node = (0.010, 0.005) if batch == 8 else (0.007, 0.0004)  # a full tree: 9x a plain step at 8, 2x at 1
+            c.observe(rows, nodes, [min(3, n) for n in nodes], base + per_node * max(nodes))
+        return drafted
+
+    first = run(8, 60, "a")
+    assert 1 <= first <= 3  # it explored, then the costs turned the tree off
+    for rnd in range(3):  # each round: the queue's tail at batch 1, its trees cut short, then a full batch again
+        assert run(1, 12, f"t{rnd}-", room=14) >= 8
+        assert run(8, 60, f"b{rnd}-") == 0
+    assert run(8, COSTS_RETRY_AFTER[0], "c") == 1  # its retry, after 256 steps of its own bucket
