@@ -126,6 +126,12 @@ learned from 32 at a time, in order, with the step counts they had (the same sta
 after each): nothing reads what they teach before a step where it decides, or a request leaves,
 and learning calls run right after each compiled forward cost more than run together."""
 
+RETRY_SHARE = 0.01
+"""A method its costs switched off is retried no more often than one percent of its bucket's
+time pays for: a 16-node tree in 8 rows, about 8 plain steps' time beyond a plain step on the
+demo pair, is retried after 800 steps at the least (``COSTS_RETRY_AFTER`` is the schedule for
+cheap retries)."""
+
 TREE_NODES_FORGET = 0.98
 """A tree's size, as its cost is predicted: the most nodes it drafted lately, each step that drafts
 it forgetting 2% of the size seen before. Rows near their last tokens draft trees cut to the
@@ -427,7 +433,7 @@ class AdaptiveSpeculation:
                 best = _best([self._rate(rows, m, k, choice, model, costs, table(False)) for k in options])
                 if self.explore_every and self._steps % self.explore_every == 0 and not tree:
                     best = min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
-            choice[m] = options[self._retry(bucket, m, best, promised > 0)]
+            choice[m] = options[self._retry(bucket, m, best, promised > 0, lambda: self._price(model, costs, m, tree))]
             if choice[m] == 0:
                 bucket.off_since.setdefault(m, bucket.steps)
             else:
@@ -447,13 +453,21 @@ class AdaptiveSpeculation:
         since = bucket.off.get(method)
         return not bucket.burst.get(method) and since is not None and bucket.steps - since[0] < since[1]
 
-    def _retry(self, bucket: _Bucket, method: str, best: int, promising: bool) -> int:
+    def _price(self, model: _Costs, costs, method: str, tree: bool) -> float:
+        """What a retry step of ``method`` costs beyond a plain step, in plain steps (predicted):
+        its whole tree, or one draft token."""
+        plain = model.seconds(costs, {})
+        return model.seconds(costs, {method: self._nodes.get(method, 8) if tree else 1}) / plain - 1
+
+    def _retry(self, bucket: _Bucket, method: str, best: int, promising: bool, price=lambda: 0.0) -> int:
         """``best``, or 1 (draft again) when the method has been off for its retry interval:
         ``RETRY_AFTER``, doubling, while its priors say it should pay here (its measured
         acceptance turned it off, and may be stale); ``COSTS_RETRY_AFTER``, doubling, when even
         they say it does not (the costs turned it off: they change with the
         load, slowly, a batch size of its own has a bucket of its own, and each retry of a big
-        tree in a big batch costs several plain steps' time)."""
+        tree in a big batch costs several plain steps' time), and never more often than
+        ``RETRY_SHARE`` of the bucket's time pays for (``price``: what a retry step costs beyond a
+        plain one, in plain steps)."""
         if best:
             bucket.off.pop(method, None)
             bucket.burst.pop(method, None)
@@ -462,10 +476,11 @@ class AdaptiveSpeculation:
             bucket.burst[method] -= 1
             return 1
         first, most = RETRY_AFTER if promising else COSTS_RETRY_AFTER
-        since, interval = bucket.off.setdefault(method, [bucket.steps, first])
+        budget = 0 if promising else int(price() / RETRY_SHARE)
+        since, interval = bucket.off.setdefault(method, [bucket.steps, max(first, budget)])
         if bucket.steps - since < interval:
             return 0
-        later = min(2 * interval, most)
+        later = max(min(2 * interval, most), budget)
         bucket.off[method] = [bucket.steps, later]
         if promising:  # (the costs turned it off: one step re-measures them)
             bucket.burst[method] = RETRY_BURST - 1
