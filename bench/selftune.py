@@ -10,12 +10,15 @@ from the requests before it), batch 1, greedy, ``--max-tokens`` tokens (EOS igno
 every config makes the same number). The goal (issue 25): the default's tokens per target
 forward at least 0.8x the explicit setting's. Then ``--batch`` requests at a time, from a queue
 of ``--queue`` times as many prompts (a server under load: the batch stays full until the
-queue drains), a fresh controller each run: the default's tokens per CPU second against plain
-decoding's (goal: not below), and the explicit setting's beside them (where a tree costs more
-than it returns, the default should turn it off). ``--queue 1`` runs one closed batch instead,
-whose rows finish apart: its tail runs at smaller batches, where plain decoding is less
-efficient per token, so there speculation that breaks even at the full batch loses. Exit code 1
-where a goal is missed.
+queue drains): each config's engine runs beside a plain decoding engine, their steps
+interleaved (``bench/paired.py``: this VM's drift falls on both alike), and the ratio of their
+CPU seconds for the same tokens is the config's speed against plain decoding, the median of
+``--repeats`` rounds. The default is measured with a controller kept across the rounds after one
+untimed run (a server that has served: the goal, not below plain) and with a fresh one every
+run (a server's first requests: it explores each batch size once), the explicit setting beside
+them (where a tree costs more than it returns, the default should turn it off), and plain beside
+plain (the measurement's own spread). ``--queue 1`` runs one closed batch instead, whose rows
+finish apart: its tail runs at smaller batches. Exit code 1 where a goal is missed.
 
 The heads are trained by short recipes (``QUICK_RECIPES``: those of
 ``tests/test_trained_heads.py``; a few CPU minutes the first time) and cached under the demo
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                         "full until the queue drains (1: one closed batch, whose rows finish apart and leave a tail "
                         "at smaller batches)")
     p.add_argument("--repeats", type=int, default=5,
-                   help="interleaved rounds of the batch configs (the median of each round's ratio to plain counts)")
+                   help="rounds of the batch comparison (the median of the rounds' ratios to plain counts)")
     p.add_argument("--methods", default=",".join(EXPLICIT), help="comma-separated subset of " + ",".join(EXPLICIT))
     p.add_argument("--caps", default="", metavar="K,K",
                    help="also run the batch comparison with every row of each method capped at k draft nodes "
@@ -134,40 +137,9 @@ def _run(args, command: str) -> int:
                "explicit_tpf": round(e, 2), "ratio": round(d / e, 2), "goal_met": d / e >= GOAL}
         ok &= row["goal_met"]
         rows.append(row)
-    batch_rows = []
+    batch_rows, same = [], None
     if args.batch > 1:
-        # Interleaved rounds, every config once a round: a ratio is taken within a round (the
-        # runs side by side, under the same load) and the median of the rounds' ratios counts.
-        # This machine's speed drifts by tens of percent over seconds; the best run of each
-        # config alone picked lucky moments, a different one per config.
-        group = held_out_prompts(args.batch * args.queue, pair.tokenizer)
-        caps = [int(k) for k in args.caps.split(",") if k]
-        configs = {"plain": ({"method": "none"}, None), **{m: ({"method": m}, None) for m in methods},
-                   **{f"{m} explicit": ({"method": m, **EXPLICIT[m]}, None) for m in methods},
-                   **{f"{m} cap {k}": ({"method": m, **EXPLICIT[m]}, k) for m in methods for k in caps}}
-        runs: dict[str, list[dict]] = {name: [] for name in configs}
-        for _ in range(args.repeats):
-            for name, (spec, cap) in configs.items():
-                r = run(group, spec, cap)
-                assert r["ids"] == (runs["plain"] or [r])[0]["ids"], f"{name}: batch output differs from plain decoding"
-                runs[name].append(r)
-
-        def rate(name: str) -> float:  # tokens per CPU second, the median round
-            return statistics.median(r["tokens"] / r["seconds"] for r in runs[name])
-
-        def rounds(name: str) -> list[float]:  # each round's ratio to plain, side by side
-            return [p["seconds"] / r["seconds"] for p, r in zip(runs["plain"], runs[name])]
-
-        def x_plain(name: str) -> float:
-            return statistics.median(rounds(name))
-
-        for m in methods:
-            default = x_plain(m)
-            batch_rows.append({"method": m, "default_tok_s": round(rate(m)), "explicit_tok_s": round(rate(f"{m} explicit")),
-                               "plain_tok_s": round(rate("plain")), "x_plain": round(default, 2),
-                               "x_plain_rounds": [round(x, 2) for x in rounds(m)],
-                               "explicit_x_plain": round(x_plain(f"{m} explicit"), 2), "goal_met": default >= 1.0,
-                               "caps_x_plain": {k: round(x_plain(f"{m} cap {k}"), 2) for k in caps}})
+        batch_rows, same = _batch(args, engine, pair, methods, sampling, controller)
     lines = [f"self-tuned (no length given) vs explicit settings, demo pair, one-shot requests at batch 1: "
              f"{args.prompts} prompts x {args.max_tokens} tokens, greedy, a fresh controller each "
              f"(tokens per target forward; goal: default >= {GOAL}x explicit)",
@@ -178,27 +150,82 @@ def _run(args, command: str) -> int:
     if plain is not None:
         lines.append(f"plain decoding: {plain['tokens'] / plain['forwards']:.2f} tokens per target forward")
     if batch_rows:
-        lines += [f"\nbatch {args.batch}: {len(group)} prompts through {args.batch} slots, a fresh controller each run "
-                  f"(tokens per CPU second, the median of {args.repeats} interleaved rounds; x plain: the median of "
-                  f"the rounds' side-by-side ratios; goal: default >= plain)",
-                  f"{'method':10s} {'default':>8s} {'explicit':>9s} {'plain':>6s} {'default/plain':>14s} "
-                  f"{'explicit/plain':>15s}  goal" + "".join(f"  {f'cap {k}/plain':>11s}" for k in caps)]
-        for r in batch_rows:
-            lines.append(f"{r['method']:10s} {r['default_tok_s']:8d} {r['explicit_tok_s']:9d} {r['plain_tok_s']:6d} "
-                         f"{r['x_plain']:14.2f} {r['explicit_x_plain']:15.2f}  {'met' if r['goal_met'] else 'MISSED':6s}"
-                         + "".join(f"  {r['caps_x_plain'][k]:11.2f}" for k in caps))
-        lines += [f"{r['method']:10s} default/plain round by round: " + " ".join(f"{x:.2f}" for x in r["x_plain_rounds"])
-                  for r in batch_rows]
+        lines += [f"\nbatch {args.batch}: {args.batch * args.queue} prompts through {args.batch} slots; each config's "
+                  f"engine beside a plain decoding engine, steps interleaved ({args.repeats} rounds; x plain: the "
+                  f"median of the rounds' CPU-time ratios; goal: the default >= plain)",
+                  f"{'method':10s} {'server':>7s} {'fresh':>7s} {'explicit':>9s}  goal"
+                  + "".join(f"  {f'cap {k}':>6s}" for k in caps_of(args)),
+                  *[f"{r['method']:10s} {r['x_plain']:7.3f} {r['fresh_x_plain']:7.3f} {r['explicit_x_plain']:9.3f}  "
+                    f"{'met' if r['goal_met'] else 'MISSED':6s}" + "".join(f"  {r['caps_x_plain'][k]:6.3f}" for k in caps_of(args))
+                    for r in batch_rows],
+                  *[f"{r['method']:10s} server / fresh, round by round: " + " ".join(f"{x:.3f}" for x in r["x_plain_rounds"])
+                    + " / " + " ".join(f"{x:.3f}" for x in r["fresh_rounds"]) for r in batch_rows],
+                  f"plain beside plain (the measurement's own spread): {same['x_plain']:.3f}, round by round "
+                  + " ".join(f"{x:.3f}" for x in same["rounds"]),
+                  "server: one controller per engine kept across the rounds after a first run (a server that has "
+                  "served); fresh: a new controller every run (a server's first requests); explicit: "
+                  + ", ".join(f"{m} {json.dumps(EXPLICIT[m])}" for m in methods)]
     text = "\n".join(lines)
     print(text)  # (announce printed the command)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "selftune.txt").write_text(f"command: {command}\n{text}\n")
-    (out / "selftune.json").write_text(json.dumps({"command": command, "one_shot": rows, "batch": batch_rows},
+    (out / "selftune.json").write_text(json.dumps({"command": command, "one_shot": rows, "batch": batch_rows,
+                                                   "plain_beside_plain": same},
                                                   indent=1))
     plot(rows, out / "selftune.png")
     ok &= all(r["goal_met"] for r in batch_rows)
     return 0 if ok else 1
+
+
+def caps_of(args) -> list[int]:
+    return [int(k) for k in args.caps.split(",") if k]
+
+
+def _batch(args, engine, pair, methods, sampling, controller) -> tuple[list[dict], dict]:
+    """Each config against plain decoding at ``--batch``: two engines (``paired.side_by_side``),
+    one decoding plainly, the other the config, their steps interleaved; the engines swap
+    sides every round. Per method: the default with a controller kept across the rounds (a
+    server; after one untimed run), with a fresh one every run, the explicit setting, and
+    ``--caps``; and plain beside plain, the measurement's own spread."""
+    from specray.bench.paired import side_by_side
+    from specray.demo import held_out_prompts
+    from specray.engine import LLMEngine, SpeculationParams
+    from specray.policies.spec_length import SpeculationLengthPolicy
+
+    engines = (engine, LLMEngine(engine.config))
+    group = held_out_prompts(args.batch * args.queue, pair.tokenizer)
+    plain = SpeculationParams(method="none")
+    kept = {(e, m): controller.fresh() for e in range(2) for m in methods}  # the server's controllers
+    for m in methods:  # their first run: a server that has served before
+        side_by_side([(engines[e], SpeculationParams(method=m), kept[e, m]) for e in range(2)], group, sampling)
+    configs = {"plain": (plain, lambda e: controller.fresh())}
+    for m in methods:
+        configs[m] = (SpeculationParams(method=m), lambda e, m=m: kept[e, m])
+        configs[f"{m} fresh"] = (SpeculationParams(method=m), lambda e: controller.fresh())
+        configs[f"{m} explicit"] = (SpeculationParams(method=m, **EXPLICIT[m]), lambda e: controller.fresh())
+        for k in caps_of(args):
+            configs[f"{m} cap {k}"] = (SpeculationParams(method=m, **EXPLICIT[m]),
+                                       lambda e, k=k: SpeculationLengthPolicy(batch_k_caps=((1, k),)))
+    ratios: dict[str, list[float]] = {name: [] for name in configs}
+    want = None
+    for r in range(args.repeats):
+        for name, (spec, policy) in configs.items():
+            e = r % 2  # the config's engine this round; plain decodes on the other
+            base, run = side_by_side([(engines[1 - e], plain, controller.fresh()), (engines[e], spec, policy(e))],
+                                     group, sampling)
+            want = want or base["ids"]
+            assert base["ids"] == want and run["ids"] == want, f"{name}: batch output differs from plain decoding"
+            ratios[name].append(base["seconds"] / run["seconds"])  # the same tokens: CPU time's ratio is speed's
+
+    def x(name: str) -> float:
+        return round(statistics.median(ratios[name]), 3)
+
+    rows = [{"method": m, "x_plain": x(m), "x_plain_rounds": [round(v, 3) for v in ratios[m]],
+             "fresh_x_plain": x(f"{m} fresh"), "fresh_rounds": [round(v, 3) for v in ratios[f"{m} fresh"]],
+             "explicit_x_plain": x(f"{m} explicit"), "goal_met": x(m) >= 1.0,
+             "caps_x_plain": {k: x(f"{m} cap {k}") for k in caps_of(args)}} for m in methods]
+    return rows, {"x_plain": x("plain"), "rounds": [round(v, 3) for v in ratios["plain"]]}
 
 
 def plot(rows: list[dict], path: pathlib.Path) -> None:

@@ -384,6 +384,12 @@ class AdaptiveSpeculation:
         if all(r.fixed or r.method == "none" for r in rows):  # nothing to decide (plain rows, given k)
             self._on, self._decided = set(), False
             return [r.requested if r.fixed else None for r in rows]
+        if self._all_stay_off(bucket, rows):
+            # Every self-tuned method stays off unjudged (``_stays_off``): nothing learned since
+            # is read before a step that judges, so this one is learned later too.
+            self._on, self._decided = set(), False
+            self._choice.update(dict.fromkeys(self._auto_methods(rows), 0))
+            return [r.requested if r.fixed else (None if r.method == "none" else 0) for r in rows]
         self._decided = True
         self._learn_pending()
         methods = sorted({r.method for r in rows if r.method != "none"})
@@ -442,6 +448,18 @@ class AdaptiveSpeculation:
         caps = [r.requested if r.fixed else choice.get(r.method) for r in rows]
         self._on = {r.request_id for r, k in zip(rows, caps) if not r.fixed and r.method != "none" and k != 0}
         return caps
+
+    @staticmethod
+    def _auto_methods(rows: Sequence[RowView]) -> set[str]:
+        return {r.method for r in rows if not r.fixed and r.method != "none"}
+
+    def _all_stay_off(self, bucket: _Bucket, rows: Sequence[RowView]) -> bool:
+        """Whether this step's every self-tuned method stays off unjudged: a method long off at
+        a big batch, the step's only decision. Such a step neither reads nor needs what the
+        steps before it taught, and it teaches only what a plain step does: it is learned from
+        with the steps where caps decided nothing (``LEARN_EVERY``), its caps answered without
+        the cost model, the probe, or a pass over the methods."""
+        return all(self._stays_off(bucket, m) for m in self._auto_methods(rows))
 
     def _stays_off(self, bucket: _Bucket, method: str) -> bool:
         """Whether ``method``, off in ``bucket`` for more than ``REJUDGE_OFF_EVERY`` steps, stays

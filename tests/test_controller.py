@@ -518,7 +518,7 @@ def test_steps_it_decided_nothing_in_are_learned_later_as_if_at_once(monkeypatch
                  {r: (a.reached, a.accepted) for r, a in c._requests.items()},
                  {b: (m.methods, np.asarray(m.xx).tolist(), np.asarray(m.xy).tolist(), m.coefficients())
                   for b, m in c._costs.items()},
-                 {b: (k.steps, k.plain_at, k.tries, k.off_since) for b, k in c._buckets.items()})
+                 {b: (k.steps, k.plain_at, k.tries, k.off_since, k.off, k.burst) for b, k in c._buckets.items()})
         return answers, state
 
     every = controller.LEARN_EVERY
@@ -558,3 +558,46 @@ def test_a_tree_off_at_a_big_batch_stays_off_after_a_tail_of_short_trees_that_pa
     # (a full tree here costs 8 plain steps beyond one: 800 steps); the batch-8 steps so far: 240.
     assert run(8, 500, "c") == 0
     assert run(8, 200, "d") == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_steps_where_every_method_stays_off_are_learned_later_as_if_at_once(monkeypatch, seed):
+    """A step whose every self-tuned method stays off unjudged (a tree long off at a big batch)
+    is answered without the cost model and learned from with the steps that decided nothing:
+    over a queue's runs (full batches where a tree's costs switch it off, tails at batch 1 where
+    it pays, a second method's rows, requests leaving) every caps answer and the learned state
+    equal a controller that judges and learns every such step."""
+    import random
+
+    import numpy as np
+
+    def run(fast: bool):
+        if not fast:
+            monkeypatch.setattr(AdaptiveSpeculation, "_all_stay_off", lambda self, bucket, rows: False)
+        rng = random.Random(seed)
+        c, answers, offs = AdaptiveSpeculation(priors={"m": [0.7] * 5}), [], 0
+        for wave in range(6):
+            for step in range(300):
+                size = 8 if step < 280 else 1
+                rows = [RowView(f"w{wave}-{i}", "m" if i != 7 else "draft", tree=i != 7) for i in range(size)]
+                if rng.random() < 0.02:
+                    c.release(rows[0].request_id)
+                ks = c.caps(rows)
+                answers.append(ks)
+                offs += all(k == 0 for k in ks)
+                drafted = [(16 if k is None else k) for k in ks]
+                accepted = [min(d, rng.randint(0, 4)) for d in drafted]
+                per_node = 0.005 if size == 8 else 0.0004
+                c.observe(rows, drafted, accepted, (0.01 + per_node * max(drafted)) * rng.uniform(0.9, 1.1))
+        c._learn_pending()
+        state = ({m: (a.reached, a.accepted) for m, a in c._methods.items()},
+                 {r: (a.reached, a.accepted) for r, a in c._requests.items()},
+                 {b: (m.methods, np.asarray(m.xx).tolist(), np.asarray(m.xy).tolist(), m.coefficients())
+                  for b, m in c._costs.items()},
+                 {b: (k.steps, k.plain_at, k.tries, k.off_since, k.off, k.burst) for b, k in c._buckets.items()},
+                 c._choice, c._nodes)
+        return answers, state, offs
+
+    fast, slow = run(True), run(False)
+    assert fast[2] > 1000  # most full-batch steps had every method off
+    assert fast[:2] == slow[:2]
