@@ -17,14 +17,15 @@ import time
 from typing import Sequence
 
 
-def side_by_side(sides: Sequence[tuple], prompts: Sequence[str], sampling) -> list[dict]:
+def side_by_side(sides: Sequence[tuple], prompts: Sequence[str], sampling: Sequence) -> list[dict]:
     """Run ``prompts`` through every side, ``(engine, speculation, length_policy)``, steps
-    interleaved by progress. Per side: CPU ``seconds`` of its steps, generated ``tokens``, and
-    the token ``ids`` of each prompt's completion, in prompt order."""
+    interleaved by progress; ``sampling``: each prompt's parameters. Per side: CPU ``seconds``
+    of its steps, generated ``tokens``, and the token ``ids`` of each prompt's completion, in
+    prompt order."""
     runs = []
     for engine, speculation, policy in sides:
         engine.driver.length_policy = policy
-        ids = [engine.add_request(p, sampling, speculation) for p in prompts]
+        ids = [engine.add_request(p, s, speculation) for p, s in zip(prompts, sampling, strict=True)]
         runs.append({"engine": engine, "ids": ids, "made": {}, "done": {}, "seconds": 0.0})
     live = list(runs)
     while live:

@@ -9,8 +9,8 @@ as a one-shot ``specray generate`` does: a fresh self-tuning controller (nothing
 from the requests before it), batch 1, greedy, ``--max-tokens`` tokens (EOS ignored, so
 every config makes the same number). The goal (issue 25): the default's tokens per target
 forward at least 0.8x the explicit setting's. Then ``--batch`` requests at a time, from a queue
-of ``--queue`` times as many prompts (a server under load: the batch stays full until the
-queue drains): each config's engine runs beside a plain decoding engine, their steps
+of ``--queue`` times as many prompts, of five lengths from 0.5x to 1.5x ``--max-tokens`` (a server
+under load: the batch stays full until the queue drains, its requests ending apart): each config's engine runs beside a plain decoding engine, their steps
 interleaved (``bench/paired.py``: this VM's drift falls on both alike), and the ratio of their
 CPU seconds for the same tokens is the config's speed against plain decoding, the median of
 ``--repeats`` rounds. The default is measured with a controller kept across the rounds after one
@@ -47,6 +47,7 @@ EXPLICIT = {
     "redrafter": {"num_beams": 4},
 }
 GOAL = 0.8
+LENGTHS = (0.5, 1.5, 0.75, 1.25, 1.0)  # the batch comparison's request lengths, x --max-tokens, in turn
 HEADS_VERSION = "v1"  # of the cached short heads: raise it when QUICK_RECIPES or what a head saves changes
 
 
@@ -150,7 +151,8 @@ def _run(args, command: str) -> int:
     if plain is not None:
         lines.append(f"plain decoding: {plain['tokens'] / plain['forwards']:.2f} tokens per target forward")
     if batch_rows:
-        lines += [f"\nbatch {args.batch}: {args.batch * args.queue} prompts through {args.batch} slots; each config's "
+        lines += [f"\nbatch {args.batch}: {args.batch * args.queue} prompts of {min(LENGTHS) * args.max_tokens:.0f}-"
+                  f"{max(LENGTHS) * args.max_tokens:.0f} tokens through {args.batch} slots; each config's "
                   f"engine beside a plain decoding engine, steps interleaved ({args.repeats} rounds; x plain: the "
                   f"median of the rounds' CPU-time ratios; goal: the default >= plain)",
                   f"{'method':10s} {'server':>7s} {'fresh':>7s} {'explicit':>9s}  goal"
@@ -195,6 +197,11 @@ def _batch(args, engine, pair, methods, sampling, controller) -> tuple[list[dict
 
     engines = (engine, LLMEngine(engine.config))
     group = held_out_prompts(args.batch * args.queue, pair.tokenizer)
+    # A server's requests end apart: of one length, plain decoding's batch would stay full in
+    # lockstep, and a drafting step that advances rows unevenly would leave part-empty batches
+    # (and one-by-one admissions) behind it, a cost no server with requests of mixed lengths pays.
+    sampling = [sampling.model_copy(update={"max_tokens": max(1, round(args.max_tokens * LENGTHS[i % len(LENGTHS)]))})
+                for i in range(len(group))]
     plain = SpeculationParams(method="none")
     kept = {(e, m): controller.fresh() for e in range(2) for m in methods}  # the server's controllers
     for m in methods:  # their first run: a server that has served before

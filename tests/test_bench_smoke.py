@@ -94,4 +94,6 @@ def test_selftune_benchmark(tmp_path):
     (row,) = report["one_shot"]
     assert row["method"] == "draft" and row["default_tpf"] > 1 and row["explicit_tpf"] > 1
     assert [r["method"] for r in report["batch"]] == ["draft"] and (tmp_path / "selftune.png").stat().st_size > 0
-    assert report["batch"][0]["caps_x_plain"]["1"] > 0 and "cap 1/plain" in (tmp_path / "selftune.txt").read_text()
+    batch = report["batch"][0]
+    assert batch["caps_x_plain"]["1"] > 0 and batch["fresh_x_plain"] > 0 and report["plain_beside_plain"]["x_plain"] > 0
+    assert "cap 1" in (tmp_path / "selftune.txt").read_text()
