@@ -343,7 +343,8 @@ def _with_features(rows, feats):
     batch (a copy: a fixed-shape step reuses ``feats``' buffer), not one index per row. It
     runs every step for every row of a feature method, drafting or not (a method switched off
     still hands its features over for its catch-up), so it is written for the host's time: a
-    flat index, one ``index_select``, and each row built once."""
+    step of one token a row hands over the batch's rows as they are (one copy), any other one
+    flat index and one ``index_select``; each row built once."""
     commits = [(i, row) for i, row in rows if not isinstance(row, PrefillRow)]
     parts = iter(())
     if commits and feats.shape[1] == 1:  # one token a row (plain steps, a method switched off): rows as they are

@@ -128,9 +128,9 @@ and learning calls run right after each compiled forward cost more than run toge
 
 RETRY_SHARE = 0.01
 """A method its costs switched off is retried no more often than one percent of its bucket's
-time pays for: a 16-node tree in 8 rows, about 8 plain steps' time beyond a plain step on the
-demo pair, is retried after 800 steps at the least (``COSTS_RETRY_AFTER`` is the schedule for
-cheap retries)."""
+time pays for, as its cost model prices a retry step: one costing 8 plain steps' time beyond a
+plain step comes 800 steps apart at the least (``COSTS_RETRY_AFTER`` is the schedule for cheap
+retries)."""
 
 TREE_NODES_FORGET = 0.98
 """A tree's size, as its cost is predicted: the most nodes it drafted lately, each step that drafts
@@ -384,11 +384,14 @@ class AdaptiveSpeculation:
         if all(r.fixed or r.method == "none" for r in rows):  # nothing to decide (plain rows, given k)
             self._on, self._decided = set(), False
             return [r.requested if r.fixed else None for r in rows]
-        if self._all_stay_off(bucket, rows):
-            # Every self-tuned method stays off unjudged (``_stays_off``): nothing learned since
-            # is read before a step that judges, so this one is learned later too.
+        auto = {r.method for r in rows if not r.fixed and r.method != "none"}
+        if self._all_stay_off(bucket, auto):
+            # Every self-tuned method stays off unjudged (``_stays_off``): such a step neither
+            # reads nor needs what the steps before it taught, and teaches only what a plain
+            # step does, so it is learned from with the steps that decided nothing
+            # (``LEARN_EVERY``), answered without the cost model, the probe or a method pass.
             self._on, self._decided = set(), False
-            self._choice.update(dict.fromkeys(self._auto_methods(rows), 0))
+            self._choice.update(dict.fromkeys(auto, 0))
             return [r.requested if r.fixed else (None if r.method == "none" else 0) for r in rows]
         self._decided = True
         self._learn_pending()
@@ -449,17 +452,9 @@ class AdaptiveSpeculation:
         self._on = {r.request_id for r, k in zip(rows, caps) if not r.fixed and r.method != "none" and k != 0}
         return caps
 
-    @staticmethod
-    def _auto_methods(rows: Sequence[RowView]) -> set[str]:
-        return {r.method for r in rows if not r.fixed and r.method != "none"}
-
-    def _all_stay_off(self, bucket: _Bucket, rows: Sequence[RowView]) -> bool:
-        """Whether this step's every self-tuned method stays off unjudged: a method long off at
-        a big batch, the step's only decision. Such a step neither reads nor needs what the
-        steps before it taught, and it teaches only what a plain step does: it is learned from
-        with the steps where caps decided nothing (``LEARN_EVERY``), its caps answered without
-        the cost model, the probe, or a pass over the methods."""
-        return all(self._stays_off(bucket, m) for m in self._auto_methods(rows))
+    def _all_stay_off(self, bucket: _Bucket, methods) -> bool:
+        """Whether every one of this step's self-tuned ``methods`` stays off unjudged."""
+        return all(self._stays_off(bucket, m) for m in methods)
 
     def _stays_off(self, bucket: _Bucket, method: str) -> bool:
         """Whether ``method``, off in ``bucket`` for more than ``REJUDGE_OFF_EVERY`` steps, stays

@@ -573,7 +573,7 @@ def test_steps_where_every_method_stays_off_are_learned_later_as_if_at_once(monk
 
     def run(fast: bool):
         if not fast:
-            monkeypatch.setattr(AdaptiveSpeculation, "_all_stay_off", lambda self, bucket, rows: False)
+            monkeypatch.setattr(AdaptiveSpeculation, "_all_stay_off", lambda self, bucket, methods: False)
         rng = random.Random(seed)
         c, answers, offs = AdaptiveSpeculation(priors={"m": [0.7] * 5}), [], 0
         for wave in range(6):
