@@ -303,6 +303,12 @@ class _RowPlan:
         self.root_feature: torch.Tensor | None = None  # f̂ at the root (from the catch-up)
         depth = tree.max_depth if tree is not None else row.options.depth
         self.depth = min(depth, room)  # deeper nodes could never be kept
+        # EAGLE-2: children per expanded node and nodes expanded per level. Under a budget
+        # below top_k (a cap, the tokens left) only that many can be kept, and every kept
+        # node's ancestors are kept (a path's score only falls along it), so each is among
+        # its level's and its siblings' ``budget`` best: growing more changes nothing kept.
+        self.budget = min(row.options.total_tokens - 1, room)
+        self.width = min(row.options.top_k, self.budget)
         self.sampled = tree is not None and not row.sampling.greedy
 
 
@@ -441,7 +447,7 @@ class EagleProposer:
         scale = self.head.greedy_temperature if calibrate else 1.0
         logp = torch.log_softmax(logits.float() / scale, dim=-1)  # [P, V]
         if plan.tree is None:
-            return logp, plan.row.options.top_k
+            return logp, plan.width
         kids = _kids_by_rank(plan.tree.choices)
         # as many candidates as the highest rank asked for: a fitted tree may skip ranks ([2]
         # without [1]); reading one per child lost every node past the first gap
@@ -480,7 +486,7 @@ class EagleProposer:
             # a static tree expands every node that has children in it
             plan.frontier = [n for n in new if plan.nodes[n].rank in kids] if level < plan.depth else []
         else:  # dynamic: top_k children per expanded node, the best top_k are expanded next
-            k = plan.row.options.top_k
+            k = plan.width
             for p, idx, vals in zip(parents, *top):
                 base = plan.nodes[p].score if p >= 0 else 0.0
                 for tok, val in zip(idx, vals):
@@ -579,8 +585,7 @@ class EagleProposer:
                 chosen = sorted(chosen, key=best_first)[: plan.room]
             chosen.sort(key=lambda n: (nodes[n].depth, nodes[n].rank))
         else:
-            budget = min(plan.row.options.total_tokens - 1, plan.room)
-            chosen = sorted(range(len(nodes)), key=best_first)[:budget]
+            chosen = sorted(range(len(nodes)), key=best_first)[:plan.budget]
             chosen.sort(key=lambda n: (nodes[n].depth, -nodes[n].score))
         chosen = chosen[: plan.room]  # sampled static rows: depth-ordered, so every kept node's parent is kept
         index = {n: i + 1 for i, n in enumerate(chosen)}

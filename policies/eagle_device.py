@@ -49,8 +49,9 @@ def grow_on_device(proposer, rows: Sequence[ProposalRow], resolve) -> DeviceDraf
     for i, r in enumerate(rows):
         o = r.options
         if o.dynamic_tree:
-            k, depth = o.top_k, min(o.depth, r.num_tokens)  # deeper nodes could never be kept
-            size = min(o.total_tokens - 1, k + (depth - 1) * k * k, r.num_tokens)
+            depth, budget = min(o.depth, r.num_tokens), min(o.total_tokens - 1, r.num_tokens)  # (as the host)
+            k = min(o.top_k, budget)  # growing wider than the budget changes no kept node
+            size = min(budget, k + (depth - 1) * k * k)
             groups.setdefault(("dynamic", k, depth, size, size), []).append(i)
             trees.append(None)
         elif r.sampling.greedy and r.num_tokens < (full := resolve(r)).size - 1:

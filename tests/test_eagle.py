@@ -233,6 +233,48 @@ def test_a_capped_tree_keeps_its_best_nodes(tiny_pair, references):
     assert per_pos[2] > 0, per_pos  # a first-3-nodes cut ([0], [1], [2]) never accepts past position 1
 
 
+def test_a_capped_dynamic_tree_grows_only_what_its_cap_can_keep(tiny_pair, references, monkeypatch):
+    """EAGLE-2 under a cap below top_k (the self-tuning length, or the tokens left) expands and
+    proposes only cap-many nodes per level: it drafts exactly the tree full-width growth cut to
+    the cap drafts (each kept node's ancestors are kept, so each is among its level's best),
+    feeding the head fewer nodes."""
+    from specray.policies import eagle
+    from specray.policies.spec_length import SpeculationLengthPolicy
+
+    target, _ = tiny_pair
+    spec = SpeculationParams(method="eagle", dynamic_tree=True, top_k=6, depth=4, total_tokens=20)
+    real_init, real_finish, real_expand = eagle._RowPlan.__init__, eagle.EagleProposer._finish, eagle.EagleProposer._expand
+
+    def run(full_width: bool):
+        drafts, fed = [], []
+
+        def init(self, *args):
+            real_init(self, *args)
+            if full_width:  # as before: every level top_k wide whatever the budget
+                self.width = self.row.options.top_k
+
+        def finish(self, plan):
+            row = real_finish(self, plan)
+            drafts.append((list(row.tokens), row.tree.parents.tolist()))
+            return row
+
+        def expand(self, plans):
+            fed.append(sum(len({a for n in p.frontier for a in self._ancestors(p, n)}) for p in plans))
+            return real_expand(self, plans)
+
+        monkeypatch.setattr(eagle._RowPlan, "__init__", init)
+        monkeypatch.setattr(eagle.EagleProposer, "_finish", finish)
+        monkeypatch.setattr(eagle.EagleProposer, "_expand", expand)
+        engine = eagle_engine(target, self_head(target), speculation_length=SpeculationLengthPolicy(batch_k_caps=((1, 3),)))
+        outs = engine.generate(ragged_prompts(8), GREEDY, spec)
+        assert [o.token_ids for o in outs] == references
+        return drafts, sum(fed)
+
+    (narrow, fed_narrow), (wide, fed_wide) = run(False), run(True)
+    assert narrow == wide and any(len(t) == 3 for t, _ in narrow)
+    assert fed_narrow < 0.6 * fed_wide, (fed_narrow, fed_wide)  # 3 of 6 nodes a level, and their ancestors
+
+
 @pytest.mark.parametrize("step", ["eager", "static"])
 def test_a_batch_draft_that_raises_is_retried_row_by_row(tiny_pair, references, monkeypatch, step):
     """A head that fails once on a whole batch (after its catch-up) costs that step's drafts,
