@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, command: str) -> int:
+    from specray.bench.paired import empty_prefix_cache
     from specray.demo import held_out_prompts, load_or_build_demo_pair
     from specray.demo.pair import default_cache_dir
     from specray.engine import EngineConfig, LLMEngine, SamplingParams, SpeculationParams
@@ -99,12 +100,11 @@ def _run(args, command: str) -> int:
     engine = LLMEngine(EngineConfig(target=pair.target, draft=pair.draft, tokenizer=pair.tokenizer,
                                     medusa=heads.get("medusa"),
                                     checkpoints={m: d for m, d in heads.items() if m != "medusa"},
-                                    max_num_seqs=max(1, args.batch),
-                                    # Every config runs the same prompts again: with prefix caching on,
-                                    # plain decoding would find whole prompts cached by the runs before
-                                    # it, while a feature-level head that has not drafted has no blocks
-                                    # to match, so it prefills in full.
-                                    enable_prefix_caching=False))
+                                    max_num_seqs=max(1, args.batch)))
+    # Prefix caching stays on, as `specray generate` and `specray serve` run (an EAGLE head is then
+    # fed each prompt at admission, not in its first drafting step), and every run starts from an
+    # empty cache: every config runs the same prompts, which would otherwise be cached by the
+    # runs before it.
     prompts = held_out_prompts(args.prompts, pair.tokenizer)  # (the set depends on how many are asked for)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
 
@@ -114,6 +114,7 @@ def _run(args, command: str) -> int:
         """One engine run of ``batch`` together, the controller fresh (a one-shot process), or
         every row capped at ``cap`` draft nodes."""
         engine.driver.length_policy = controller.fresh() if cap is None else SpeculationLengthPolicy(batch_k_caps=((1, cap),))
+        empty_prefix_cache(engine)
         start = time.process_time()
         outs = engine.generate(batch, sampling, SpeculationParams(**spec))
         seconds = time.process_time() - start

@@ -81,7 +81,8 @@ def weights_module(resource) -> nn.Module:
 
 
 def forget_prefixes(resource, proposer) -> None:
-    """New weights: the drafter's cached KV blocks (paged KV's prefix cache) are stale."""
+    """The drafter's cached KV blocks (paged KV's prefix cache) dropped: new weights made them
+    stale, or the engine's prefix cache is reset."""
     for runner in (resource, getattr(proposer, "runner", None)):
         if isinstance(runner, ModelRunner):
             runner.forget_prefixes()

@@ -378,6 +378,10 @@ class ProposerTable:
             self._built[method] = spec.build(replace(self.context, resource=self.resources.get(method)))
         return self._built[method]
 
+    def built(self) -> dict[str, object]:
+        """The proposers built so far, by method."""
+        return dict(self._built)
+
     def feature_layers(self, method: str) -> tuple[int, ...] | None:
         """The target layers whose inputs ``method`` reads (None: the final norm's features)."""
         spec = method_spec(method)

@@ -126,6 +126,11 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_blocks
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks cached under a prefix's key, held or free."""
+        return len(self._key_of)
+
     def allocate(self) -> int:
         if self._free:
             block = self._free.popleft()

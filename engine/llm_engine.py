@@ -23,7 +23,7 @@ from specray.engine.config import EngineConfig, load_tokenizer
 from specray.engine.capture import Capture
 from specray.engine.delta import StepDelta
 from specray.engine.device_step import greedy_pass
-from specray.engine.drafter_versions import DrafterVersion, DrafterVersions, read_version
+from specray.engine.drafter_versions import DrafterVersion, DrafterVersions, forget_prefixes, read_version
 from specray.engine.driver import StepDriver, run_sync
 from specray.engine.executor import LocalExecutor, ProposerTable
 from specray.engine.graphs import COMPILED
@@ -202,6 +202,18 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix, the target's and each drafter's, as vLLM's
+        ``LLM.reset_prefix_cache`` does: the next requests prefill in full, as on a fresh engine
+        (a benchmark that runs the same prompts through several configurations). False, and
+        nothing dropped, while requests are in the engine."""
+        if self.has_unfinished():
+            return False
+        self.target.forget_prefixes()
+        for method, proposer in self.proposers.built().items():
+            forget_prefixes(self.proposers.resources.get(method), proposer)
+        return True
 
     def progress(self, request_ids: Iterable[str]) -> dict[str, dict]:
         """What continuing each of ``request_ids`` still here on another worker needs besides its

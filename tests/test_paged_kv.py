@@ -218,6 +218,27 @@ def test_a_head_that_never_drafted_still_caches_its_prompt(tiny_pair, name):
     assert after["prefix_hits"] - before["prefix_hits"] == 80  # all but the last token
 
 
+@pytest.mark.parametrize("name", ["draft", "eagle"])
+def test_reset_prefix_cache_drops_the_targets_and_the_drafters_cached_blocks(tiny_pair, name):
+    """``reset_prefix_cache`` (vLLM's ``LLM.reset_prefix_cache``): a repeated prompt then hits
+    nothing, in the target or the drafter, and decodes as before; refused while a request is in
+    the engine (its rows' blocks would be published no more)."""
+    e = engine(tiny_pair)
+    prompt = [(3 * j + 1) % 64 for j in range(81)]
+    first = e.generate([prompt], GREEDY, spec_of(name))[0]
+    proposer = e.proposers.get(name)
+    pools = [e.target.blocks.pool, proposer.runner.blocks.pool]
+    assert all(pool.num_cached for pool in pools)
+    e.add_request(prompt, GREEDY, spec_of(name))
+    assert e.reset_prefix_cache() is False and all(pool.num_cached for pool in pools)
+    while e.has_unfinished():
+        e.step()
+    assert e.reset_prefix_cache() is True and not any(pool.num_cached for pool in pools)
+    before = e.stats()["kv"]["prefix_hits"]
+    again = e.generate([prompt], GREEDY, spec_of(name))[0]
+    assert e.stats()["kv"]["prefix_hits"] == before and again.token_ids == first.token_ids
+
+
 def test_a_prompt_that_can_never_fit_is_refused_and_a_long_one_stops_at_the_pool(tiny_pair):
     e = engine(tiny_pair, num_kv_blocks=3, max_num_seqs=2)  # 48 tokens in all
     with pytest.raises(ContextLengthError, match="48"):
