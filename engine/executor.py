@@ -17,6 +17,7 @@ import torch
 from specray.engine import logprobs as L
 from specray.engine import step as S
 from specray.engine.device_step import verify_on_device
+from specray.engine.drafter_versions import forget_prefixes
 from specray.engine.accept import TargetScores, accept_verified, sampled_rows
 from specray.engine.kv_blocks import KVCacheFull
 from specray.engine.logits import host_positions, processed
@@ -378,9 +379,10 @@ class ProposerTable:
             self._built[method] = spec.build(replace(self.context, resource=self.resources.get(method)))
         return self._built[method]
 
-    def built(self) -> dict[str, object]:
-        """The proposers built so far, by method."""
-        return dict(self._built)
+    def forget_prefixes(self) -> None:
+        """Every built drafter's cached KV blocks dropped (the engine's prefix cache reset)."""
+        for method, proposer in self._built.items():
+            forget_prefixes(self.resources.get(method), proposer)
 
     def feature_layers(self, method: str) -> tuple[int, ...] | None:
         """The target layers whose inputs ``method`` reads (None: the final norm's features)."""

@@ -23,7 +23,7 @@ from specray.engine.config import EngineConfig, load_tokenizer
 from specray.engine.capture import Capture
 from specray.engine.delta import StepDelta
 from specray.engine.device_step import greedy_pass
-from specray.engine.drafter_versions import DrafterVersion, DrafterVersions, forget_prefixes, read_version
+from specray.engine.drafter_versions import DrafterVersion, DrafterVersions, read_version
 from specray.engine.driver import StepDriver, run_sync
 from specray.engine.executor import LocalExecutor, ProposerTable
 from specray.engine.graphs import COMPILED
@@ -211,8 +211,7 @@ class LLMEngine:
         if self.has_unfinished():
             return False
         self.target.forget_prefixes()
-        for method, proposer in self.proposers.built().items():
-            forget_prefixes(self.proposers.resources.get(method), proposer)
+        self.proposers.forget_prefixes()
         return True
 
     def progress(self, request_ids: Iterable[str]) -> dict[str, dict]:

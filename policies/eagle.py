@@ -57,6 +57,7 @@ from specray.kernels.sampling import probs_from_logits
 from specray.kernels.tree import NAMED_TREES, TokenTree, build_tree, normalize_choices
 from specray.policies.checkpoint_files import building, read_json_config, read_tensors
 from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, PrefillRow, ProposalRow
+from specray.policies.eagle_device import dynamic_growth
 from specray.policies.registry import MethodSpec, TreeAcceptanceOptions, register_method
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -301,14 +302,10 @@ class _RowPlan:
         self.nodes: list[_Node] = []
         self.frontier: list[int] = []  # nodes to expand at the next level
         self.root_feature: torch.Tensor | None = None  # f̂ at the root (from the catch-up)
-        depth = tree.max_depth if tree is not None else row.options.depth
-        self.depth = min(depth, room)  # deeper nodes could never be kept
-        # EAGLE-2: children per expanded node and nodes expanded per level. Under a budget
-        # below top_k (a cap, the tokens left) only that many can be kept, and every kept
-        # node's ancestors are kept (a path's score only falls along it), so each is among
-        # its level's and its siblings' ``budget`` best: growing more changes nothing kept.
-        self.budget = min(row.options.total_tokens - 1, room)
-        self.width = min(row.options.top_k, self.budget)
+        if tree is not None:
+            self.depth = min(tree.max_depth, room)  # deeper nodes could never be kept
+        else:  # EAGLE-2: its levels, nodes kept, and children per node / nodes expanded per level
+            self.depth, self.budget, self.width = dynamic_growth(row.options, room)
         self.sampled = tree is not None and not row.sampling.greedy
 
 

@@ -39,6 +39,15 @@ from specray.kernels.tree import TokenTree
 from specray.policies.base import DeviceDraft, DeviceTrees, DraftRow, ProposalRow, placeholder_tree
 
 
+def dynamic_growth(options, room: int) -> tuple[int, int, int]:
+    """An EAGLE-2 tree's (levels, nodes kept, width) under ``room`` (the host's and the device's):
+    deeper nodes could never be kept, and growing a level or a node's children wider than the
+    nodes kept changes no kept node (every kept node's ancestors are kept, a path's score only
+    falling along it, so each is among its level's and its siblings' best)."""
+    budget = min(options.total_tokens - 1, room)
+    return min(options.depth, room), budget, min(options.top_k, budget)
+
+
 def grow_on_device(proposer, rows: Sequence[ProposalRow], resolve) -> DeviceDraft:
     """Every row's tree, tokens and structure left on the device. ``resolve(row)``: the
     row's static tree (EAGLE-1 rows)."""
@@ -49,8 +58,7 @@ def grow_on_device(proposer, rows: Sequence[ProposalRow], resolve) -> DeviceDraf
     for i, r in enumerate(rows):
         o = r.options
         if o.dynamic_tree:
-            depth, budget = min(o.depth, r.num_tokens), min(o.total_tokens - 1, r.num_tokens)  # (as the host)
-            k = min(o.top_k, budget)  # growing wider than the budget changes no kept node
+            depth, budget, k = dynamic_growth(o, r.num_tokens)
             size = min(budget, k + (depth - 1) * k * k)
             groups.setdefault(("dynamic", k, depth, size, size), []).append(i)
             trees.append(None)
