@@ -28,7 +28,9 @@ not assumed.
 Each step, for each method, the k over 0..max_k maximising (expected tokens of the batch) /
 (predicted step seconds) is taken, the other methods at their current choice; every few
 steps a neighbour of the best k is tried so the costs stay identified. Tree methods choose
-between off (0) and their own tree. A method that is off is tried again after
+between off (0), their best node alone (1: a chain of one, the head's likeliest next token) and
+their whole tree (``BEST_NODE``: at a big batch a whole tree costs more than it returns where one
+node still pays). A method that is off is tried again after
 ``RETRY_AFTER`` steps, doubling (its acceptance or the load may have changed). A row the
 controller let draft that proposed nothing counts as a miss at the first position: a method
 that only sometimes has a proposal (prompt lookup, suffix decoding) is worth what it returns
@@ -139,6 +141,27 @@ tokens left; taken as the tree's size (the last step's, as before), a queue's ta
 of 1 or 2 nodes were drafted, made a full tree look cheap at the next full batch, which then
 drafted a 16-node tree in 8 rows (several plain steps' time) at the start of every batch run."""
 
+BEST_NODE = "@1"
+"""A tree method's best node drafted alone (``"eagle@1"``) is a column of its own in the cost
+model, one cost whenever it is drafted: it runs one level of the head and verifies one token a
+row, while the whole tree's cost is per node of a tree many levels deep; one cost per node for
+both priced one of them far off. Its acceptance is the head's top-1 rate, estimated from the
+steps that drafted it alone: a whole tree's first depth is accepted when any of its first-level
+nodes is, and counted from capped steps the per-depth rates would read a cut tree's missing
+siblings as misses (``_top1``). Measured with ``python -m specray.bench.selftune --caps 1`` at
+batch 8: EAGLE's and EAGLE-3's best node alone 1.09x plain decoding, their whole trees 0.74-0.79x."""
+
+TREE_TIE = 0.2
+"""A tree whose whole tree pays and is predicted within 20% of its best node alone drafts the
+whole tree: its steps teach the controller every depth's acceptance and its cost, the best
+node's only the first depth's, so between near-equals the best node's choice rests on the
+stalest estimates (a request's whole tree priced low by one unlucky step stays so while its best
+node drafts); and each rests on a few noisy steps. EAGLE at batch 1 on these CPUs is such a
+case: its whole tree and its best node ran at 193 and about 190 tokens per CPU second, and a
+controller taking whichever was predicted faster drafted 2.5 tokens a forward instead of 4. The
+best node is taken where the whole tree does not pay (EAGLE and EAGLE-3 at batch 8: their
+whole trees 0.74-0.80x plain decoding, their best nodes above it)."""
+
 COSTS_RETRY_AFTER = (4 * PROBE_EVERY, 16 * PROBE_EVERY)
 """A method its costs switched off (even its priors say it does not pay at this batch size)
 is retried one step after 256 steps, then 512, then every 1024. Such a retry re-measures only
@@ -189,12 +212,17 @@ class _Acceptance:
         return prior
 
 
+def _pays(values: list[float], i: int) -> bool:
+    """Whether choice ``i`` clearly beats plain decoding (choice 0), as ``_best`` requires."""
+    return values[i] >= values[0] * (1 + MIN_GAIN)
+
+
 def _best(values: list[float]) -> int:
     """The index of the k to take from each k's expected tokens/s: speculate only where it
     clearly pays (noise in measured costs must not keep a useless draft on), and of
     near-equal choices take the shortest."""
     best = int(np.argmax(values))
-    if values[best] < values[0] * (1 + MIN_GAIN):
+    if not _pays(values, best):
         return 0
     return next(i for i, v in enumerate(values) if v >= values[best] * (1 - MIN_GAIN / 2))
 
@@ -237,6 +265,7 @@ class _Costs:
         # The last theta solved, as Python floats: the outlier clip and ``seconds`` multiply it
         # every step, and numpy's matmul of a few numbers costs more than Python's here.
         self._coef: tuple[float, ...] | None = None
+        self._seen: set[int] = {0}  # columns some step added had non-zero
         self._unsolved = 0  # steps added since the last solve (any: coefficients() solves again; a step where caps judged a method shares its solve with add)
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
@@ -248,8 +277,18 @@ class _Costs:
         recent = self._coef is not None and (not any(ks.values()) or self._unsolved < CLIP_SOLVE_EVERY)
         if not recent:
             self.coefficients()
-        if self._coef is not None:
+        new = {i for i, v in enumerate(x) if v} - self._seen
+        if self._coef is not None and not new:
             seconds = min(seconds, OUTLIER * sum(map(operator.mul, self._coef, x)))
+        elif self._coef is not None:
+            # A column's first measurement is no outlier (clipped at 4x a guessed prior, a
+            # best node's cost took tens of steps to learn) and becomes its prior: a column
+            # long unmeasured (switched off) is forgotten back to its prior, and a guessed one
+            # made it look cheap again every few hundred steps.
+            known = sum(c * v for i, (c, v) in enumerate(zip(self._coef, x)) if i not in new)
+            for i in new:
+                self.prior[i] = max(seconds - known, 0.0) / sum(x[j] for j in new)
+        self._seen |= new
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
             base = seconds / (1.0 + NODE_PRIOR * sum(ks.values()))
             self.prior = self._guess(base, {})
@@ -327,6 +366,7 @@ class _Costs:
         at = ([0] + [1 + out.methods.index(m) for m in self.methods]  # old coordinates in the new
               + [1 + len(out.methods) + out.blocks.index(m) for m in self.blocks])
         out._xx[np.ix_(at, at)], out._xy[at], out._first = self.xx, self.xy, self._first
+        out._seen = {at[i] for i in self._seen}
         if self.prior is not None:
             out.prior = out._guess(self.prior[0], {})
             out.prior[at] = self.prior
@@ -357,7 +397,11 @@ class AdaptiveSpeculation:
         self._costs: dict[int, _Costs] = {}
         self._choice: dict[str, int | None] = {}
         self._nodes: dict[str, float] = {}  # tree methods: the most nodes a tree had lately (TREE_NODES_FORGET)
+        # tree methods' best node alone: its acceptance, per method and per request (``BEST_NODE``)
+        self._top1: defaultdict[str, _Acceptance] = defaultdict(_Acceptance)
+        self._requests_top1: defaultdict[str, _Acceptance] = defaultdict(_Acceptance)
         self._on: set[str] = set()  # rows of the last step the controller let draft
+        self._alone: set[str] = set()  # of those, the tree rows drafting their best node alone
         self._steps = 0
         self._buckets: defaultdict[int, _Bucket] = defaultdict(_Bucket)  # per batch-size bucket: its exploration so far
         self._blocks: set[str] = set()  # methods that draft a whole block in one forward
@@ -381,6 +425,7 @@ class AdaptiveSpeculation:
         self._blocks.update(r.method for r in rows if r.block)
         bucket = self._buckets[_bucket(len(rows))]
         bucket.steps += 1
+        self._alone = set()
         if all(r.fixed or r.method == "none" for r in rows):  # nothing to decide (plain rows, given k)
             self._on, self._decided = set(), False
             return [r.requested if r.fixed else None for r in rows]
@@ -396,7 +441,7 @@ class AdaptiveSpeculation:
         self._decided = True
         self._learn_pending()
         methods = sorted({r.method for r in rows if r.method != "none"})
-        model = self._cost_model(len(rows), methods)
+        model = self._cost_model(len(rows), self._columns(rows))
         measured = model.prior is not None  # (coefficients() is None before the bucket's first step)
         # A plain probe: the bucket has measured drafting, never a plain step (or long ago).
         probe = measured and bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
@@ -416,7 +461,7 @@ class AdaptiveSpeculation:
             if not auto:
                 continue
             tree = auto[0].tree
-            options = [0, None] if tree else list(range(self.max_k + 1))
+            options = self._tree_options(m) if tree else list(range(self.max_k + 1))
             if probe:
                 choice[m] = 0
                 continue
@@ -431,7 +476,7 @@ class AdaptiveSpeculation:
             # What the priors promise at this step's measured costs: while a method is new in
             # this bucket it is judged by that alone (a few drafts say little about a drafter;
             # a step's cost says much), and it tells whether an off method is worth retrying.
-            hope = [self._rate(rows, m, k, choice, model, costs, hoped) for k in options]
+            hope = [self._rate(rows, m, k, choice, model, costs, hoped, prior_only=True) for k in options]
             promised = _best(hope)
             if bucket.tries.get(m, 0) < MIN_TRIES:  # exploring: draft unless clearly a loss
                 best = 1 + int(np.argmax(hope[1:]))
@@ -439,9 +484,12 @@ class AdaptiveSpeculation:
                 if not best:  # a clear loss even by its priors: judged, its retries single steps
                     bucket.tries[m] = MIN_TRIES
             else:
-                best = _best([self._rate(rows, m, k, choice, model, costs, table(False)) for k in options])
-                if self.explore_every and self._steps % self.explore_every == 0 and not tree:
-                    best = min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
+                rates = [self._rate(rows, m, k, choice, model, costs, table(False)) for k in options]
+                best = _best(rates)
+                if tree and best == 1 and _pays(rates, -1) and rates[-1] >= rates[1] * (1 - TREE_TIE):
+                    best = len(options) - 1
+                if self.explore_every and self._steps % self.explore_every == 0:
+                    best = self._neighbour(best, rates, tree)
             choice[m] = options[self._retry(bucket, m, best, promised > 0, lambda: self._price(model, costs, m, tree))]
             if choice[m] == 0:
                 bucket.off_since.setdefault(m, bucket.steps)
@@ -450,7 +498,25 @@ class AdaptiveSpeculation:
         self._choice.update(choice)
         caps = [r.requested if r.fixed else choice.get(r.method) for r in rows]
         self._on = {r.request_id for r, k in zip(rows, caps) if not r.fixed and r.method != "none" and k != 0}
+        self._alone = {r.request_id for r, k in zip(rows, caps) if r.tree and not r.fixed and k == 1}
         return caps
+
+    def _neighbour(self, best: int, rates: list[float], tree: bool) -> int:
+        """Now and then a neighbour of the best choice, so the costs stay identified: a chain's
+        k one up or down; a drafting tree's other size — its best node alone, or its whole tree
+        every fourth time and only while that is predicted to pay (a cold first step can price
+        it low; at a big batch it does not pay, and a try costs several plain steps' time: tried
+        there, at 0.8x of the best node's speed, every 32 steps, it cost EAGLE 8% of its time
+        at batch 8). A tree that is off is tried again by its retries."""
+        if not tree:
+            return min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
+        if best == 0 or len(rates) < 3:
+            return best
+        whole = len(rates) - 1
+        if best == whole:
+            return 1
+        due = (self._steps // self.explore_every) % 4 == 0
+        return whole if due and _pays(rates, whole) else best
 
     def _all_stay_off(self, bucket: _Bucket, methods) -> bool:
         """Whether every one of this step's self-tuned ``methods`` stays off unjudged."""
@@ -468,9 +534,9 @@ class AdaptiveSpeculation:
 
     def _price(self, model: _Costs, costs, method: str, tree: bool) -> float:
         """What a retry step of ``method`` costs beyond a plain step, in plain steps (predicted):
-        its whole tree, or one draft token."""
+        one draft token (a tree's retries draft its best node alone)."""
         plain = model.seconds(costs, {})
-        return model.seconds(costs, {method: self._nodes.get(method, 8) if tree else 1}) / plain - 1
+        return model.seconds(costs, {method + BEST_NODE if tree else method: 1}) / plain - 1
 
     def _retry(self, bucket: _Bucket, method: str, best: int, promising: bool, price=lambda: 0.0) -> int:
         """``best``, or 1 (draft again) when the method has been off for its retry interval:
@@ -499,17 +565,44 @@ class AdaptiveSpeculation:
             bucket.burst[method] = RETRY_BURST - 1
         return 1
 
-    def _rate(self, rows, method, k, choice, model, costs, expected) -> float:
-        """Expected tokens per second of the whole batch if ``method`` drafts k."""
+    def _rate(self, rows, method, k, choice, model, costs, expected, prior_only: bool = False) -> float:
+        """Expected tokens per second of the whole batch if ``method`` drafts k (``expected``:
+        the rows' tables, from the priors alone where ``prior_only``)."""
         tokens, ks = 0.0, {}
         for r in rows:
             kr = r.requested if r.fixed else (k if r.method == method else
                                               choice.get(r.method, self._choice.get(r.method)))
+            if r.tree and not r.fixed and kr == 1:  # its best node alone
+                tokens += 1.0 + self._top1_rate(r, prior_only)
+                ks[r.method + BEST_NODE] = 1
+                continue
             nodes = self._tree_nodes(r) if kr is None else kr
             table = expected[r.request_id]
             tokens += table[0] if r.method == "none" else table[self._depth(r) if kr is None else kr]
             ks[r.method] = max(ks.get(r.method, 0), nodes)
         return tokens / model.seconds(costs, ks)
+
+    def _tree_options(self, method: str) -> list:
+        """A tree method's choices: off, its best node alone (where its tree has more), its whole tree."""
+        return [0, 1, None] if self._nodes.get(method, 8) > 1 else [0, None]
+
+    def _top1_rate(self, row: RowView, prior_only: bool = False, own: bool = True) -> float:
+        """P(a tree row's best node alone is accepted): the request's own rate, shrunk towards
+        the method's, shrunk towards the first depth's prior (the saved acceptance of the whole
+        tree's first depth: at most what the best node alone achieves, an optimistic start that
+        its first measurements correct); ``prior_only``: that prior; not ``own``: the method's."""
+        measured = self.priors.get(row.method)
+        prior = measured[0] if measured else self.prior_acceptance
+        if prior_only:
+            return prior
+        method = self._top1.get(row.method, _Acceptance()).rate(0, prior, self.pseudo)
+        return self._requests_top1.get(row.request_id, _Acceptance()).rate(0, method, self.pseudo) if own else method
+
+    @staticmethod
+    def _columns(rows: Sequence[RowView]) -> list[str]:
+        """The cost model's columns a step's rows need: each method, and a tree method's best node."""
+        methods = {r.method for r in rows if r.method != "none"}
+        return sorted(methods | {r.method + BEST_NODE for r in rows if r.tree and r.method != "none" and not r.fixed})
 
     def _depth(self, row: RowView) -> int:
         """A tree's draft positions so far, or as measured when it was trained (its expected
@@ -539,7 +632,18 @@ class AdaptiveSpeculation:
             if measured:  # beyond the positions measured, the last one's rate
                 prior = measured[min(j, len(measured) - 1)]
             prior = method.rate(j, prior, self.pseudo)
-            alive *= own.rate(j, prior, self.pseudo)
+            rate = own.rate(j, prior, self.pseudo)
+            if j == 0 and row.tree and not prior_only and row.method in self._top1:
+                # A tree holds its best node: its first depth is accepted at least as often as
+                # that node alone is (what drafting the best node teaches of the whole tree;
+                # without it a request's whole tree, priced off by an unlucky step or two, was
+                # not drafted again while its best node paid about as well)
+                prior = max(prior, self._top1_rate(row, own=False))
+                if row.request_id in self._requests_top1:
+                    rate = max(own.rate(j, prior, self.pseudo), self._top1_rate(row))
+                else:
+                    rate = own.rate(j, prior, self.pseudo)
+            alive *= rate
             out.append(out[-1] + alive)
         return out
 
@@ -571,7 +675,7 @@ class AdaptiveSpeculation:
                 self._learn_pending()
             return
         self._learn_pending()
-        self._observe(rows, drafted, accepted, seconds, steps, self._on)
+        self._observe(rows, drafted, accepted, seconds, steps, self._on, self._alone)
 
     def _learn_pending(self) -> None:
         """Learn from the steps not learned from yet, oldest first (their caps let no row
@@ -580,9 +684,9 @@ class AdaptiveSpeculation:
         for rows, drafted, accepted, seconds, steps in pending:
             self._observe(rows, drafted, accepted, seconds, steps, frozenset())
 
-    def _observe(self, rows, drafted, accepted, seconds: float, steps: int, on) -> None:
+    def _observe(self, rows, drafted, accepted, seconds: float, steps: int, on, alone=frozenset()) -> None:
         """``observe`` of a step the bucket counted as its ``steps``-th, ``on``: the rows its
-        caps let draft."""
+        caps let draft, ``alone``: the tree rows of those it let draft their best node alone."""
         if all(r.method == "none" for r in rows):
             bucket = self._buckets.get(_bucket(len(rows)))
             if bucket is not None:
@@ -593,6 +697,12 @@ class AdaptiveSpeculation:
         learned: set[str] = set()
         for r, d, a in zip(rows, drafted, accepted):
             if r.method == "none":
+                continue
+            if r.request_id in alone:  # its best node alone: the top-1 rate, its own cost column
+                ks[r.method + BEST_NODE] = max(ks.get(r.method + BEST_NODE, 0), min(d, 1))
+                self._top1[r.method].add(1, min(a, 1), self.forget)
+                self._requests_top1[r.request_id].add(1, min(a, 1), REQUEST_FORGET)
+                learned.add(r.method)  # (the whole tree's first depth reads it: ``_table``)
                 continue
             ks[r.method] = max(ks.get(r.method, 0), d)
             if d <= 0 and r.request_id in on:
@@ -613,9 +723,8 @@ class AdaptiveSpeculation:
         for m in [m for m, left in bucket.burst.items() if left]:  # a retry that accepted nothing ends its burst
             if not any(a for r, a in zip(rows, accepted) if r.method == m and r.request_id in on):
                 del bucket.burst[m]
-        methods = sorted({r.method for r in rows if r.method != "none"})
         self._blocks.update(r.method for r in rows if r.block)
-        self._cost_model(len(rows), methods).add(ks, seconds)
+        self._cost_model(len(rows), self._columns(rows)).add(ks, seconds)
         for m in {r.method for r in rows if r.request_id in on}:
             bucket.tries[m] = bucket.tries.get(m, 0) + 1
         if not any(ks.values()):
@@ -628,6 +737,7 @@ class AdaptiveSpeculation:
     def release(self, request_id: str) -> None:
         self._learn_pending()
         self._requests.pop(request_id, None)
+        self._requests_top1.pop(request_id, None)
         self._tables.pop(request_id, None)
 
     def start_method(self, method: str, rates: Sequence[float]) -> None:
@@ -638,6 +748,7 @@ class AdaptiveSpeculation:
         self._learn_pending()
         self.priors[method] = [min(max(float(r), 0.0), 1.0) for r in rates]
         self._methods.pop(method, None)
+        self._top1.pop(method, None)
         for bucket in self._buckets.values():
             bucket.off.pop(method, None)
         self._learn(method)

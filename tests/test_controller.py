@@ -232,10 +232,19 @@ def one_shot(acceptance: float, priors: dict, steps: int = 24, unlucky: int = 0,
     """A fresh controller over ``steps`` steps of ``batch`` rows of method "m" (a tree of 8 nodes
     and depth 5, or a chain of k): each position accepted with ``acceptance``, with
     ``unlucky_acceptance`` in the first ``unlucky`` steps (the steps, drafting or not, a text's
-    hard part lasts); a step costs sqrt(batch) * (1 + draft_cost * nodes) ms. The caps it chose."""
+    hard part lasts); a step costs sqrt(batch) * (1 + draft_cost * nodes) ms, a tree's as
+    ``tree_cost`` prices it. The caps it chose."""
+    return simulate_tree_or_chain(acceptance, priors, steps, unlucky, tree, batch, draft_cost, unlucky_acceptance)[0]
+
+
+def simulate_tree_or_chain(acceptance: float, priors: dict, steps: int, unlucky: int = 0, tree: bool = False, batch: int = 1,
+             draft_cost: float = 0.1, unlucky_acceptance: float = 0.0, top1: float | None = None,
+             seed: int = 0) -> tuple[list, AdaptiveSpeculation]:
+    """``one_shot``, a tree's best node alone accepted with ``top1`` (None: ``acceptance``), from
+    ``seed``: the caps chosen, and the controller."""
     import random
 
-    rng = random.Random(0)
+    rng = random.Random(seed)
     c = AdaptiveSpeculation(priors=priors)
     rows = [RowView(f"r{i}", "m", tree=tree) for i in range(batch)]
     chosen = []
@@ -246,12 +255,26 @@ def one_shot(acceptance: float, priors: dict, steps: int = 24, unlucky: int = 0,
         for k in ks:
             n = 0
             rate = acceptance if step >= unlucky else unlucky_acceptance
-            while n < (5 if k is None else k) and rate > 0 and rng.random() < rate:
+            rate = top1 if tree and k == 1 and top1 is not None else rate
+            while n < (5 if k is None else min(k, 5)) and rate > 0 and rng.random() < rate:
                 n += 1
             accepted.append(n)
-        c.observe(rows, drafted, accepted, 0.001 * batch ** 0.5 * (1 + draft_cost * max(drafted)))
+        extra = tree_cost(ks[0], draft_cost) if tree else draft_cost * max(drafted)
+        c.observe(rows, drafted, accepted, 0.001 * batch ** 0.5 * (1 + extra))
         chosen.append(ks[0])
-    return chosen
+    return chosen, c
+
+
+def tree_cost(k, draft_cost: float, nodes: int = 8, depth: int = 5) -> float:
+    """What a tree step costs beyond a plain step, in plain steps, in these simulations: a level
+    of the head 1.2 * draft_cost, a node verified 0.25 * draft_cost; the whole tree (k None) has
+    ``depth`` levels and ``nodes`` nodes (at the defaults: 8 * draft_cost), a tree cut to k
+    nodes min(k, depth) levels (EAGLE-2 grows k levels under a cap of k): its best node alone
+    (k = 1) one level and one node."""
+    if k == 0:
+        return 0.0
+    levels, n = (depth, nodes) if k is None else (min(k, depth), k)
+    return draft_cost * (1.2 * levels + 0.25 * n)
 
 
 @pytest.mark.parametrize("tree", [False, True])
@@ -263,24 +286,25 @@ def test_a_saved_acceptance_keeps_a_good_drafter_on_through_an_unlucky_start(tre
     saved = {"m": [0.8] * 5}
     chosen = one_shot(0.8, saved, unlucky=3, tree=tree)
     assert [i for i, k in enumerate(chosen) if k == 0] == [1], chosen
-    if tree:  # without the saved acceptance the same unlucky start switches the tree off
-        assert sum(k != 0 for k in one_shot(0.8, {}, unlucky=3, tree=True)) < len(chosen) // 2
+    if tree:  # without the saved acceptance the same unlucky start leaves it drafting its best node
+        nodes = lambda ks: sum(8 if k is None else k for k in ks[2:11])  # noqa: E731
+        assert nodes(chosen) > 1.3 * nodes(one_shot(0.8, {}, unlucky=3, tree=True))
 
 
 def test_a_drafter_switched_off_by_a_hard_stretch_comes_back_when_it_pays_again(monkeypatch):
-    """A tree that accepts little for a while (rightly switched off) and then well again is
-    back on for most of the rest: a retry drafts a few steps (``RETRY_BURST``) before it is
-    judged, and a request's recent acceptance counts most (``REQUEST_FORGET``). With
-    single-step retries and a request's acceptance never forgotten, it stays off for good."""
+    """A tree that accepts little for a while (rightly cut to its best node, then switched off)
+    and then well again is back on for most of the rest: it is retried (its best node alone, ``RETRY_AFTER``), and a
+    request's recent acceptance counts most (``REQUEST_FORGET``). Never retried, it stays off
+    for good."""
     from specray.policies import controller
 
     run = dict(acceptance=0.85, priors={"m": [0.8] * 5}, steps=60, unlucky=12, tree=True, draft_cost=0.2,
                unlucky_acceptance=0.2)
     chosen = one_shot(**run)
-    assert sum(k == 0 for k in chosen[4:12]) >= 4, chosen  # the hard stretch: off
+    # the hard stretch: down to its best node alone, then off
+    assert sum(k == 0 for k in chosen[4:12]) >= 3 and None not in chosen[8:12], chosen
     assert sum(k != 0 for k in chosen[30:]) >= 24, chosen  # and on again once drafts pay
-    monkeypatch.setattr(controller, "RETRY_BURST", 1)
-    monkeypatch.setattr(controller, "REQUEST_FORGET", 1.0)
+    monkeypatch.setattr(controller, "RETRY_AFTER", (10**6, 10**6))
     assert sum(k != 0 for k in one_shot(**run)[30:]) < 24
 
 
@@ -294,21 +318,24 @@ def test_saved_acceptance_that_serving_contradicts_is_dropped(tree):
 
 
 def test_a_costly_tree_in_a_big_batch_is_turned_off_whatever_was_saved():
-    chosen = one_shot(0.8, {"m": [0.8] * 5}, steps=40, tree=True, batch=16, draft_cost=0.5)
+    chosen = one_shot(0.8, {"m": [0.8] * 5}, steps=40, tree=True, batch=16, draft_cost=1.0)
     assert sum(k != 0 for k in chosen[10:]) <= 3, chosen
 
 
-@pytest.mark.parametrize("rate, draft_cost, first, gaps", [(0.5, 0.25, 256, [512, 1024]), (0.8, 0.5, 400, [800, 1024])])
+@pytest.mark.parametrize("rate, draft_cost, first, gaps", [(0.8, 1.0, 256, [512, 1024]), (0.8, 2.0, 290, [580, 1024])])
 def test_a_tree_its_costs_switched_off_is_retried_ever_more_rarely(rate, draft_cost, first, gaps):
-    """Retries of a tree the costs switched off come 256, 512, then 1024 steps apart: each costs
-    several plain steps' time at a big batch, and a new batch size has a bucket of its own. None
-    comes sooner than RETRY_SHARE of the bucket's time pays for: an 8-node tree at 0.5 of a plain
-    step a node costs 4 plain steps beyond one, so 400 steps first, then twice that (at 0.25 a
-    node, 200: the schedule stands)."""
+    """Retries of a tree the costs switched off (every size of it) come 256, 512, then 1024 steps
+    apart: a new batch size has a bucket of its own. A retry drafts the tree's best node, and
+    none comes sooner than RETRY_SHARE of the bucket's time pays for: at 2.0 a node costs 2.9
+    plain steps beyond one (``tree_cost``), so 290 steps first, then twice that (at 1.0, 145:
+    the schedule stands). The best node's cost, measured once, stays what it was while it is
+    off (a guessed prior, forgotten back to, made it look cheap again every few hundred
+    steps)."""
     chosen = one_shot(rate, {"m": [rate] * 5}, steps=2500, tree=True, batch=16, draft_cost=draft_cost)
     retries = [i for i, k in enumerate(chosen) if k != 0 and i >= 10]
     steps = [b - a for a, b in zip(retries, retries[1:])][:2]
     assert first - 6 <= retries[0] <= first + 14 and len(steps) == 2 and all(abs(s - g) <= 8 for s, g in zip(steps, gaps)), retries
+    assert all(chosen[i] == 1 for i in retries), "a retry drafts the best node alone"
 
 
 def test_a_buckets_costs_are_read_by_method():
@@ -417,17 +444,18 @@ def test_a_method_long_off_is_judged_every_few_steps_not_every_step(monkeypatch)
     c = AdaptiveSpeculation(priors={"m": [0.8] * 5})
     rows = [RowView(f"r{i}", "m", tree=True) for i in range(8)]
     judged, rate = [], C.AdaptiveSpeculation._rate
-    monkeypatch.setattr(C.AdaptiveSpeculation, "_rate", lambda self, *a: judged.append(self._steps) or rate(self, *a))
+    monkeypatch.setattr(C.AdaptiveSpeculation, "_rate", lambda self, *a, **kw: judged.append(self._steps) or rate(self, *a, **kw))
     chosen = []
     for _ in range(600):
         ks = c.caps(rows)
         chosen.append(ks[0])
         drafted = [8 if k is None else k for k in ks]
-        c.observe(rows, drafted, [2 if d else 0 for d in drafted], 0.001 * (1 + 0.5 * max(drafted)))
+        c.observe(rows, drafted, [min(2, d) for d in drafted], 0.001 * (1 + tree_cost(ks[0], 2.0)))
     late = {s for s in judged if 100 <= s < 250}
     assert chosen[100:250].count(0) == 150 and len(late) <= 20, sorted(late)  # 150 steps judged every 8th
-    # the costs retry still comes: after the 400 steps RETRY_SHARE allows a tree 4 plain steps dear
-    assert any(k != 0 for k in chosen[400:]) and not any(k != 0 for k in chosen[250:390]), "the costs retry"
+    # the costs retry still comes: after the 290 steps RETRY_SHARE allows a retry (the tree's best
+    # node) 2.9 plain steps dear
+    assert any(k != 0 for k in chosen[285:]) and not any(k != 0 for k in chosen[250:285]), "the costs retry"
 
 
 def test_steps_whose_rows_all_decode_plainly_by_request_teach_nothing():
@@ -531,9 +559,9 @@ def test_a_tree_off_at_a_big_batch_stays_off_after_a_tail_of_short_trees_that_pa
     """A queue through 8 slots ends in a tail at small batches, where a tree pays and rows near
     their last tokens draft trees cut to 1 or 2 nodes. The next full batch judges the tree at its
     own size (the most nodes it drafted lately, ``TREE_NODES_FORGET``), not the tail's cut one,
-    so it stays off there; and it is retried after that bucket's own steps (retry state is per
-    batch-size bucket, as costs are), whatever the tail did, no more often than ``RETRY_SHARE``
-    of its time pays for."""
+    and its best node alone at its own, so it stays off there; and it is retried after that bucket's
+    own steps (retry state is per batch-size bucket, as costs are), whatever the tail did, no
+    more often than ``RETRY_SHARE`` of its time pays for."""
 
     c = AdaptiveSpeculation()
 
@@ -542,11 +570,11 @@ def test_a_tree_off_at_a_big_batch_stays_off_after_a_tail_of_short_trees_that_pa
         drafted = 0
         for step in range(steps):
             caps = c.caps(rows)
-            size = min(16, room - step)  # rows near their last tokens draft what is left
-            nodes = [0 if k == 0 else size for k in caps]
+            # rows near their last tokens draft what is left (a tree of 16 nodes, 5 levels deep)
+            nodes = [0 if k == 0 else min(16 if k is None else k, room - step) for k in caps]
             drafted += any(nodes)
-            base, per_node = (0.010, 0.005) if batch == 8 else (0.007, 0.0004)  # a full tree: 9x a plain step at 8, 2x at 1
-            c.observe(rows, nodes, [min(3, n) for n in nodes], base + per_node * max(nodes))
+            base, cost = (0.010, 0.8) if batch == 8 else (0.007, 0.1)  # a whole tree: 9x a plain step at 8, 2x at 1
+            c.observe(rows, nodes, [min(3, n) for n in nodes], base * (1 + tree_cost(max(nodes), cost)))
         return drafted
 
     first = run(8, 60, "a")
@@ -554,10 +582,11 @@ def test_a_tree_off_at_a_big_batch_stays_off_after_a_tail_of_short_trees_that_pa
     for rnd in range(3):  # each round: the queue's tail at batch 1, its trees cut short, then a full batch again
         assert run(1, 12, f"t{rnd}-", room=14) >= 8
         assert run(8, 60, f"b{rnd}-") == 0
-    # Its retry: after 256 of that bucket's steps, or as many as RETRY_SHARE of its time pays for
-    # (a full tree here costs 8 plain steps beyond one: 800 steps); the batch-8 steps so far: 240.
-    assert run(8, 500, "c") == 0
-    assert run(8, 200, "d") == 1
+    # Its retries (its best node alone: 1.16 plain steps beyond one, which RETRY_SHARE allows
+    # every 116 steps) after 256 of that bucket's steps, then 512: the batch-8 steps so far are
+    # 240, and it went off at its third.
+    assert run(8, 500, "c") == 1  # at its step 259
+    assert run(8, 200, "d") == 1  # at 771
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -587,8 +616,10 @@ def test_steps_where_every_method_stays_off_are_learned_later_as_if_at_once(monk
                 offs += all(k == 0 for k in ks)
                 drafted = [(16 if k is None else k) for k in ks]
                 accepted = [min(d, rng.randint(0, 4)) for d in drafted]
-                per_node = 0.005 if size == 8 else 0.0004
-                c.observe(rows, drafted, accepted, (0.01 + per_node * max(drafted)) * rng.uniform(0.9, 1.1))
+                per_node, level = (0.005, 0.8) if size == 8 else (0.0004, 0.03)
+                tree = tree_cost(ks[0], level, nodes=16)  # (a whole tree: 16 nodes; at batch 8, 11x a plain step)
+                chain = drafted[7] if size == 8 else 0
+                c.observe(rows, drafted, accepted, (0.01 * (1 + tree) + per_node * chain) * rng.uniform(0.9, 1.1))
         c._learn_pending()
         state = ({m: (a.reached, a.accepted) for m, a in c._methods.items()},
                  {r: (a.reached, a.accepted) for r, a in c._requests.items()},
@@ -601,3 +632,67 @@ def test_steps_where_every_method_stays_off_are_learned_later_as_if_at_once(monk
     fast, slow = run(True), run(False)
     assert fast[2] > 1000  # most full-batch steps had every method off
     assert fast[:2] == slow[:2]
+
+
+# -- a tree's best node alone --------------------------------------------------------------------
+def big_batch(top1: float, depth_rates: float, steps: int, level_cost: float = 0.4, seed: int = 0,
+              batch: int = 8) -> tuple[list, AdaptiveSpeculation]:
+    """``steps`` steps of ``batch`` rows of a tree method (8 nodes, depth 5) whose best node alone is
+    accepted with ``top1`` and whose whole tree reaches each depth with ``depth_rates``, as saved
+    with it; a step costs what ``tree_cost`` prices at ``level_cost`` a level beyond a plain step
+    (at 0.4: the whole tree 3.2 plain steps, its best node 0.58). The caps chosen, and the
+    controller."""
+    return simulate_tree_or_chain(depth_rates, {"m": [depth_rates] * 5}, steps, tree=True, batch=batch, draft_cost=level_cost,
+                    top1=top1, seed=seed)
+
+
+def test_at_a_big_batch_a_tree_too_dear_whole_drafts_its_best_node_alone():
+    """The whole tree returns 3.7 tokens for 4.2 plain steps' time (0.88x plain decoding), its
+    best node 1.75 for 1.58 (1.11x): the controller drafts the best node most steps, where one
+    that chose only between the whole tree and nothing (as before) decoded plainly. A best node
+    that is rarely right is switched off too."""
+    chosen, c = big_batch(top1=0.75, depth_rates=0.8, steps=300)
+    assert chosen[50:].count(1) >= 200 and chosen[50:].count(None) <= 30, chosen
+    # its acceptance is learned apart from the whole tree's per depth (counted there, a best
+    # node's misses would read as misses of a whole tree's first depth)
+    assert 0.65 < c._top1["m"].accepted[0] / c._top1["m"].reached[0] < 0.85
+    rows = [RowView(f"r{i}", "m", tree=True) for i in range(8)]
+    per_depth, top1 = copy.deepcopy(c._methods["m"]), c._top1["m"].accepted[0]
+    assert c.caps(rows) == [1] * 8
+    c.observe(rows, [1] * 8, [0] * 8, 0.00158)
+    assert c._methods["m"] == per_depth and c._top1["m"].accepted[0] < top1  # (8 misses)
+    bad, _ = big_batch(top1=0.1, depth_rates=0.8, steps=300)
+    assert bad[50:].count(0) >= 230, bad
+
+
+def test_a_new_cost_columns_first_measurement_is_taken_whole():
+    """The best node's first step costs 3 plain steps beyond one, far above the guessed prior
+    (15% of a plain step): taken whole (not clipped at 4x the prediction) it prices the best
+    node off at once, and stays its prior while it is off."""
+    c = AdaptiveSpeculation(priors={"m": [0.6] * 5})
+    rows = [RowView(f"r{i}", "m", tree=True) for i in range(8)]
+    first = None
+    for step in range(40):
+        ks = c.caps(rows)
+        if ks[0] == 1 and first is None:
+            first = step
+        extra = {0: 0.0, 1: 3.0, None: 6.0}[ks[0]]
+        drafted = [8 if k is None else k for k in ks]
+        c.observe(rows, drafted, [min(d, 1) for d in drafted], 0.001 * (1 + extra))
+    model = c._costs[8]
+    theta = dict(zip(["1", *model.methods], model.coefficients()))
+    assert first is not None and abs(theta["m@1"] / theta["1"] - 3.0) < 0.5, theta
+
+
+def test_between_near_equals_a_tree_drafts_its_whole_tree(monkeypatch):
+    """At batch 1, where the whole tree (3.7 tokens for 3 plain steps' time) and the best node
+    alone (1.8 for 1.36) run within 7% of each other, the tree drafts its whole tree most steps
+    (``TREE_TIE``: its steps teach every depth, the best node's only the first); judged by the
+    predicted rates alone it drafts mostly the best node, by its stalest estimates."""
+    from specray.policies import controller as C
+
+    chosen, _ = big_batch(top1=0.8, depth_rates=0.8, steps=200, level_cost=0.25, batch=1)
+    assert chosen[20:].count(None) >= 150, chosen
+    monkeypatch.setattr(C, "TREE_TIE", 0.0)
+    chosen, _ = big_batch(top1=0.8, depth_rates=0.8, steps=200, level_cost=0.25, batch=1)
+    assert chosen[20:].count(1) >= 90, chosen
