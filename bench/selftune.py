@@ -18,7 +18,10 @@ untimed run (a server that has served: the goal, not below plain) and with a fre
 run (a server's first requests: it explores each batch size once), the explicit setting beside
 them (where a tree costs more than it returns, the default should turn it off), and plain beside
 plain (the measurement's own spread). ``--queue 1`` runs one closed batch instead, whose rows
-finish apart: its tail runs at smaller batches. Exit code 1 where a goal is missed.
+finish apart: its tail runs at smaller batches. ``--batch 1 --prompts 0`` compares speeds at
+batch 1 the same way, side by side (the one-shot part's CPU speeds are runs one after another:
+noisy), which shows whether an explicit setting pays there at all. Exit code 1 where a goal is
+missed.
 
 The heads are trained by short recipes (``QUICK_RECIPES``: those of
 ``tests/test_trained_heads.py``; a few CPU minutes the first time) and cached under the demo
@@ -145,7 +148,7 @@ def _run(args, command: str) -> int:
         ok &= row["goal_met"]
         rows.append(row)
     batch_rows, same = [], None
-    if args.batch > 1:
+    if args.batch >= 1:
         batch_rows, same = _batch(args, engine, pair, methods, sampling, controller)
     lines = [f"self-tuned (no length given) vs explicit settings, demo pair, one-shot requests at batch 1: "
              f"{args.prompts} prompts x {args.max_tokens} tokens, greedy, a fresh controller each "

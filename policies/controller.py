@@ -148,8 +148,9 @@ row, while the whole tree's cost is per node of a tree many levels deep; one cos
 both priced one of them far off. Its acceptance is the head's top-1 rate, estimated from the
 steps that drafted it alone: a whole tree's first depth is accepted when any of its first-level
 nodes is, and counted from capped steps the per-depth rates would read a cut tree's missing
-siblings as misses (``_top1``). Measured with ``python -m specray.bench.selftune --caps 1`` at
-batch 8: EAGLE's and EAGLE-3's best node alone 1.09x plain decoding, their whole trees 0.74-0.79x."""
+siblings as misses (``_top1``). At batch 8 on the demo pair, as a static cap (``python -m
+specray.bench.selftune --caps 1`` on c88d89d, prefix caching off), EAGLE's and EAGLE-3's best
+node alone ran 1.09x plain decoding, their whole trees 0.74-0.79x."""
 
 TREE_TIE = 0.2
 """A tree whose whole tree pays and is predicted within 20% of its best node alone drafts the
@@ -266,6 +267,7 @@ class _Costs:
         # every step, and numpy's matmul of a few numbers costs more than Python's here.
         self._coef: tuple[float, ...] | None = None
         self._seen: set[int] = {0}  # columns some step added had non-zero
+        self._known: np.ndarray | None = None  # each column's estimate when its steps last informed it
         self._unsolved = 0  # steps added since the last solve (any: coefficients() solves again; a step where caps judged a method shares its solve with add)
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
@@ -288,6 +290,8 @@ class _Costs:
             known = sum(c * v for i, (c, v) in enumerate(zip(self._coef, x)) if i not in new)
             for i in new:
                 self.prior[i] = max(seconds - known, 0.0) / sum(x[j] for j in new)
+                if self._known is not None:
+                    self._known[i] = self.prior[i]
         self._seen |= new
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
             base = seconds / (1.0 + NODE_PRIOR * sum(ks.values()))
@@ -344,8 +348,20 @@ class _Costs:
         if self.prior is None:
             return None
         if self._unsolved or self._coef is None:
+            # A column its recent steps no longer inform (a method off for long) is held at
+            # what they last measured, not forgotten back to a first or guessed cost: so
+            # forgotten, a long-running server's controller priced EAGLE-3's whole tree at batch
+            # 8 as paying (it ran at 7 plain steps' time) and its best node, from one cold first
+            # step, as not. (An informed column keeps the prior as its anchor: its steps
+            # outweigh it, and where they cannot tell two columns apart, a k always the same,
+            # an anchor that followed the estimates drifted.)
+            informed = np.diag(self.xx) > self.prior_weight
+            if self._known is None or len(self._known) != len(self.prior):
+                self._known = self.prior.copy()
+            anchor = np.where(informed, self.prior, self._known)
             lam = self.prior_weight * np.eye(len(self.prior))
-            theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ self.prior), 1e-6)
+            theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ anchor), 1e-6)
+            self._known = np.where(informed, theta, self._known)
             self._coef = tuple(theta.tolist())
             self._unsolved = 0
         return self._coef
@@ -370,6 +386,9 @@ class _Costs:
         if self.prior is not None:
             out.prior = out._guess(self.prior[0], {})
             out.prior[at] = self.prior
+        if self._known is not None:
+            out._known = out.prior.copy()
+            out._known[at] = self._known
         return out
 
     def seconds(self, coefficients: Sequence[float], ks: dict[str, int]) -> float:
