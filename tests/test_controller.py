@@ -696,3 +696,21 @@ def test_between_near_equals_a_tree_drafts_its_whole_tree(monkeypatch):
     monkeypatch.setattr(C, "TREE_TIE", 0.0)
     chosen, _ = big_batch(top1=0.8, depth_rates=0.8, steps=200, level_cost=0.25, batch=1)
     assert chosen[20:].count(1) >= 90, chosen
+
+
+def test_a_cost_unmeasured_for_long_stays_what_it_was_last_measured():
+    """A method drafted for a while (each draft node 0.5 ms beyond a 1 ms step; its first, cold
+    step three times that), then off for 500 steps: its cost stays about what its steps
+    measured. Forgotten back to its prior (its first step's, 1.5 ms a node), a long-running
+    server's controller priced a tree wrongly for good (EAGLE-3's at batch 8: its whole tree
+    paying, its best node not)."""
+    from specray.policies.controller import _Costs
+
+    costs = _Costs(["m"], forget=0.98, prior_weight=0.3)
+    for step in range(100):
+        k = 4 * (step % 2)
+        costs.add({"m": k}, 0.001 + 0.0005 * k * (3 if step == 1 else 1))
+    for _ in range(500):
+        costs.add({"m": 0}, 0.001)
+    plain, per_node = costs.coefficients()
+    assert abs(plain - 0.001) < 1e-5 and abs(per_node - 0.0005) < 5e-5, (plain, per_node)
