@@ -92,6 +92,17 @@ from the step's). The first probe is a bucket's second step; a bucket whose rows
 plainly anyway needs none."""
 
 
+PLAIN_ANCHOR = 5.0
+"""The plain step's cost is held near the mean of the bucket's plain steps (each plain step
+weighing 0.99 of the one after it) with the weight of 5 steps. While a method drafts every step
+but the probes (one in ``PROBE_EVERY``), the steps only tell the plain step's cost and a draft's
+apart through those probes, which the forgetting soon outweighs: the fit drifted, a plain step
+at batch 1 priced 16 ms against its measured 10 and the best node's own cost at 0, and the
+controller, finding plain decoding slow and EAGLE-3's whole tree cheap, drafted a tree that ran
+0.8x plain decoding."""
+
+PLAIN_FORGET = 0.99
+
 NODE_PRIOR = 0.15
 """Before a bucket has measured a method, each of its draft nodes is taken to cost this share
 of a plain step."""
@@ -268,6 +279,7 @@ class _Costs:
         self._coef: tuple[float, ...] | None = None
         self._seen: set[int] = {0}  # columns some step added had non-zero
         self._known: np.ndarray | None = None  # each column's estimate when its steps last informed it
+        self._plain = (0.0, 0.0)  # forgotten sum of plain steps' seconds, and their weight (PLAIN_ANCHOR)
         self._unsolved = 0  # steps added since the last solve (any: coefficients() solves again; a step where caps judged a method shares its solve with add)
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
@@ -293,6 +305,9 @@ class _Costs:
                 if self._known is not None:
                     self._known[i] = self.prior[i]
         self._seen |= new
+        if not any(ks.values()):
+            total, weight = self._plain
+            self._plain = (PLAIN_FORGET * total + seconds, PLAIN_FORGET * weight + 1.0)
         if self.prior is None:  # a step costs about this much, each draft token ~15% more
             base = seconds / (1.0 + NODE_PRIOR * sum(ks.values()))
             self.prior = self._guess(base, {})
@@ -360,6 +375,8 @@ class _Costs:
                 self._known = self.prior.copy()
             anchor = np.where(informed, self.prior, self._known)
             lam = self.prior_weight * np.eye(len(self.prior))
+            if self._plain[1]:
+                anchor[0], lam[0, 0] = self._plain[0] / self._plain[1], PLAIN_ANCHOR
             theta = np.maximum(np.linalg.solve(self.xx + lam, self.xy + lam @ anchor), 1e-6)
             self._known = np.where(informed, theta, self._known)
             self._coef = tuple(theta.tolist())
@@ -389,6 +406,7 @@ class _Costs:
         if self._known is not None:
             out._known = out.prior.copy()
             out._known[at] = self._known
+        out._plain = self._plain
         return out
 
     def seconds(self, coefficients: Sequence[float], ks: dict[str, int]) -> float:
@@ -499,6 +517,8 @@ class AdaptiveSpeculation:
             promised = _best(hope)
             if bucket.tries.get(m, 0) < MIN_TRIES:  # exploring: draft unless clearly a loss
                 best = 1 + int(np.argmax(hope[1:]))
+                if tree and best == 1 and hope[-1] >= hope[1] * (1 - TREE_TIE):
+                    best = len(options) - 1  # (as when judged: the whole tree between near-equals)
                 best = best if hope[best] >= hope[0] * (1 - EXPLORE_SLACK) else 0
                 if not best:  # a clear loss even by its priors: judged, its retries single steps
                     bucket.tries[m] = MIN_TRIES

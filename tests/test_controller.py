@@ -662,7 +662,7 @@ def test_at_a_big_batch_a_tree_too_dear_whole_drafts_its_best_node_alone():
     c.observe(rows, [1] * 8, [0] * 8, 0.00158)
     assert c._methods["m"] == per_depth and c._top1["m"].accepted[0] < top1  # (8 misses)
     bad, _ = big_batch(top1=0.1, depth_rates=0.8, steps=300)
-    assert bad[50:].count(0) >= 230, bad
+    assert bad[50:].count(0) >= 220, bad  # (its retries aside)
 
 
 def test_a_new_cost_columns_first_measurement_is_taken_whole():
