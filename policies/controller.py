@@ -96,10 +96,11 @@ PLAIN_ANCHOR = 5.0
 """The plain step's cost is held near the mean of the bucket's plain steps (each plain step
 weighing 0.99 of the one after it) with the weight of 5 steps. While a method drafts every step
 but the probes (one in ``PROBE_EVERY``), the steps only tell the plain step's cost and a draft's
-apart through those probes, which the forgetting soon outweighs: the fit drifted, a plain step
-at batch 1 priced 16 ms against its measured 10 and the best node's own cost at 0, and the
-controller, finding plain decoding slow and EAGLE-3's whole tree cheap, drafted a tree that ran
-0.8x plain decoding."""
+apart through those probes, which the forgetting soon outweighs: the fit drifted (simulated in
+``test_the_plain_steps_cost_holds_while_a_tree_drafts_all_but_the_probes``), and the controller,
+finding plain decoding slow and EAGLE-3's whole tree cheap, drafted a tree that ran 0.80x plain
+decoding at batch 1 (``python -m specray.bench.selftune --methods eagle3 --prompts 0 --batch 1
+--queue 6``: its default 0.90-0.95x there before, 0.99-1.00x after)."""
 
 PLAIN_FORGET = 0.99
 
@@ -169,9 +170,8 @@ whole tree: its steps teach the controller every depth's acceptance and its cost
 node's only the first depth's, so between near-equals the best node's choice rests on the
 stalest estimates (a request's whole tree priced low by one unlucky step stays so while its best
 node drafts); and each rests on a few noisy steps. EAGLE at batch 1 on these CPUs is such a
-case: its whole tree and its best node ran at 193 and about 190 tokens per CPU second, and a
-controller taking whichever was predicted faster drafted 2.5 tokens a forward instead of 4. The
-best node is taken where the whole tree does not pay (EAGLE and EAGLE-3 at batch 8: their
+case (``test_between_near_equals_a_tree_drafts_its_whole_tree`` simulates one). The best node
+is taken where the whole tree does not pay (EAGLE and EAGLE-3 at batch 8: their
 whole trees 0.74-0.80x plain decoding, their best nodes above it)."""
 
 COSTS_RETRY_AFTER = (4 * PROBE_EVERY, 16 * PROBE_EVERY)
@@ -544,9 +544,8 @@ class AdaptiveSpeculation:
         """Now and then a neighbour of the best choice, so the costs stay identified: a chain's
         k one up or down; a drafting tree's other size — its best node alone, or its whole tree
         every fourth time and only while that is predicted to pay (a cold first step can price
-        it low; at a big batch it does not pay, and a try costs several plain steps' time: tried
-        there, at 0.8x of the best node's speed, every 32 steps, it cost EAGLE 8% of its time
-        at batch 8). A tree that is off is tried again by its retries."""
+        it low; at a big batch it does not pay, and each try costs several plain steps' time). A
+        tree that is off is tried again by its retries."""
         if not tree:
             return min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
         if best == 0 or len(rates) < 3:
