@@ -12,8 +12,11 @@ Eager and uncompiled fixed-shape forwards use them; compiled forwards keep trans
 layers (a graph has no module calls to save, and dynamo compiled the unrolled ones far
 more slowly, seen on the demo target).
 Only layers that are exactly transformers' Llama layer are unrolled (plain ``nn.Linear``
-projections, SiLU, RMSNorm, the specray attention); anything else — sharded, quantized,
-an EAGLE-3 head's widened first layer, another architecture — keeps its own forward.
+projections, SiLU, RMSNorm, the specray attention), and EAGLE-3's ``midlayer``, a Llama layer
+whose attention reads [norm(embedding); norm(g)] (a layer that says so with ``pair_input``:
+``policies/eagle3.py``; at batch 1 its module calls cost an EAGLE-3 step about as much as its
+tree's verification adds to a plain step); anything else — sharded, quantized, another
+architecture — keeps its own forward.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class _Layer:
     mlp: tuple  # gate, up, down: (weight, bias) x 3
     head_dim: int
     scaling: float
+    pair: tuple | None = None  # EAGLE-3's pair input: (hidden_norm weight, eps, norm_before_residual)
 
 
 def unrolled(decoder) -> list[_Layer] | None:
@@ -49,16 +53,21 @@ def unrolled(decoder) -> list[_Layer] | None:
     for layer in decoder.layers:
         a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-        if (type(layer) is not m.LlamaDecoderLayer or type(a) is not m.LlamaAttention or type(mlp) is not m.LlamaMLP
-                or any(type(n) is not m.LlamaRMSNorm for n in norms) or type(mlp.act_fn) is not SiLUActivation
-                or layer.training or a.config._attn_implementation != ATTENTION_NAME):
+        pair = getattr(layer, "pair_input", False)
+        if pair:
+            norms += (getattr(layer, "hidden_norm", None),)
+        if ((type(layer) is not m.LlamaDecoderLayer and not pair) or type(a) is not m.LlamaAttention
+                or type(mlp) is not m.LlamaMLP or any(type(n) is not m.LlamaRMSNorm for n in norms)
+                or type(mlp.act_fn) is not SiLUActivation or layer.training
+                or a.config._attn_implementation != ATTENTION_NAME):
             return None
         linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         if any(type(p) is not nn.Linear for p in linears):
             return None
         pairs = tuple((p.weight, p.bias) for p in linears)
         out.append(_Layer(a, (norms[0].weight, norms[0].variance_epsilon, norms[1].weight, norms[1].variance_epsilon),
-                          pairs[:4], pairs[4:], a.head_dim, a.scaling))
+                          pairs[:4], pairs[4:], a.head_dim, a.scaling,
+                          (norms[2].weight, norms[2].variance_epsilon, bool(layer.norm_before_residual)) if pair else None))
     return out
 
 
@@ -77,12 +86,20 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def run_layer(layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
     """One decoder layer: hidden [B, q, H] -> [B, q, H]; cos/sin from the decoder's rotary
-    embedding; ctx the forward's ``AttentionBatch``."""
+    embedding; ctx the forward's ``AttentionBatch``. An EAGLE-3 layer reads hidden [B, q, 2H],
+    the pairs [embedding; g]."""
     (q_w, q_b), (k_w, k_b), (v_w, v_b), (o_w, o_b) = layer.qkvo
     (g_w, g_b), (u_w, u_b), (d_w, d_b) = layer.mlp
     in_w, in_eps, post_w, post_eps = layer.norms
-    residual = hidden
-    x = _rms(hidden, in_w, in_eps)
+    if layer.pair is None:
+        residual = hidden
+        x = _rms(hidden, in_w, in_eps)
+    else:  # Eagle3Layer.inputs
+        hn_w, hn_eps, norm_before_residual = layer.pair
+        emb, g = hidden.chunk(2, dim=-1)
+        normed = _rms(g, hn_w, hn_eps)
+        x = torch.cat([_rms(emb, in_w, in_eps), normed], dim=-1)
+        residual = normed if norm_before_residual else g
     shape = (*x.shape[:-1], -1, layer.head_dim)
     q = F.linear(x, q_w, q_b).view(shape).transpose(1, 2)
     k = F.linear(x, k_w, k_b).view(shape).transpose(1, 2)

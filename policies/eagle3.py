@@ -82,7 +82,12 @@ def configured_layers(raw: dict) -> tuple[int, ...] | None:
 
 # -- the head ----------------------------------------------------------------------------------
 class Eagle3Layer(nn.Module):
-    """EAGLE-3's ``midlayer``: a Llama layer whose attention reads [norm(embedding); norm(g)]."""
+    """EAGLE-3's ``midlayer``: a Llama layer whose attention reads [norm(embedding); norm(g)].
+
+    ``pair_input`` tells the runner it may run the layer unrolled (``engine/llama_layers.py``:
+    the same operations as ``forward``, without its dozen module calls)."""
+
+    pair_input = True
 
     def __init__(self, config):
         super().__init__()

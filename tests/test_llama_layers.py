@@ -83,3 +83,31 @@ def test_anything_but_a_plain_llama_layer_keeps_its_own_forward():
     changed.model.layers[1].mlp.down_proj = Wrapped(old.in_features, old.out_features, bias=False)
     assert ModelRunner(changed, 2, 32)._unrolled is None
     assert unrolled(tiny_llama().train().model) is None
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_eagle3_heads_widened_layer_runs_unrolled_and_bitwise_equal(norm_before_residual, dtype):
+    """EAGLE-3's midlayer reads pairs [embedding; g] (2H wide): unrolled, its prefill, tree and
+    decode forwards equal its module forward exactly."""
+    from tests.test_eagle3 import bound, random_head3
+
+    target = tiny_llama(layers=3)
+    head = bound(target, random_head3(target))
+    head.midlayer.norm_before_residual = norm_before_residual
+    tree = build_tree(NAMED_TREES["wide"])
+    g = torch.Generator().manual_seed(3)
+    outs = []
+    for fast in (True, False):
+        r = ModelRunner(copy.deepcopy(head).to(dtype), 3, 64)
+        assert (r._unrolled is not None and r._unrolled[0].pair is not None) or not fast
+        if not fast:
+            r._unrolled = None
+        torch.manual_seed(0)
+        pairs = lambda n: torch.randn(n, 2 * head.config.hidden_size, generator=g.manual_seed(n)).to(dtype)  # noqa: E731
+        got = [r.forward([0, 2], [[1, 2, 3, 4, 5], [6, 7]], features=True, embeds=[pairs(5), pairs(2)])]
+        got.append(r.forward([2], [list(range(1, tree.size + 1))], logits_at=torch.arange(tree.size)[None],
+                             layout=(tree.mask[None], tree.depth[None]), features=True, embeds=[pairs(tree.size)]))
+        got.append(r.forward([0, 2], [[8], [9]], features=True, embeds=[pairs(1), pairs(1)]))
+        outs.append([t for o in got for t in (o.logits, o.hidden, o.features)])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
