@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from specray.training.base import (  # noqa: F401 (fit_tree re-exported)
-    PromptSource, SequenceSet, add_common_args, recipe_parser, demo_corpus_prompts, distill_data, fit_tree, measure_acceptance,
+    ACCEPTANCE_PROMPTS, PromptSource, SequenceSet, add_common_args, recipe_parser, demo_corpus_prompts, distill_data,
+    fit_tree, measure_acceptance,
     optimise, ranks_of, record_acceptance, run_recipe,
 )
 from specray.kernels.tree import NAMED_TREES
@@ -69,7 +70,7 @@ def train_medusa(
     seed: int = 0,
     prompts: PromptSource | None = None,
     measure: bool = True,
-    measure_prompts: int = 8,
+    measure_prompts: int = ACCEPTANCE_PROMPTS,
     measure_tokens: int = 64,
 ) -> dict:
     """Train, fit the tree, pick the default tree by measurement, save; returns a report.
