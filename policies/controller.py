@@ -81,9 +81,10 @@ retry step that accepts nothing ends the burst, so a useless drafter costs one s
 and a method the costs turned off (not its acceptance) is retried one step at a time."""
 
 REQUEST_FORGET = 0.9
-"""Per step a request drafts, the weight left on its older acceptance: a text's acceptance
-changes along it (a hard stretch, then an easy one), so what a request accepted lately counts
-most; ``pseudo_counts`` of the method's estimate keep a few misses from deciding alone."""
+"""Per step a request drafts (its whole tree or its best node alone), the weight left on its
+older acceptance: a text's acceptance changes along it (a hard stretch, then an easy one), so
+what a request accepted lately counts most; ``pseudo_counts`` of the method's estimate keep a
+few misses from deciding alone."""
 
 PROBE_EVERY = 64
 """A bucket's steps between plain probes: one step with every self-tuned row at k = 0, so the
@@ -740,6 +741,14 @@ class AdaptiveSpeculation:
                 ks[r.method + BEST_NODE] = max(ks.get(r.method + BEST_NODE, 0), min(d, 1))
                 self._top1[r.method].add(1, min(a, 1), self.forget)
                 self._requests_top1[r.request_id].add(1, min(a, 1), REQUEST_FORGET)
+                # What the request's whole trees accepted fades as if it had drafted one (a
+                # request's recent steps count most, drafting or not): it describes the text as
+                # it was. Without this, a request cut to its best node by a hard stretch kept
+                # that stretch's deep misses through the easy text after it. (The method's
+                # counts do not fade: at 0.98 a step they outlast a stretch, and faded towards
+                # the saved acceptance they brought back whole trees that keep missing.)
+                if r.request_id in self._requests:
+                    self._requests[r.request_id].add(0, 0, REQUEST_FORGET)
                 learned.add(r.method)  # (the whole tree's first depth reads it: ``_table``)
                 continue
             ks[r.method] = max(ks.get(r.method, 0), d)
