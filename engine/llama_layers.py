@@ -14,9 +14,8 @@ more slowly, seen on the demo target).
 Only layers that are exactly transformers' Llama layer are unrolled (plain ``nn.Linear``
 projections, SiLU, RMSNorm, the specray attention), and EAGLE-3's ``midlayer``, a Llama layer
 whose attention reads [norm(embedding); norm(g)] (a layer that says so with ``pair_input``:
-``policies/eagle3.py``; at batch 1 its module calls cost an EAGLE-3 step about as much as its
-tree's verification adds to a plain step); anything else — sharded, quantized, another
-architecture — keeps its own forward.
+``policies/eagle3.py``; an EAGLE-3 step runs it once per tree level); anything else — sharded,
+quantized, another architecture — keeps its own forward.
 """
 
 from __future__ import annotations
@@ -65,9 +64,9 @@ def unrolled(decoder) -> list[_Layer] | None:
         if any(type(p) is not nn.Linear for p in linears):
             return None
         pairs = tuple((p.weight, p.bias) for p in linears)
+        widened = (norms[2].weight, norms[2].variance_epsilon, bool(layer.norm_before_residual)) if pair else None
         out.append(_Layer(a, (norms[0].weight, norms[0].variance_epsilon, norms[1].weight, norms[1].variance_epsilon),
-                          pairs[:4], pairs[4:], a.head_dim, a.scaling,
-                          (norms[2].weight, norms[2].variance_epsilon, bool(layer.norm_before_residual)) if pair else None))
+                          pairs[:4], pairs[4:], a.head_dim, a.scaling, widened))
     return out
 
 

@@ -318,8 +318,8 @@ def add_common_args(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
 
 # Held-out prompts the saved acceptance is measured on. Acceptance varies more between texts
 # than between heads: on the demo pair, the README recipe's EAGLE-3 head accepts its first depth
-# 0.60 of the time on 8 held-out prompts and 0.84 on 32 (a codec table, an __all__
-# list), and the self-tuning controller starts from this figure (a fresh one per `specray
+# 0.60 of the time on 8 held-out prompts and 0.84 on 32 (``measure_acceptance(...,
+# num_prompts=8)`` against the default; the 8 hold a codec table and an __all__ list), and the self-tuning controller starts from this figure (a fresh one per `specray
 # generate` request), so a few prompts made a drafter that pays look like one that does not.
 ACCEPTANCE_PROMPTS = 32
 
