@@ -165,15 +165,18 @@ siblings as misses (``_top1``). At batch 8 on the demo pair, as a static cap (``
 specray.bench.selftune --caps 1`` on c88d89d, prefix caching off), EAGLE's and EAGLE-3's best
 node alone ran 1.09x plain decoding, their whole trees 0.74-0.79x."""
 
-TREE_TIE = 0.2
-"""A tree whose whole tree pays and is predicted within 20% of its best node alone drafts the
+TREE_TIE = 0.3
+"""A tree whose whole tree pays and is predicted within 30% of its best node alone drafts the
 whole tree: its steps teach the controller every depth's acceptance and its cost, the best
 node's only the first depth's, so between near-equals the best node's choice rests on the
 stalest estimates (a request's whole tree priced low by one unlucky step stays so while its best
 node drafts); and each rests on a few noisy steps. EAGLE at batch 1 on these CPUs is such a
 case (``test_between_near_equals_a_tree_drafts_its_whole_tree`` simulates one). The best node
 is taken where the whole tree does not pay (EAGLE and EAGLE-3 at batch 8: their
-whole trees 0.74-0.80x plain decoding, their best nodes above it)."""
+whole trees 0.74-0.80x plain decoding, their best nodes above it). 20% before: at batch 1 on
+these CPUs the two run about as fast over a one-shot request (a whole tree's step costs about 3
+plain steps, its best node's 1.45), and at 20% a fresh request drafted its best node on about
+a third of its steps, returning a bit more than half a whole tree's tokens per forward."""
 
 COSTS_RETRY_AFTER = (4 * PROBE_EVERY, 16 * PROBE_EVERY)
 """A method its costs switched off (even its priors say it does not pay at this batch size)
@@ -223,6 +226,69 @@ class _Acceptance:
         if j < len(self.reached):
             return (self.accepted[j] + pseudo * prior) / (self.reached[j] + pseudo)
         return prior
+
+
+@dataclass
+class _Pooled(_Acceptance):
+    """A method's counts over all its requests, and each request's share of them (its steps,
+    forgotten as the method's counts forget them). A request's estimate shrinks towards these
+    counts less what its own counts hold (``without``): shrunk towards counts that held its own
+    recent steps, a request counted them twice, and where it ran alone (a one-shot ``specray
+    generate``, a quiet server) two early misses at a depth weighed as four and priced its
+    whole tree off for the rest of the request, the saved acceptance having only the
+    pseudo-counts' say. Its older steps, which its own counts have forgotten (they forget
+    faster), stay in: a long request alone still learns its method's deep rates from them."""
+
+    forget: float = 1.0
+    adds: int = 0  # steps added so far: a share last added to at ``a`` has since been forgotten adds - a times
+    shares: dict[str, tuple[_Acceptance, int]] = field(default_factory=dict)
+
+    def add_for(self, request: str, drafted: int, accepted: int) -> None:
+        self.add(drafted, accepted, self.forget)
+        self.adds += 1
+        share, at = self.shares.get(request, (_Acceptance(), self.adds))
+        share.add(0, 0, self.forget ** (self.adds - at))  # (scaled to now, as the counts were)
+        share.add(drafted, accepted, 1.0)
+        self.shares[request] = (share, self.adds)
+
+    def without(self, request: str, own: _Acceptance) -> _Acceptance:
+        """These counts less what both they and ``own`` (the request's counts) hold of its
+        steps: per position, the smaller of its share here and ``own``."""
+        if request not in self.shares:
+            return self
+        share, at = self.shares[request]
+        scale = self.forget ** (self.adds - at)
+
+        def less(counts: list[float], mine: list[float], theirs: list[float]) -> list[float]:
+            pad = [0.0] * len(counts)
+            return [max(c - min(scale * m, t), 0.0) for c, m, t in zip(counts, mine + pad, theirs + pad)]
+
+        reached = less(self.reached, share.reached, own.reached)
+        accepted = [min(a, r) for a, r in zip(less(self.accepted, share.accepted, own.accepted), reached)]
+        return _Acceptance(reached, accepted)
+
+    def fade(self, request: str, factor: float) -> None:
+        """Forget all but ``factor`` of ``request``'s share here, as its own counts forget it."""
+        if request not in self.shares:
+            return
+        share, at = self.shares[request]
+        cut = (1.0 - factor) * self.forget ** (self.adds - at)
+        pad = [0.0] * len(self.reached)
+        self.reached = [max(c - cut * m, 0.0) for c, m in zip(self.reached, share.reached + pad)]
+        self.accepted = [min(max(c - cut * m, 0.0), r) for c, m, r in zip(self.accepted, share.accepted + pad, self.reached)]
+        share.add(0, 0, factor)
+
+    def release(self, request: str) -> None:
+        self.shares.pop(request, None)
+
+
+def _first_pooled(a: _Acceptance, b: _Acceptance) -> _Acceptance:
+    """``a`` with ``b``'s first-position counts added to its own first position."""
+    if not b.reached:
+        return a
+    first = lambda xs: xs[0] if xs else 0.0  # noqa: E731
+    return _Acceptance([first(a.reached) + b.reached[0], *a.reached[1:]],
+                       [first(a.accepted) + b.accepted[0], *a.accepted[1:]])
 
 
 def _pays(values: list[float], i: int) -> bool:
@@ -281,6 +347,7 @@ class _Costs:
         self._seen: set[int] = {0}  # columns some step added had non-zero
         self._known: np.ndarray | None = None  # each column's estimate when its steps last informed it
         self._plain = (0.0, 0.0)  # forgotten sum of plain steps' seconds, and their weight (PLAIN_ANCHOR)
+        self.levels: dict[str, int] = {}  # tree method -> its depth (a best node's cost prior: ``add``)
         self._unsolved = 0  # steps added since the last solve (any: coefficients() solves again; a step where caps judged a method shares its solve with add)
 
     def add(self, ks: dict[str, int], seconds: float) -> None:
@@ -322,7 +389,15 @@ class _Costs:
             (first, first_s), self._first = self._first, None
             fixed = sum(BLOCK_PRIOR * seconds for m in self.blocks if first.get(m))  # the block forwards
             per_node = max(first_s - seconds - fixed, 0.0) / max(sum(first.values()), 1)
-            self.prior = self._guess(seconds, {m: per_node for m in first if first[m]})
+            measured = {m: per_node for m in first if first[m]}
+            for m, levels in self.levels.items():
+                # A tree's best node alone runs one level of its head and verifies one token:
+                # about one level's share of the whole tree's measured cost. At a guessed 15% of
+                # a plain step (it costs about 45% on these CPUs with EAGLE-3) it looked so cheap
+                # that every fresh request spent its first judged step on it.
+                if first.get(m) and m + BEST_NODE in self.methods and m + BEST_NODE not in first:
+                    measured[m + BEST_NODE] = per_node * first[m] / max(levels, 1)
+            self.prior = self._guess(seconds, measured)
         self._pending.append((x, seconds))
         if len(self._pending) >= CLIP_SOLVE_EVERY:  # bounded where nothing solves (every row's k fixed, none drafting)
             self._fold()
@@ -407,7 +482,7 @@ class _Costs:
         if self._known is not None:
             out._known = out.prior.copy()
             out._known[at] = self._known
-        out._plain = self._plain
+        out._plain, out.levels = self._plain, dict(self.levels)
         return out
 
     def seconds(self, coefficients: Sequence[float], ks: dict[str, int]) -> float:
@@ -430,13 +505,13 @@ class AdaptiveSpeculation:
         # method -> acceptance per position measured when its weights were trained (the
         # weights' ``specray_acceptance``): where the estimates start instead of the prior.
         self.priors = {m: [float(r) for r in rates] for m, rates in (priors or {}).items() if rates}
-        self._methods: defaultdict[str, _Acceptance] = defaultdict(_Acceptance)
+        self._methods: defaultdict[str, _Pooled] = defaultdict(lambda: _Pooled(forget=forget))
         self._requests: defaultdict[str, _Acceptance] = defaultdict(_Acceptance)
         self._costs: dict[int, _Costs] = {}
         self._choice: dict[str, int | None] = {}
         self._nodes: dict[str, float] = {}  # tree methods: the most nodes a tree had lately (TREE_NODES_FORGET)
         # tree methods' best node alone: its acceptance, per method and per request (``BEST_NODE``)
-        self._top1: defaultdict[str, _Acceptance] = defaultdict(_Acceptance)
+        self._top1: defaultdict[str, _Pooled] = defaultdict(lambda: _Pooled(forget=forget))
         self._requests_top1: defaultdict[str, _Acceptance] = defaultdict(_Acceptance)
         self._on: set[str] = set()  # rows of the last step the controller let draft
         self._alone: set[str] = set()  # of those, the tree rows drafting their best node alone
@@ -480,6 +555,7 @@ class AdaptiveSpeculation:
         self._learn_pending()
         methods = sorted({r.method for r in rows if r.method != "none"})
         model = self._cost_model(len(rows), self._columns(rows))
+        model.levels.update({r.method: self._depth(r) for r in rows if r.tree and not r.fixed})
         measured = model.prior is not None  # (coefficients() is None before the bucket's first step)
         # A plain probe: the bucket has measured drafting, never a plain step (or long ago).
         probe = measured and bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
@@ -543,19 +619,21 @@ class AdaptiveSpeculation:
 
     def _neighbour(self, best: int, rates: list[float], tree: bool) -> int:
         """Now and then a neighbour of the best choice, so the costs stay identified: a chain's
-        k one up or down; a drafting tree's other size — its best node alone, or its whole tree
-        every fourth time and only while that is predicted to pay (a cold first step can price
-        it low; at a big batch it does not pay, and each try costs several plain steps' time). A
-        tree that is off is tried again by its retries."""
+        k one up or down; a drafting tree's other size every fourth time — its best node alone,
+        or its whole tree only while that is predicted to pay (a cold first step can price it
+        low; at a big batch it does not pay, and each try costs several plain steps' time). (Its
+        best node every time, as before, cost a one-shot request of 64 tokens two of its 13-16
+        forwards.) A tree that is off is tried again by its retries."""
         if not tree:
             return min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
         if best == 0 or len(rates) < 3:
             return best
         whole = len(rates) - 1
+        if (self._steps // self.explore_every) % 4:
+            return best
         if best == whole:
             return 1
-        due = (self._steps // self.explore_every) % 4 == 0
-        return whole if due and _pays(rates, whole) else best
+        return whole if _pays(rates, whole) else best
 
     def _all_stay_off(self, bucket: _Bucket, methods) -> bool:
         """Whether every one of this step's self-tuned ``methods`` stays off unjudged."""
@@ -625,17 +703,18 @@ class AdaptiveSpeculation:
         """A tree method's choices: off, its best node alone (where its tree has more), its whole tree."""
         return [0, 1, None] if self._nodes.get(method, 8) > 1 else [0, None]
 
-    def _top1_rate(self, row: RowView, prior_only: bool = False, own: bool = True) -> float:
+    def _top1_rate(self, row: RowView, prior_only: bool = False) -> float:
         """P(a tree row's best node alone is accepted): the request's own rate, shrunk towards
-        the method's, shrunk towards the first depth's prior (the saved acceptance of the whole
-        tree's first depth: at most what the best node alone achieves, an optimistic start that
-        its first measurements correct); ``prior_only``: that prior; not ``own``: the method's."""
+        the other requests', shrunk towards the first depth's prior (the saved acceptance of the
+        whole tree's first depth: at most what the best node alone achieves, an optimistic start
+        that its first measurements correct); ``prior_only``: that prior."""
         measured = self.priors.get(row.method)
         prior = measured[0] if measured else self.prior_acceptance
         if prior_only:
             return prior
-        method = self._top1.get(row.method, _Acceptance()).rate(0, prior, self.pseudo)
-        return self._requests_top1.get(row.request_id, _Acceptance()).rate(0, method, self.pseudo) if own else method
+        own = self._requests_top1.get(row.request_id, _Acceptance())
+        method = self._top1[row.method].without(row.request_id, own) if row.method in self._top1 else _Acceptance()
+        return own.rate(0, method.rate(0, prior, self.pseudo), self.pseudo)
 
     @staticmethod
     def _columns(rows: Sequence[RowView]) -> list[str]:
@@ -663,8 +742,8 @@ class AdaptiveSpeculation:
 
     def _table(self, row: RowView, prior_only: bool) -> list[float]:
         upto = max(self.max_k, row.requested or 0, self._depth(row))
-        method = self._methods.get(row.method, _Acceptance()) if not prior_only else _Acceptance()
         own = self._requests.get(row.request_id, _Acceptance()) if not prior_only else _Acceptance()
+        method = self._methods[row.method].without(row.request_id, own) if not prior_only and row.method in self._methods else _Acceptance()
         out, alive, prior = [1.0], 1.0, self.prior_acceptance
         measured = self.priors.get(row.method)
         for j in range(upto):  # a position never reached inherits the estimate of the one before
@@ -672,16 +751,19 @@ class AdaptiveSpeculation:
                 prior = measured[min(j, len(measured) - 1)]
             prior = method.rate(j, prior, self.pseudo)
             rate = own.rate(j, prior, self.pseudo)
-            if j == 0 and row.tree and not prior_only and row.method in self._top1:
+            if j == 0 and row.tree and not prior_only and row.method in self._top1 and rate < self._top1_rate(row):
                 # A tree holds its best node: its first depth is accepted at least as often as
-                # that node alone is (what drafting the best node teaches of the whole tree;
-                # without it a request's whole tree, priced off by an unlucky step or two, was
-                # not drafted again while its best node paid about as well)
-                prior = max(prior, self._top1_rate(row, own=False))
-                if row.request_id in self._requests_top1:
-                    rate = max(own.rate(j, prior, self.pseudo), self._top1_rate(row))
-                else:
-                    rate = own.rate(j, prior, self.pseudo)
+                # that node alone is. Where the estimates say otherwise (a request drafting its
+                # best node alone, which keeps hitting, after an unlucky whole tree or two; or a
+                # best node's few steps against many whole trees' misses) the first depth is
+                # estimated from both kinds of steps together, each as many as it had: taking
+                # the best node's rate, one lucky step of it kept a tree that never hit drafting,
+                # and ignoring it, a request's whole tree priced off by an unlucky step or two
+                # was not drafted again while its best node paid about as well.
+                own_top1 = self._requests_top1.get(row.request_id, _Acceptance())
+                top1 = self._top1[row.method].without(row.request_id, own_top1)
+                prior = _first_pooled(method, top1).rate(j, measured[0] if measured else self.prior_acceptance, self.pseudo)
+                rate = _first_pooled(own, own_top1).rate(j, prior, self.pseudo)
             alive *= rate
             out.append(out[-1] + alive)
         return out
@@ -739,16 +821,20 @@ class AdaptiveSpeculation:
                 continue
             if r.request_id in alone:  # its best node alone: the top-1 rate, its own cost column
                 ks[r.method + BEST_NODE] = max(ks.get(r.method + BEST_NODE, 0), min(d, 1))
-                self._top1[r.method].add(1, min(a, 1), self.forget)
+                self._top1[r.method].add_for(r.request_id, 1, min(a, 1))
                 self._requests_top1[r.request_id].add(1, min(a, 1), REQUEST_FORGET)
-                # What the request's whole trees accepted fades as if it had drafted one (a
-                # request's recent steps count most, drafting or not): it describes the text as
-                # it was. Without this, a request cut to its best node by a hard stretch kept
-                # that stretch's deep misses through the easy text after it. (The method's
-                # counts do not fade: at 0.98 a step they outlast a stretch, and faded towards
-                # the saved acceptance they brought back whole trees that keep missing.)
-                if r.request_id in self._requests:
+                # A best node that hits says the text may have eased: what the request's whole
+                # trees accepted fades as if it had drafted one, in its own counts and in its
+                # share of the method's, each at its own rate (a request's recent steps count
+                # most). Without this, a request cut to its best node by a hard stretch kept
+                # that stretch's deep misses through the easy text after it. A miss fades
+                # nothing: faded then too, a tree that never hit was drafted whole every few
+                # steps (``test_saved_acceptance_that_serving_contradicts_is_dropped``); and the
+                # other requests' counts never fade here (faded towards the saved acceptance,
+                # they brought back whole trees that keep missing).
+                if r.request_id in self._requests and a > 0:
                     self._requests[r.request_id].add(0, 0, REQUEST_FORGET)
+                    self._methods[r.method].fade(r.request_id, self.forget)
                 learned.add(r.method)  # (the whole tree's first depth reads it: ``_table``)
                 continue
             ks[r.method] = max(ks.get(r.method, 0), d)
@@ -759,7 +845,7 @@ class AdaptiveSpeculation:
             if r.tree:
                 nodes[r.method] = max(nodes.get(r.method, 0), d)
                 d = a + 1 if a < d else d  # trees: depth positions up to the first miss were reached
-            self._methods[r.method].add(d, a, self.forget)
+            self._methods[r.method].add_for(r.request_id, d, a)
             self._requests[r.request_id].add(d, a, REQUEST_FORGET)
             learned.add(r.method)
         for m in learned:
@@ -785,6 +871,8 @@ class AdaptiveSpeculation:
         self._learn_pending()
         self._requests.pop(request_id, None)
         self._requests_top1.pop(request_id, None)
+        for pooled in (*self._methods.values(), *self._top1.values()):
+            pooled.release(request_id)
         self._tables.pop(request_id, None)
 
     def start_method(self, method: str, rates: Sequence[float]) -> None:
