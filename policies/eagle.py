@@ -656,7 +656,8 @@ def head_runner(ctx, head):
 
 def _check(options: EagleOptions, facts: dict, limits) -> None:
     if options.dynamic_tree:
-        if options.total_tokens > limits.capacity:
+        # (a size asked for must fit; the default is cut to the room a step has, as every tree)
+        if "total_tokens" in options.model_fields_set and options.total_tokens > limits.capacity:
             raise ValueError(f"speculation.total_tokens: {options.total_tokens} exceeds the context ({limits.capacity})")
     else:
         resolve_tree(options, facts.get("choices"))

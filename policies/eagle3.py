@@ -38,6 +38,7 @@ import pathlib
 from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import nn
 
 from specray.policies.checkpoint_files import building
@@ -51,10 +52,25 @@ NUM_TAPS = 3
 
 
 class Eagle3Options(EagleOptions):
-    """EAGLE-3 with EAGLE's tree options: a static tree (default: the one fitted with the
-    head), a chain (``tree: chain``) or EAGLE-2's dynamic tree (``dynamic_tree``)."""
+    """EAGLE-3 with EAGLE's tree options: EAGLE-2's dynamic tree (the default, as EAGLE-3's
+    reference code drafts), a static tree (``dynamic_tree: false``: the one fitted with the
+    head; or ``eagle_choices``/``tree``, which imply it) or a chain (``tree: chain``).
+
+    The dynamic tree is the default because it is what EAGLE-3 was built and measured with (its
+    reference drafts EAGLE-2's tree; SGLang's EAGLE-3 with top-k > 1 does the same), and the
+    self-tuning length drafts it whole or its best node alone as it pays."""
 
     method: Literal["eagle3"] = "eagle3"
+    dynamic_tree: bool = Field(True, description="EAGLE-2's dynamic tree (top_k, depth, total_tokens); false: a static tree.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _static_when_a_tree_is_given(cls, data):
+        # A static tree named (eagle_choices/tree) asks for a static tree: no dynamic_tree needed.
+        if isinstance(data, dict) and "dynamic_tree" not in data and (
+                data.get("eagle_choices") is not None or data.get("tree") is not None):
+            data = {**data, "dynamic_tree": False}
+        return data
 
 
 # -- which target layers ---------------------------------------------------------------------

@@ -404,6 +404,10 @@ def test_eagle3_requests_are_validated(target):
     engine = eagle3_engine(target, random_head3(target), max_model_len=16)
     with pytest.raises(ValueError, match="total_tokens"):
         engine.add_request([1, 2], GREEDY, SpeculationParams(method="eagle3", dynamic_tree=True, total_tokens=40))
+    # the default (EAGLE-2's dynamic tree, 24 tokens) is cut to the room a step has
+    out = engine.generate([[1, 2]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                          SpeculationParams(method="eagle3"))[0]
+    assert out.token_ids == hf_greedy(target, [1, 2], 12)
     plain = LLMEngine(EngineConfig(target="x"), target_model=copy.deepcopy(target))
     with pytest.raises(ValueError, match="needs an EAGLE-3 head"):
         plain.add_request([1, 2], GREEDY, SpeculationParams(method="eagle3"))
@@ -559,3 +563,17 @@ def test_cli_flags_and_generate(tiny_pair, head_dir, tmp_path, capsys):
     assert out["token_ids"] == want and out["metrics"]["num_drafts"] > 0
     assert main([*common, "--method", "eagle3"]) == 2
     assert "--method eagle3 needs --eagle3 DIR" in capsys.readouterr().err
+
+
+def test_eagle3_drafts_the_dynamic_tree_by_default_and_a_named_tree_statically():
+    """EAGLE-3's default is EAGLE-2's dynamic tree (as its reference drafts), self-tuned (no size
+    given); a static tree named (``tree``, ``eagle_choices``) implies ``dynamic_tree: false``;
+    both at once stay an error."""
+    default = SpeculationParams(method="eagle3")
+    assert default.dynamic_tree and default.model_fields_set == {"method"}  # (no size given: self-tuned)
+    assert not SpeculationParams(method="eagle3", tree="chain").dynamic_tree
+    assert not SpeculationParams(method="eagle3", eagle_choices=[[0], [0, 0]]).dynamic_tree
+    assert not SpeculationParams(method="eagle", tree="chain").dynamic_tree  # (EAGLE-1's default is static)
+    assert not SpeculationParams(method="eagle").dynamic_tree
+    with pytest.raises(ValueError, match="dynamic_tree builds its own tree"):
+        SpeculationParams(method="eagle3", dynamic_tree=True, eagle_choices=[[0]])

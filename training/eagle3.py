@@ -27,8 +27,8 @@ residual stream entering layers 2, L//2 and L-3 (``target_layer_inputs``).
 
 Held out, the unrolled passes along the true continuation are the drafted chain: their
 per-depth ranks give the k-step accuracies, the greedy-rows temperature (as EAGLE's recipe)
-and the fitted default tree (``training.fit_tree`` with this machine's step cost), saved in
-the public EAGLE-3 layout with specray's ``eagle_choices``.
+and the fitted static tree (``training.fit_tree`` with this machine's step cost; drafted with
+``dynamic_tree: false``), saved in the public EAGLE-3 layout with specray's ``eagle_choices``.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def train_eagle3(target: str, out: str, tokenizer: str | None = None, steps: int
             "data_seconds": round(data_seconds, 1), "seconds": round(time.time() - start, 1)}
 
 
-EVAL_SPECS = {"fitted tree": {}, "chain": {"tree": "chain"}, "EAGLE-2 dynamic tree": {"dynamic_tree": True}}
+EVAL_SPECS = {"EAGLE-2 dynamic tree (default)": {}, "fitted tree": {"dynamic_tree": False}, "chain": {"tree": "chain"}}
 
 
 def main(argv: list[str] | None = None) -> int:
