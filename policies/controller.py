@@ -174,9 +174,9 @@ node drafts); and each rests on a few noisy steps. EAGLE at batch 1 on these CPU
 case (``test_between_near_equals_a_tree_drafts_its_whole_tree`` simulates one). The best node
 is taken where the whole tree does not pay (EAGLE and EAGLE-3 at batch 8: their
 whole trees 0.74-0.80x plain decoding, their best nodes above it). 20% before: at batch 1 on
-these CPUs the two run about as fast over a one-shot request (a whole tree's step costs about 3
-plain steps, its best node's 1.45), and at 20% a fresh request drafted its best node on about
-a third of its steps, returning a bit more than half a whole tree's tokens per forward."""
+these CPUs the two run about as fast over a one-shot request (a whole tree's step costs several
+plain steps, its best node's little more than one), and at 20% fresh requests drafted their
+best node on many steps, each returning about half a whole tree's tokens per forward."""
 
 COSTS_RETRY_AFTER = (4 * PROBE_EVERY, 16 * PROBE_EVERY)
 """A method its costs switched off (even its priors say it does not pay at this batch size)
@@ -393,7 +393,7 @@ class _Costs:
             for m, levels in self.levels.items():
                 # A tree's best node alone runs one level of its head and verifies one token:
                 # about one level's share of the whole tree's measured cost. At a guessed 15% of
-                # a plain step (it costs about 45% on these CPUs with EAGLE-3) it looked so cheap
+                # a plain step (far below what EAGLE-3's costs on these CPUs) it looked so cheap
                 # that every fresh request spent its first judged step on it.
                 if first.get(m) and m + BEST_NODE in self.methods and m + BEST_NODE not in first:
                     measured[m + BEST_NODE] = per_node * first[m] / max(levels, 1)
@@ -622,8 +622,8 @@ class AdaptiveSpeculation:
         k one up or down; a drafting tree's other size every fourth time — its best node alone,
         or its whole tree only while that is predicted to pay (a cold first step can price it
         low; at a big batch it does not pay, and each try costs several plain steps' time). (Its
-        best node every time, as before, cost a one-shot request of 64 tokens two of its 13-16
-        forwards.) A tree that is off is tried again by its retries."""
+        best node every time, as before, cost a one-shot request of 64 tokens two of its 16
+        forwards at 4 tokens a forward.) A tree that is off is tried again by its retries."""
         if not tree:
             return min(max(best + (1 if (self._steps // self.explore_every) % 2 else -1), 0), self.max_k)
         if best == 0 or len(rates) < 3:
