@@ -743,7 +743,8 @@ class AdaptiveSpeculation:
     def _table(self, row: RowView, prior_only: bool) -> list[float]:
         upto = max(self.max_k, row.requested or 0, self._depth(row))
         own = self._requests.get(row.request_id, _Acceptance()) if not prior_only else _Acceptance()
-        method = self._methods[row.method].without(row.request_id, own) if not prior_only and row.method in self._methods else _Acceptance()
+        pooled = None if prior_only else self._methods.get(row.method)
+        method = pooled.without(row.request_id, own) if pooled is not None else _Acceptance()
         out, alive, prior = [1.0], 1.0, self.prior_acceptance
         measured = self.priors.get(row.method)
         for j in range(upto):  # a position never reached inherits the estimate of the one before
@@ -762,7 +763,8 @@ class AdaptiveSpeculation:
                 # was not drafted again while its best node paid about as well.
                 own_top1 = self._requests_top1.get(row.request_id, _Acceptance())
                 top1 = self._top1[row.method].without(row.request_id, own_top1)
-                prior = _first_pooled(method, top1).rate(j, measured[0] if measured else self.prior_acceptance, self.pseudo)
+                first = measured[0] if measured else self.prior_acceptance
+                prior = _first_pooled(method, top1).rate(j, first, self.pseudo)
                 rate = _first_pooled(own, own_top1).rate(j, prior, self.pseudo)
             alive *= rate
             out.append(out[-1] + alive)

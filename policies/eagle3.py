@@ -61,7 +61,7 @@ class Eagle3Options(EagleOptions):
     self-tuning length drafts it whole or its best node alone as it pays."""
 
     method: Literal["eagle3"] = "eagle3"
-    dynamic_tree: bool = Field(True, description="EAGLE-2's dynamic tree (top_k, depth, total_tokens); false: a static tree.")
+    dynamic_tree: bool = Field(True, description="EAGLE-2's dynamic tree (top_k, depth, total_tokens); false: static.")
 
     @model_validator(mode="before")
     @classmethod
