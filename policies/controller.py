@@ -256,27 +256,32 @@ class _Pooled(_Acceptance):
         steps: per position, the smaller of its share here and ``own``."""
         if request not in self.shares:
             return self
-        share, at = self.shares[request]
-        scale = self.forget ** (self.adds - at)
-
-        def less(counts: list[float], mine: list[float], theirs: list[float]) -> list[float]:
-            pad = [0.0] * len(counts)
-            return [max(c - min(scale * m, t), 0.0) for c, m, t in zip(counts, mine + pad, theirs + pad)]
-
-        reached = less(self.reached, share.reached, own.reached)
-        accepted = [min(a, r) for a, r in zip(less(self.accepted, share.accepted, own.accepted), reached)]
-        return _Acceptance(reached, accepted)
+        share, scale = self._share(request)
+        pad = [0.0] * len(self.reached)
+        return self._less([min(scale * m, t) for m, t in zip(share.reached + pad, own.reached + pad)],
+                          [min(scale * m, t) for m, t in zip(share.accepted + pad, own.accepted + pad)])
 
     def fade(self, request: str, factor: float) -> None:
         """Forget all but ``factor`` of ``request``'s share here, as its own counts forget it."""
         if request not in self.shares:
             return
-        share, at = self.shares[request]
-        cut = (1.0 - factor) * self.forget ** (self.adds - at)
-        pad = [0.0] * len(self.reached)
-        self.reached = [max(c - cut * m, 0.0) for c, m in zip(self.reached, share.reached + pad)]
-        self.accepted = [min(max(c - cut * m, 0.0), r) for c, m, r in zip(self.accepted, share.accepted + pad, self.reached)]
+        share, scale = self._share(request)
+        cut = (1.0 - factor) * scale
+        less = self._less([cut * m for m in share.reached], [cut * m for m in share.accepted])
+        self.reached, self.accepted = less.reached, less.accepted
         share.add(0, 0, factor)
+
+    def _share(self, request: str) -> tuple[_Acceptance, float]:
+        """``request``'s share, and the factor that scales it to now."""
+        share, at = self.shares[request]
+        return share, self.forget ** (self.adds - at)
+
+    def _less(self, reached: list[float], accepted: list[float]) -> _Acceptance:
+        """These counts less ``reached``/``accepted`` per position, none below 0 and none
+        accepted more often than reached."""
+        pad = [0.0] * len(self.reached)
+        r = [max(c - m, 0.0) for c, m in zip(self.reached, reached + pad)]
+        return _Acceptance(r, [min(max(c - m, 0.0), n) for c, m, n in zip(self.accepted, accepted + pad, r)])
 
     def release(self, request: str) -> None:
         self.shares.pop(request, None)
@@ -555,7 +560,8 @@ class AdaptiveSpeculation:
         self._learn_pending()
         methods = sorted({r.method for r in rows if r.method != "none"})
         model = self._cost_model(len(rows), self._columns(rows))
-        model.levels.update({r.method: self._depth(r) for r in rows if r.tree and not r.fixed})
+        if model.prior is None or model._first is not None:  # (read once: the prior's first plain step)
+            model.levels.update({r.method: self._depth(r) for r in rows if r.tree and not r.fixed})
         measured = model.prior is not None  # (coefficients() is None before the bucket's first step)
         # A plain probe: the bucket has measured drafting, never a plain step (or long ago).
         probe = measured and bucket.steps - bucket.plain_at >= (PROBE_EVERY if bucket.plain_at else 1)
@@ -708,13 +714,21 @@ class AdaptiveSpeculation:
         the other requests', shrunk towards the first depth's prior (the saved acceptance of the
         whole tree's first depth: at most what the best node alone achieves, an optimistic start
         that its first measurements correct); ``prior_only``: that prior."""
-        measured = self.priors.get(row.method)
-        prior = measured[0] if measured else self.prior_acceptance
+        prior = self._first_prior(row.method)
         if prior_only:
             return prior
+        own, others = self._top1_counts(row)
+        return own.rate(0, others.rate(0, prior, self.pseudo), self.pseudo)
+
+    def _first_prior(self, method: str) -> float:
+        measured = self.priors.get(method)
+        return measured[0] if measured else self.prior_acceptance
+
+    def _top1_counts(self, row: RowView) -> tuple[_Acceptance, _Acceptance]:
+        """A tree row's best-node counts: its own, and its method's less its own."""
         own = self._requests_top1.get(row.request_id, _Acceptance())
-        method = self._top1[row.method].without(row.request_id, own) if row.method in self._top1 else _Acceptance()
-        return own.rate(0, method.rate(0, prior, self.pseudo), self.pseudo)
+        pooled = self._top1.get(row.method)
+        return own, (pooled.without(row.request_id, own) if pooled is not None else _Acceptance())
 
     @staticmethod
     def _columns(rows: Sequence[RowView]) -> list[str]:
@@ -752,20 +766,20 @@ class AdaptiveSpeculation:
                 prior = measured[min(j, len(measured) - 1)]
             prior = method.rate(j, prior, self.pseudo)
             rate = own.rate(j, prior, self.pseudo)
-            if j == 0 and row.tree and not prior_only and row.method in self._top1 and rate < self._top1_rate(row):
-                # A tree holds its best node: its first depth is accepted at least as often as
-                # that node alone is. Where the estimates say otherwise (a request drafting its
-                # best node alone, which keeps hitting, after an unlucky whole tree or two; or a
-                # best node's few steps against many whole trees' misses) the first depth is
-                # estimated from both kinds of steps together, each as many as it had: taking
-                # the best node's rate, one lucky step of it kept a tree that never hit drafting,
-                # and ignoring it, a request's whole tree priced off by an unlucky step or two
-                # was not drafted again while its best node paid about as well.
-                own_top1 = self._requests_top1.get(row.request_id, _Acceptance())
-                top1 = self._top1[row.method].without(row.request_id, own_top1)
-                first = measured[0] if measured else self.prior_acceptance
-                prior = _first_pooled(method, top1).rate(j, first, self.pseudo)
-                rate = _first_pooled(own, own_top1).rate(j, prior, self.pseudo)
+            if j == 0 and row.tree and not prior_only and row.method in self._top1:
+                own_top1, top1 = self._top1_counts(row)
+                first = self._first_prior(row.method)
+                if rate < own_top1.rate(0, top1.rate(0, first, self.pseudo), self.pseudo):
+                    # A tree holds its best node: its first depth is accepted at least as often as
+                    # that node alone is. Where the estimates say otherwise (a request drafting its
+                    # best node alone, which keeps hitting, after an unlucky whole tree or two; or a
+                    # best node's few steps against many whole trees' misses) the first depth is
+                    # estimated from both kinds of steps together, each as many as it had: taking
+                    # the best node's rate, one lucky step of it kept a tree that never hit drafting,
+                    # and ignoring it, a request's whole tree priced off by an unlucky step or two
+                    # was not drafted again while its best node paid about as well.
+                    prior = _first_pooled(method, top1).rate(j, first, self.pseudo)
+                    rate = _first_pooled(own, own_top1).rate(j, prior, self.pseudo)
             alive *= rate
             out.append(out[-1] + alive)
         return out
