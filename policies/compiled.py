@@ -16,7 +16,6 @@ import types
 from contextlib import contextmanager
 
 import torch
-import torch._dynamo
 
 
 class _Clock:
@@ -69,7 +68,12 @@ def timed(fn):
 # module holds is never changed after a graph first ran it (module guards are skipped, so
 # the graph would keep the old value); hot swaps copy tensors (``load_state_dict``), and a
 # change of such a number needs a new compiled function.
-_CONSTANTS = torch._dynamo.config.patch(specialize_float=True, specialize_int=True)
+def _constants():
+    # torch._dynamo is imported here, at a first trace, not with this module: importing it
+    # costs about 2 s of CPU, paid by every actor process that imports a policy otherwise.
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(specialize_float=True, specialize_int=True)
 
 
 def compiled(fn, device):
@@ -82,7 +86,7 @@ def compiled(fn, device):
         nonlocal traced
         if traced:
             return graph(*args, **kwargs)
-        with _CONSTANTS:
+        with _constants():
             out = graph(*args, **kwargs)
         traced = True  # (after a first call that raised, the next one traces under it again)
         return out

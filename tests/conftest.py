@@ -10,6 +10,12 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Serve's controller kills an HTTP proxy that is not ready within 5 s (health checks: 10 s), and
+# serve.start then fails with the proxy "killed by ray.kill". On 2 shared cores, with the other
+# xdist worker busy, a proxy's start can take longer (CI: one did). The in-process cluster's
+# processes inherit these from the driver; serve.start itself waits 60 s at most.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
 # Small models on 2 shared cores: one thread is faster and far less noisy.
 torch.set_num_threads(1)
 
@@ -186,7 +192,7 @@ def ray_session():
         # started on this machine (ray.init() alone joins the latest `ray start` cluster, or fails
         # on the stale address a stopped one left in /tmp/ray).
         ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"worker_process_setup_hook": "tests.failing_method.register",
+                 runtime_env={"worker_process_setup_hook": "tests.worker_hook.register",
                               "env_vars": {"PYTHONPATH": path}})
     yield ray
     ray.shutdown()

@@ -5,9 +5,9 @@ prefill hook, its proposal, the target's verification of its draft — it drafts
 vocabulary lacks — or its commit hook) for the requests whose prompt starts with ``POISON``.
 
 In-process tests register it with ``register_method``. Behind Ray, the test session's
-``worker_process_setup_hook`` (``register``) registers it in the processes whose runtime
-environment names the phase (``runtime_env``): a coordinator and every worker it starts, or
-Serve replicas (``ServeConfig.runtime_env``) and theirs.
+``worker_process_setup_hook`` (``tests/worker_hook.py``, calling ``register``) registers it in
+the processes whose runtime environment names the phase (``runtime_env``): a coordinator and
+every worker it starts, or Serve replicas (``ServeConfig.runtime_env``) and theirs.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Literal
 
 from specray.policies.base import Draft, DraftRow
 from specray.policies.registry import LinearOptions, MethodSpec, register_method
+from tests.worker_hook import PHASE_VAR
 
 POISON = [63, 63, 63, 63]  # the prompt that starts so is the one that fails
 VOCAB = 64
 NAME = "toy_fail"
-PHASE_VAR = "SPECRAY_TOY_FAIL_PHASE"  # the phase it fails in, in the processes that register it
 
 
 class FailOptions(LinearOptions):
@@ -65,8 +65,8 @@ def spec(phase, placement: Literal["worker", "target"] = "target") -> MethodSpec
 
 
 def register() -> None:
-    """Ray's ``worker_process_setup_hook`` for the test session (``tests/conftest.py``): in the
-    processes started with ``runtime_env(phase)`` (a coordinator or Serve replicas and the
+    """Called by the test session's Ray ``worker_process_setup_hook`` (``tests/worker_hook.py``): in
+    the processes started with ``runtime_env(phase)`` (a coordinator or Serve replicas and the
     workers they start), the method, placed in a worker of its own in the separate layout
     (so that its failures cross the proxy); elsewhere nothing."""
     if os.environ.get(PHASE_VAR):

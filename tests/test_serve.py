@@ -44,7 +44,7 @@ def cpu_placement(mode: str = "separate") -> dict:
     return {"mode": mode, "target": small, "draft": small, "ngram_cpus": 0.25}
 
 
-def wait_until_serving(url: str, model: str, headers=None, timeout: float = 120) -> None:
+def wait_until_serving(url: str, model: str, headers=None, timeout: float = 300) -> None:
     """First request also starts the replica's coordinator and workers."""
     deadline = time.monotonic() + timeout
     body = {"model": model, "prompt": "abc", "max_tokens": 2, "temperature": 0}
