@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 
+from specray.engine.argparsing import SuggestingParser
 from specray.entrypoints import flags as F
 from specray.entrypoints.flags import engine_settings
 from specray.entrypoints.serving import serve_main
@@ -189,7 +190,7 @@ def _recipes_help() -> str:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, list[F.OptionFlag]]:
-    parser = argparse.ArgumentParser(prog="specray", description="Speculative decoding on Ray.")
+    parser = SuggestingParser(prog="specray", description="Speculative decoding on Ray.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     raw = argparse.RawDescriptionHelpFormatter

@@ -51,6 +51,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from specray.actors.config import SpecrayConfig
+from specray.engine.argparsing import SuggestingParser
 from specray.entrypoints import openai_batch
 from specray.engine.checkpoints import checkpoint_problems, problems_line
 from specray.entrypoints.defaults import with_demo_pair
@@ -390,7 +391,7 @@ def _stop_coordinator(coordinator, pgs_before: set[str]) -> None:
 
 # -- main -----------------------------------------------------------------------------------
 def build_parser(prog: str = "python -m specray.entrypoints.jobs") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = SuggestingParser(
         prog=prog,
         description="Resumable batch generation over a JSONL file with a specray Coordinator.",
     )

@@ -175,6 +175,13 @@ class _Common(BaseModel):
         return v
 
     @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        """OpenAI and vLLM refuse stream options on a request that does not stream."""
+        if self.stream_options is not None and not self.stream:
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
+    @model_validator(mode="after")
     def _name_the_ignored(self):
         _name_ignored(name for name, default in self.IGNORED.items()
                       if name in self.model_fields_set and getattr(self, name) not in (None, default))

@@ -170,7 +170,8 @@ class OpenAIIngress:
     async def playground_methods(self, request: Request):
         async def listing():
             methods = await asyncio.to_thread(methods_listing, self.engine_config)
-            return {"model": self.model, "methods": methods}
+            return {"model": self.model, "methods": methods,
+                    "online_learning": self.engine_config.online_learning.enabled}
 
         return await self._guard(request, listing)
 
@@ -193,6 +194,10 @@ class OpenAIIngress:
         return await self._guard(request, run)
 
     async def _drafters(self, action: str, body: dict):
+        if not self.engine_config.online_learning.enabled:  # answered here: no engine call, no traceback
+            raise HTTPError(404, "online learning is off on this server: start it with --online-learning "
+                                 "(online_learning.enabled; online_learning.learn: false only loads versions)",
+                            "not_found_error")
         try:
             return await self.engine.drafters.remote(action, body)
         except Exception as exc:  # noqa: BLE001 - a bad action or argument is the client's: 400

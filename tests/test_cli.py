@@ -169,7 +169,7 @@ def test_train_and_bench_help_list_what_they_run(capsys):
     assert "--input FILE" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("method", ["draft", "medusa", "eagle", "eagle3", "redrafter"])
+@pytest.mark.parametrize("method", ["draft", "medusa", "eagle", "eagle3", "redrafter", "pard", "dflash"])
 def test_train_help_shows_every_default(method, capsys):
     """`specray train METHOD --help`: each option that has a default names it (its value as
     the recipe would use it), one with none says what happens instead."""
@@ -180,10 +180,12 @@ def test_train_help_shows_every_default(method, capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     blocks = re.split(r" (?=--[a-z])", text.split(" options: ", 1)[1])
     for block in blocks:
-        if block.startswith(("--out ", "--no-eval ", "--help ", "-h")):
-            continue  # required, a switch, help
+        words = block.split()
+        if block.startswith(("--out ", "--help ", "-h")) or not (words[1].isupper() or words[1].startswith("{")):
+            continue  # required, help, a switch (no value: off unless given)
         assert "default" in block, block
-    steps = {"draft": 300, "medusa": 1500, "eagle": 1200, "eagle3": 1200, "redrafter": 1000}[method]
+    steps = {"draft": 300, "medusa": 1500, "eagle": 1200, "eagle3": 1200, "redrafter": 1000, "pard": 600,
+             "dflash": 800}[method]
     assert f"--steps STEPS optimizer steps (default: {steps})" in text
     assert "(default: 0)" in text  # a zero default is shown too (--seed)
 
@@ -260,6 +262,18 @@ def test_serve_flag_errors_are_one_line(argv, words, capsys):
 
     line = one_line(info.value)
     assert words in line and "\n" not in line, line
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["serve", "--max-model-length", "512"], "did you mean --max-model-len?"),
+    (["generate", "--prompt", "x", "--max-tokns", "3"], "did you mean --max-tokens?"),
+    (["train", "eagle", "--out", "x", "--stepz", "3"], "did you mean --steps?"),
+])
+def test_an_unknown_flag_names_the_closest_one(argv, hint, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and hint in err.splitlines()[-1], err
 
 
 def test_served_name_defaults_to_the_target_directory(tmp_path):

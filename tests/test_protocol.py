@@ -38,6 +38,10 @@ ERRORS = [  # (id, chat, body patch, the error's param, words of its message)
     ("top_logprobs without logprobs", True, {"top_logprobs": 2}, "top_logprobs", ["needs logprobs"]),
     ("continue the final message and add a prompt", True, {"continue_final_message": True},
      "continue_final_message", ["add_generation_prompt"]),
+    ("stream options without a stream", False, {"stream_options": {"include_usage": True}}, "stream_options",
+     ["stream is true"]),
+    ("stream options on a chat without a stream", True, {"stream_options": {}, "stream": False}, "stream_options",
+     ["stream is true"]),
 ]
 
 

@@ -1130,7 +1130,7 @@ def test_drafter_versions_over_http(server, tiny_tok, main_url):
                                        timeout=60), 400, "no such directory")
         assert_openai_error(httpx.post(f"{url}/v1/drafters/learning", content=b"[", timeout=60), 400, "JSON")
         assert httpx.post(f"{url}/v1/drafters/learning", json={"enabled": True}, timeout=60).json() == {"learning": True}
-        assert_openai_error(httpx.get(f"{main_url}/v1/drafters", timeout=60), 400, "online learning is off")
+        assert_openai_error(httpx.get(f"{main_url}/v1/drafters", timeout=60), 404, "online learning is off")
     finally:
         serve.delete("learning")
         from specray.actors.learner import OnlineLearningConfig, drop_learner

@@ -27,6 +27,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from specray.engine.argparsing import SuggestingParser
+
 log = logging.getLogger(__name__)
 
 PromptSource = Callable[[str, int, int], list[list[int]]]
@@ -295,8 +297,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 def recipe_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     """A recipe's command line (``specray train NAME``): its docstring's first paragraph, and
     every option's default in ``--help``."""
-    return argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
-                                   formatter_class=DefaultsHelpFormatter)
+    return SuggestingParser(prog=prog, description=doc.split("\n\n")[0], formatter_class=DefaultsHelpFormatter)
 
 
 def add_common_args(p: argparse.ArgumentParser, steps: int, lr: float) -> None:

@@ -27,14 +27,13 @@ would reach (1 + the leading positions all right), saved with the drafter in z-l
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
 from specray.policies.dflash import DFlashDrafter, default_layers
 from specray.training.base import (
-    PromptSource, SequenceSet, add_common_args, distill_data, optimise, run_recipe, target_layer_inputs,
+    PromptSource, SequenceSet, add_common_args, distill_data, optimise, recipe_parser, run_recipe, target_layer_inputs,
 )
 
 
@@ -191,7 +190,7 @@ EVAL_SPECS = {"block": {}, "k=4": {"num_speculative_tokens": 4}}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specray train dflash", description=__doc__.split("\n\n")[0])
+    p = recipe_parser("specray train dflash", __doc__)
     add_common_args(p, steps=800, lr=3e-3)
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
@@ -203,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                                                               "(default: block / 2)")
     p.add_argument("--label-temperature", type=float, default=1.0, help="temperature of the target's distribution "
                                                                         "as the label")
-    p.add_argument("--init", choices=("target", "random"), default="target")
+    p.add_argument("--init", choices=("target", "random"), default="target",
+                   help="the drafter's layers start from the target's or at random")
     p.add_argument("--mask-token", type=int, default=None, help="the mask token id (default: the tokenizer's pad)")
 
     def train(a, target, tokenizer):

@@ -30,13 +30,12 @@ is the plain next-token prediction), before and after.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 import torch.nn.functional as F
 
-from specray.training.base import SequenceSet, add_common_args, distill_data, optimise, run_recipe
+from specray.training.base import SequenceSet, add_common_args, distill_data, optimise, recipe_parser, run_recipe
 
 
 def cod_layout(length: int, copies: int, keep: float, keep_min: float, gen: torch.Generator | None):
@@ -185,14 +184,14 @@ EVAL_SPECS = {"k=4": {"num_speculative_tokens": 4}, "k=6": {"num_speculative_tok
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="specray train pard", description=__doc__.split("\n\n")[0])
+    p = recipe_parser("specray train pard", __doc__)
     add_common_args(p, steps=600, lr=1e-3)
     p.add_argument("--draft", default=None, help="the draft model to adapt (default: the demo draft)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--width", type=int, default=64, help="positions of the window the masks cover (L)")
     p.add_argument("--copies", type=int, default=8, help="K: the most tokens the model will draft per forward")
     p.add_argument("--keep", type=float, default=0.7, help="COD: copy j keeps max(keep^j, keep-min) of the positions")
-    p.add_argument("--keep-min", type=float, default=0.2)
+    p.add_argument("--keep-min", type=float, default=0.2, help="COD: the least share of positions a copy keeps")
     p.add_argument("--hard-labels", action="store_true", help="the tokens as labels (AMD's recipe), not the target's "
                                                               "distribution")
     p.add_argument("--mask-token", type=int, default=None, help="the mask token id (default: the tokenizer's pad)")

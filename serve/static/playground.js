@@ -91,6 +91,10 @@
     state.methods = data.methods;
     $("#model").textContent = `model: ${data.model}`;
     panels.forEach((panel) => panel.fillMethods());
+    if (data.online_learning && !state.polling) {
+      state.polling = true;
+      pollLearning().catch(() => {});
+    }
   }
 
   // -- one run: its settings, its streamed text, its counters -----------------------------
@@ -416,11 +420,10 @@
 
   async function pollLearning() {
     const response = await request("v1/drafters");
-    if (!response.ok) return; // online learning is off here: the section stays hidden
+    if (!response.ok) return; // not answering now: the section keeps what it showed
     drawLearning(await response.json());
     setTimeout(() => pollLearning().catch(() => {}), 5000);
   }
 
   loadMethods().catch((e) => showError(e.message));
-  pollLearning().catch(() => {});
 })();
