@@ -135,7 +135,10 @@ def _method_problem(key: str, path: str, target: CheckpointTarget) -> str | None
     problem = _inspect(key, path, target)
     if problem is None:
         return None
-    fits = [k for k in _inspectable() if k != key and _inspect(k, path, target) is None]
+    # Any causal LM passes as a draft model: a directory that also passes a more specific
+    # method's check (a PARD model) is named for that method.
+    fits = sorted((k for k in _inspectable() if k != key and _inspect(k, path, target) is None),
+                  key=lambda k: k == "draft")
     return problem + (f"; it holds {_what(fits[0])}: pass it with --{fits[0]}" if fits else "")
 
 

@@ -107,8 +107,7 @@ def _generate(args, option_flags: list[F.OptionFlag]) -> int:
                                   ignore_eos=bool(args.ignore_eos))
     except ValueError as exc:
         raise ValueError(F.one_line(exc, {name: F.flag_name(name) for name in SamplingParams.model_fields})) from None
-    if not demo and engine_cfg.tokenizer is None and F.tokenizer_dir_problem(engine_cfg.target):
-        raise ValueError(f"--target {engine_cfg.target} has no tokenizer: give --tokenizer DIR")
+    F.check_tokenizer(engine_cfg)
     engine_cfg = resolved(engine_cfg.model_copy(update={"max_num_seqs": 1}))
     F.check_weights(engine_cfg, args, file_data)
     if engine_cfg.tensor_parallel_size > 1:  # ranks are actors: a local Ray, as `specray serve` starts

@@ -239,6 +239,29 @@ def check_weights(engine, args=None, file_data: dict | None = None) -> None:
     if problems:
         raise ValueError(problems_line(problems, speculative_model=_speculative_model(args, file_data or {})))
     check_splits(engine.engine_config())  # a target that cannot be split over --tensor-parallel-size
+    check_default_speculation(engine)
+
+
+def check_default_speculation(engine) -> None:
+    """``--speculative-config`` checked against the weights it will run with (k against a
+    DFlash block, a tree against the context, ...), as every request's speculation is."""
+    from specray.policies.registry import validate_speculation
+    from specray.protocol.checks import facts_for
+
+    if engine.default_speculation is None:
+        return
+    try:
+        validate_speculation(engine.default_speculation, facts_for(engine, None).limits)
+    except ValueError as exc:
+        raise ValueError(f"--speculative-config: {one_line(exc)}") from None
+
+
+def check_tokenizer(engine) -> None:
+    """A server tokenizes text prompts (its warm-up request is one): a target without
+    tokenizer files needs ``--tokenizer``."""
+    if engine.tokenizer is None and engine.target is not None and tokenizer_dir_problem(engine.target):
+        raise ValueError(f"--target {engine.target} has no tokenizer (tokenizer.json, tokenizer_config.json, "
+                         f"tokenizer.model or vocab.json): give --tokenizer DIR")
 
 
 def _speculative_model(args, file_data: dict) -> str | None:

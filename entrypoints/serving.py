@@ -95,7 +95,7 @@ def startup_lines(cfg, plan) -> list[str]:
 
 def serve_main(args) -> int:
     from specray.entrypoints.defaults import with_demo_pair
-    from specray.entrypoints.flags import check_weights, engine_settings, load_config_file
+    from specray.entrypoints.flags import check_tokenizer, check_weights, engine_settings, load_config_file
 
     file_data = load_config_file(args.config)
     cfg = engine_settings(args, file_data)
@@ -103,7 +103,8 @@ def serve_main(args) -> int:
     if problem:
         raise ValueError(problem)
     engine = with_demo_pair(cfg.engine)  # the demo pair when no target is given (built once)
-    check_weights(engine, args, file_data)  # before Ray starts: one line naming the flag
+    check_tokenizer(engine)  # before Ray starts: one line naming the flag
+    check_weights(engine, args, file_data)
     plan = engine.kv_plan()  # the KV cache's size: given, sized from GPU memory, or the CPU default
     engine = engine.with_plan(plan)
     cfg = cfg.model_copy(update={"engine": engine})

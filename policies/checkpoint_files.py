@@ -89,6 +89,26 @@ def _read(weights: pathlib.Path, described: bool):
     return state
 
 
+def load_weights(module: torch.nn.Module, state: dict, described: bool, what: str) -> None:
+    """``module.load_state_dict(state)``, or one bounded line saying what does not fit: the
+    tensors missing, those it does not know, those of another shape (a few names each)."""
+    own = module.state_dict()
+    missing = [k for k in own if k not in state]
+    unknown = [k for k in state if k not in own]
+    misshapen = [f"{k} is {list(state[k].shape)}, needs {list(own[k].shape)}" for k in own
+                 if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    parts = [f"{len(names)} {label if len(names) > 1 else one} ({_few(names)})" for names, label, one in
+             ((missing, "tensors missing", "tensor missing"), (unknown, "tensors it does not know",
+              "tensor it does not know"), (misshapen, "of another shape", "of another shape")) if names]
+    if parts:
+        raise ValueError(f"{what}: " + "; ".join(parts))
+    module.load_state_dict(state, assign=described)
+
+
+def _few(names: list[str], most: int = 3) -> str:
+    return ", ".join(names[:most]) + (f", ... {len(names) - most} more" if len(names) > most else "")
+
+
 def building(described: bool):
     """Where a loader builds its module: on the meta device when it only checks a checkpoint."""
     return torch.device("meta") if described else contextlib.nullcontext()

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, PrefillRow, ProposalRow
-from specray.policies.checkpoint_files import building, read_json_config, read_tensors
+from specray.policies.checkpoint_files import building, load_weights, read_json_config, read_tensors
 from specray.policies.pard import draw_block
 from specray.policies.registry import LinearOptions, MethodSpec, register_method
 
@@ -292,11 +292,7 @@ class DFlashDrafter(nn.Module):
                 log.info("%s: %s is not read (the target's serves)", weights, shipped)
         with building(described):
             drafter = cls(qwen3_config(raw), **options)
-        try:
-            drafter.load_state_dict(state, assign=described)
-        except RuntimeError as exc:
-            raise ValueError(f"{weights} does not match the DFlash drafter of {cfg_file}: "
-                             f"{' '.join(str(exc).split())[:400]}") from None
+        load_weights(drafter, state, described, f"{weights} does not match the DFlash drafter of {cfg_file}")
         if num_layers is not None:
             drafter.check_taps(num_layers)
         override = pathlib.Path(directory) / "mask_embedding.pt"

@@ -55,7 +55,7 @@ from torch import nn
 
 from specray.kernels.sampling import probs_from_logits
 from specray.kernels.tree import NAMED_TREES, TokenTree, build_tree, normalize_choices
-from specray.policies.checkpoint_files import building, read_json_config, read_tensors
+from specray.policies.checkpoint_files import building, load_weights, read_json_config, read_tensors
 from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, PrefillRow, ProposalRow
 from specray.policies.eagle_device import dynamic_growth
 from specray.policies.registry import MethodSpec, TreeAcceptanceOptions, register_method
@@ -210,10 +210,7 @@ class EagleHead(nn.Module):
         state = {k: v for k, v in state.items() if k != "embed_tokens.weight"}
         with building(described):
             head = cls(llama_config(raw), bias=bool(raw.get("bias", "fc.bias" in state)))
-        try:
-            head.load_state_dict(state, assign=described)
-        except RuntimeError as exc:
-            raise ValueError(f"{weights} does not match a one-layer EAGLE head of {cfg_file}: {exc}") from None
+        load_weights(head, state, described, f"{weights} does not match a one-layer EAGLE head of {cfg_file}")
         read_extras(head, raw, cfg_file)
         return head.eval()
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from specray.kernels.tree import NAMED_TREES, TokenTree, TreeError, build_tree, normalize_choices
 from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, PrefillRow, ProposalRow
-from specray.policies.checkpoint_files import building, read_json_config, read_tensors
+from specray.policies.checkpoint_files import building, load_weights, read_json_config, read_tensors
 from specray.policies.compiled import at_least_two, compile_fn
 from specray.policies.registry import MethodSpec, TreeAcceptanceOptions, register_method
 
@@ -127,10 +127,7 @@ class MedusaHeads(nn.Module):
             raise ValueError(f"Medusa heads expect hidden size {hidden}, the target has {hidden_size}")
         with building(described):
             heads = cls(hidden, vocab_size or vocab, num_heads, num_layers)
-        try:
-            heads.heads.load_state_dict(state, assign=described)
-        except RuntimeError as exc:
-            raise ValueError(f"{weights} does not match {num_heads} heads x {num_layers} layers: {exc}") from None
+        load_weights(heads.heads, state, described, f"{weights} does not match {num_heads} heads x {num_layers} layers")
         if cfg.get("medusa_choices") is not None:
             try:
                 build_tree(cfg["medusa_choices"], max_depth=num_heads)

@@ -61,7 +61,7 @@ from pydantic import Field
 from torch import nn
 
 from specray.kernels.tree import TokenTree
-from specray.policies.checkpoint_files import building, read_json_config, read_tensors
+from specray.policies.checkpoint_files import building, load_weights, read_json_config, read_tensors
 from specray.policies.base import (
     CommitRow, DeviceDraft, DeviceTrees, Draft, DraftRow, PrefillRow, ProposalRow, placeholder_tree,
 )
@@ -205,10 +205,8 @@ class Drafter(nn.Module):
         state, weights = read_tensors(path, WEIGHT_FILES, described)
         with building(described):
             drafter = cls(cfg["hidden_size"], cfg["vocab_size"], cfg["exit_dim"], cfg["num_draft_layers"], cfg["rnn"])
-        try:
-            drafter.load_state_dict(_canonical(state), assign=described)
-        except RuntimeError as exc:
-            raise ValueError(f"{weights} does not match the drafter of {path / 'config.json'}: {exc}") from None
+        load_weights(drafter, _canonical(state), described,
+                     f"{weights} does not match the drafter of {path / 'config.json'}")
         return drafter.eval()
 
 

@@ -125,3 +125,49 @@ def test_the_command_line_says_one_line_and_exits_2_before_ray_starts(dirs, tmp_
     r = run_cli("jobs", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
                 "--config", str(config))
     assert r.returncode == 2 and f"draft: {dirs['medusa']}: " in r.stderr and "Medusa heads" in r.stderr, r.stderr
+
+
+@pytest.fixture()
+def no_ray(monkeypatch):
+    """A start that reaches Ray fails the test: these mistakes are caught before it."""
+    import ray
+
+    def started(*args, **kwargs):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(ray, "init", started)
+
+
+def one_error_line(capsys, command: str) -> str:
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(f"specray {command}: error: "), err
+    return err[0]
+
+
+def test_start_up_mistakes_are_one_line_exit_2_before_ray(dirs, tmp_path, no_ray, capsys):
+    from specray.entrypoints.cli import main
+    from tests.test_dflash import random_drafter
+    from tests.test_pard import pard_model
+
+    model = ["--target", dirs["target"], "--tokenizer", dirs["tokenizer"], "--port", str(free_port())]
+    random_drafter(tiny_llama(layers=2), block=6).save(tmp_path / "dflash")
+    spec = json.dumps({"method": "dflash", "model": str(tmp_path / "dflash"), "num_speculative_tokens": 8})
+    assert main(["serve", *model, "--speculative-config", spec]) == 2
+    line = one_error_line(capsys, "serve")
+    assert "--speculative-config" in line and "8 exceeds the 5 tokens a DFlash block of 6 drafts" in line
+
+    pard_model(tiny_llama(layers=1, seed=1)).save_pretrained(tmp_path / "pard")
+    assert main(["serve", *model, "--dflash", str(tmp_path / "pard")]) == 2
+    line = one_error_line(capsys, "serve")
+    assert f"--dflash {tmp_path / 'pard'}: " in line and "pass it with --pard" in line
+
+    assert main(["serve", *model, "--eagle", dirs["draft"]]) == 2
+    line = one_error_line(capsys, "serve")
+    assert "pass it with --draft" in line and "fc.weight" in line and "state_dict" not in line
+
+    bare = tmp_path / "no-tokenizer"
+    tiny_llama(layers=2).save_pretrained(bare)
+    for command in (["serve", "--port", str(free_port())], ["generate", "--prompt", "abc"]):
+        assert main([command[0], "--target", str(bare), *command[1:]]) == 2
+        line = one_error_line(capsys, command[0])
+        assert f"--target {bare} has no tokenizer" in line and "--tokenizer DIR" in line
