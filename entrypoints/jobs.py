@@ -57,7 +57,7 @@ from specray.engine.checkpoints import checkpoint_problems, problems_line
 from specray.entrypoints.defaults import with_demo_pair
 from specray.engine.metrics import SpecMetrics
 from specray.engine.params import SamplingParams, Speculation, best_speculation
-from specray.policies.registry import Limits, validate_speculation
+from specray.policies.registry import Limits, parse_speculation, validate_speculation
 from specray.protocol import openai as P
 
 log = logging.getLogger("specray.jobs")
@@ -202,6 +202,13 @@ def _read_job_lines(objects, config: SpecrayConfig) -> tuple[list[JobLine], list
             rec = JobLine.model_validate(obj)
         except ValidationError as exc:
             errors.extend((lineno, e) for e in _format_errors(exc).splitlines())
+            # The fields that did parse are checked too, so a line's every problem is said at once.
+            refused = {e["loc"][0] for e in exc.errors() if e["loc"]}
+            if "speculation" not in refused and obj.get("speculation") is not None:
+                try:
+                    validate_speculation(parse_speculation(obj["speculation"]), limits)
+                except ValueError as problem:
+                    errors.append((lineno, f"speculation: {problem}"))
             continue
         problems = _check_record(rec, config, vocab, has_tokenizer, limits)
         if problems:
@@ -447,6 +454,13 @@ def _run(args, config: SpecrayConfig, records: list, pending: list[int], t_start
     done_before = len(records) - len(pending)
     log.info("%s: %d records, %d already in %s, %d to generate", args.input, len(records), done_before,
              args.output, len(pending))
+    earlier = Path(f"{args.output}.metrics.json")
+    if not pending and earlier.is_file():  # a finished job run again: its summary is the run that generated
+        log.info("nothing to generate: %s is complete; its summary stays in %s", args.output, earlier)
+        try:
+            return json.loads(earlier.read_text())
+        except ValueError:
+            log.warning("%s does not parse: writing a new summary", earlier)
     totals = SpecMetrics()
     finish: dict[str, int] = {}
     gen_seconds = startup_seconds = 0.0

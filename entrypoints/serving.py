@@ -86,11 +86,22 @@ def startup_lines(cfg, plan) -> list[str]:
     return [
         f"model {cfg.model_name!r}: target {cfg.engine.target}" + (f", draft {cfg.engine.draft}" if cfg.engine.draft else ""),
         f"device {device}, dtype {dtype}" + (" (auto)" if cfg.engine.dtype == "auto" else ""),
+        _parallel_line(cfg.engine),
         f"attention {kernel}: {why}",
         describe_plan(engine.target, engine.draft, engine.quantization, engine.draft_quantization, engine.fp8_kernel),
         f"KV cache: {plan.describe()}",
         f"methods: {', '.join(methods)}; requests without `speculation` use {how}",
     ]
+
+
+def _parallel_line(engine) -> str:
+    """How the models are split: tensor parallel ranks of the target, and where the draft runs."""
+    tp = engine.tensor_parallel_size
+    if tp == 1:
+        return "tensor parallel size 1 (the target whole on one device)"
+    draft = ("the draft split over the same ranks" if engine.draft_tp == tp
+             else "drafters whole (draft tensor parallel size 1)")
+    return f"tensor parallel size {tp}: the target split over {tp} ranks, one actor and device each; {draft}"
 
 
 def serve_main(args) -> int:

@@ -454,6 +454,10 @@ def test_serve_and_job_configs_carry_quantization(tiny_tok, tmp_path):
     lines = startup_lines(cfg, KVPlan(4, 64, 1, "given"))
     assert any(line.startswith("quantization: target fp8 (quantized at load, per-channel scales), draft fp8")
                and "dequantized for each matmul" in line for line in lines), lines
+    assert "tensor parallel size 1 (the target whole on one device)" in lines
+    split = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"tensor_parallel_size": 2})})
+    assert any(line.startswith("tensor parallel size 2: the target split over 2 ranks")
+               for line in startup_lines(split, KVPlan(4, 64, 1, "given")))
     job = tmp_path / "job.yaml"
     job.write_text(f"target: {tiny_tok['target']}\nquantization: fp8\n")
     assert load_config(str(job)).engine_config().quantization == "fp8"
