@@ -49,6 +49,10 @@ def _row_view(r: Request) -> RowView:
     tree = spec.drafts_trees
     given = options.model_fields_set - {"method"}
     fixed = bool(given) if tree else "num_speculative_tokens" in given
+    # A seeded sampled request drafts its method's default length every step: which draws its
+    # generator serves depends on the drafts, so a length chosen from timings would make the
+    # same seed give different text.
+    fixed = fixed or (r.sampling.seed is not None and not r.sampling.greedy)
     return RowView(r.request_id, r.method, options.budget, fixed, tree, spec.block)
 
 

@@ -139,6 +139,20 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(make_engine, meth
     assert other != alone
 
 
+def test_a_seeded_request_drafts_its_methods_default_length(make_engine):
+    """A seed's text must not depend on what the self-tuning length measured: a seeded sampled
+    request runs as if it gave the method's default k."""
+    params = SamplingParams(max_tokens=16, temperature=0.9, seed=7)
+    prompts = ragged_prompts(3)
+    default = SpeculationParams(method="draft")
+    explicit = SpeculationParams(method="draft", num_speculative_tokens=default.num_speculative_tokens)
+    engine = make_engine()
+    for prompt in prompts:  # the controller learns (and may change its k) between these
+        engine.generate([prompt], params.model_copy(update={"temperature": 0}), default)
+    tuned = engine.generate(prompts, params, default)
+    assert [o.token_ids for o in tuned] == [o.token_ids for o in make_engine().generate(prompts, params, explicit)]
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"max_tokens": -1}, {"max_tokens": 0}, {"top_p": 0.0}, {"top_p": 1.5}, {"temperature": -0.1}, {"top_k": -2},
