@@ -1,8 +1,16 @@
 """Building, caching and loading the demo pair.
 
-The pair lives in ``<cache>/pair-v<version>-<recipe digest>-seed<seed>-py<X.Y>/`` with
+The pair lives in ``<cache>/pair-v<version>-<recipe digest>-seed<seed>/`` with
 ``tokenizer/``, ``draft/`` and ``target/`` (ordinary Hugging Face folders) and
 ``metrics.json`` (alpha, c and how the pair was built).
+
+The package ships the pair this recipe builds with seed 0 (``demo/weights/``, 4 MB, made by
+``python -m specray.demo --force --ship``): a first run unpacks it into the cache in a second
+instead of training for minutes. Its stamp is its ``metrics.json`` (recipe, seed, demo
+version): a recipe that no longer matches it is built instead, never served from stale
+weights. The key leaves out the Python version: a pair built here from another Python's
+standard library (``--force``) is that recipe's pair too; ``metrics.json`` says which Python's
+corpus trained it.
 
 Why the care: tests, benchmarks and ``specray serve`` all call
 :func:`load_or_build_demo_pair`, sometimes from several processes at once. A build takes
@@ -28,7 +36,6 @@ import os
 import pathlib
 import platform
 import shutil
-import sys
 import tempfile
 import time
 
@@ -43,8 +50,10 @@ from .training import DemoRecipe, distill_draft, train_draft, train_target
 
 log = logging.getLogger(__name__)
 
-DEMO_VERSION = "1"
+DEMO_VERSION = "2"
 """Bump when the build changes in a way the recipe digest does not capture."""
+SHIPPED_DIR = pathlib.Path(__file__).parent / "weights"
+"""The pair shipped with the package (seed 0, this recipe), unpacked on first use."""
 CACHE_ENV = "SPECRAY_CACHE"
 DEFAULT_CACHE_DIR = "~/.cache/specray"
 METRICS_FILE = "metrics.json"
@@ -81,18 +90,28 @@ def default_cache_dir() -> pathlib.Path:
 
 
 def pair_key(seed: int, recipe: DemoRecipe) -> str:
-    """Cache folder name: version, recipe digest, seed, and the Python version (the
-    corpus is the stdlib, so another Python trains other weights)."""
+    """Cache folder name: version, recipe digest and seed."""
     digest = hashlib.sha256(repr(dataclasses.astuple(recipe)).encode()).hexdigest()[:8]
-    py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    return f"pair-v{DEMO_VERSION}-{digest}-seed{seed}-py{py}"
+    return f"pair-v{DEMO_VERSION}-{digest}-seed{seed}"
+
+
+def shipped_pair(seed: int, recipe: DemoRecipe) -> pathlib.Path | None:
+    """The shipped pair's folder when its stamp says this recipe and seed built it, else None."""
+    stamp = SHIPPED_DIR / METRICS_FILE
+    if not stamp.is_file():
+        return None
+    built = json.loads(stamp.read_text())
+    same = (built.get("seed") == seed and built.get("recipe") == dataclasses.asdict(recipe)
+            and built.get("versions", {}).get("demo") == DEMO_VERSION)
+    return SHIPPED_DIR if same else None
 
 
 def load_or_build_demo_pair(
     cache_dir: str | None = None, seed: int = 0, force: bool = False
 ) -> DemoPair:
-    """Load the cached demo pair for ``seed``, building it first if needed (a few CPU
-    minutes) or if ``force``. Safe to call from several processes at once."""
+    """Load the cached demo pair for ``seed``; on first use unpack the shipped pair (seed 0)
+    or build it (a few CPU minutes); ``force`` builds it again. Safe to call from several
+    processes at once."""
     recipe, measure = DemoRecipe(), MeasureConfig()
     root = pathlib.Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
@@ -107,7 +126,12 @@ def load_or_build_demo_pair(
         _remove_leftovers(root, key)
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{key}.building-", dir=root))
         try:
-            build_demo_pair(tmp, seed, recipe, measure)
+            shipped = None if force else shipped_pair(seed, recipe)
+            if shipped is not None:
+                shutil.copytree(shipped, tmp, dirs_exist_ok=True)
+                log.info("unpacked the demo pair shipped with specray into %s", final)
+            else:
+                build_demo_pair(tmp, seed, recipe, measure)
             tmp.chmod(0o755)  # mkdtemp made it private; the pair is for everyone
             if final.exists():  # forced rebuild, or an incomplete folder put there by hand
                 final.rename(root / f".{key}.old-{os.getpid()}")

@@ -71,8 +71,11 @@ class DemoRecipe:
     min_lr_fraction: float = 0.1
     """Cosine decay floor, as a fraction of the peak learning rate."""
     grad_clip: float = 1.0
-    threads: int = 2
-    """Fixed so the build is bit-reproducible (reduction order depends on threads)."""
+    threads: int = 1
+    """Fixed so the build is bit-reproducible (reduction order depends on threads). One thread:
+    a neighbour on a shared machine slows it down by its share of a core at most, where two
+    threads on two cores ran many times slower beside one busy process (each step waits for
+    its slower thread)."""
 
 
 def model_config(recipe: DemoRecipe, num_layers: int, eos_id: int, pad_id: int) -> LlamaConfig:
@@ -160,7 +163,7 @@ def train_draft(
     torch.manual_seed(seed)
     draft = LlamaForCausalLM(model_config(recipe, recipe.draft_layers, eos_id, pad_id))
     train_lm(draft, tokens, steps=recipe.draft_steps, lr=recipe.draft_lr, recipe=recipe,
-             seed=seed, desc="draft")
+             seed=seed, desc="demo pair 1/3: draft")
     return draft
 
 
@@ -190,7 +193,7 @@ def train_target(
     """Grow the target from the trained draft, then train it (deterministic)."""
     target = grow_target(draft, recipe, seed)
     train_lm(target, tokens, steps=recipe.target_steps, lr=recipe.target_lr, recipe=recipe,
-             seed=seed + 2, desc="target")
+             seed=seed + 2, desc="demo pair 2/3: target")
     return target
 
 
@@ -219,5 +222,5 @@ def distill_draft(
         return -(p_target * log_q).sum(-1).mean()  # [batch, seq, vocab] -> scalar
 
     train_lm(draft, tokens, steps=recipe.distill_steps, lr=recipe.distill_lr, recipe=recipe,
-             seed=seed + 3, desc="distil draft", long_fraction=recipe.distill_long_fraction,
+             seed=seed + 3, desc="demo pair 3/3: distil draft", long_fraction=recipe.distill_long_fraction,
              loss_fn=soft_ce)

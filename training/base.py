@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 import torch
 
 from specray.engine.argparsing import SuggestingParser
+from specray.engine.threads import free_threads
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +311,8 @@ def add_common_args(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
     p.add_argument("--gen-len", type=int, default=128, help="tokens per continuation")
     p.add_argument("--tree-size", type=int, default=16, help="nodes in the fitted default tree")
     p.add_argument("--seed", type=int, default=0, help="of the data and the initial weights")
-    p.add_argument("--threads", type=int, default=2, help="torch threads while training")
+    p.add_argument("--threads", type=int, default=None, help="torch threads while training (default: the cores "
+                   "this process may use less the machine's load, at least 1; give N for a bit-reproducible run)")
     p.add_argument("--no-eval", action="store_true", help="skip measuring the mean accepted length")
     p.add_argument("--data-cache", default=os.environ.get("SPECRAY_DISTILL_CACHE"), metavar="DIR",
                    help="keep the target's continuations and features in DIR, and read them from there when a "
@@ -398,7 +400,10 @@ def run_recipe(argv: list[str] | None, parser: argparse.ArgumentParser, method: 
     """A recipe's command line: parse, train on the resolved target, measure the saved head
     with each of ``specs`` (unless --no-eval), print the report as JSON."""
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    threads = args.threads or free_threads()
+    log.info("training on %d torch thread%s%s", threads, "s" if threads > 1 else "",
+             "" if args.threads else " (the cores free now: --threads N to choose)")
+    torch.set_num_threads(threads)
     use_data_cache(args.data_cache)
     target, tokenizer = resolve_target(args.target, args.tokenizer)
     report = train(args, target, tokenizer)
