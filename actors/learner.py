@@ -8,10 +8,13 @@ Engine workers ship finished traces and pull the serving versions in the backgro
 in a step (``actors/engine_worker.py``). The hub is named per target model (like suffix
 decoding's tree actor), so every replica of a deployment, and one that joins later, finds it
 and converges to its versions. The hub reserves no CPU and never trains; the trainer actor
-runs in a placement-group bundle of its own (``OnlineLearningConfig.trainer_resources``: a GPU
-of its own where the cluster has them; CPU in tests) and finds the training
-code by its module name (``trainer``: training sits beside the serving stack and is not
-imported by it).
+runs in a placement-group bundle of its own (``OnlineLearningConfig.trainer_resources``, e.g. a
+GPU of its own) and finds the training code by its module name (``trainer``: training sits
+beside the serving stack and is not imported by it). Without ``trainer_resources`` the trainer
+takes what the cluster has free when learning starts — up to one CPU, or a share of the cores
+the server uses when nothing is free (``auto_trainer_resources``) — so it runs on any machine
+that can serve. A bundle that cannot be placed is never a silent wait: the engines report it to
+the hub, whose status names what the trainer waits for and what the cluster has free.
 
 Faults never reach serving: a dead or killed trainer stops only learning (the hub says so in
 its status: ``trainer: lost``; Ray restarts it); a dead hub loses its buffer and the engines
@@ -64,8 +67,10 @@ class OnlineLearningConfig(BaseModel):
                                                                             "gate drafts with (default: the method's).")
     sync_interval_s: float = Field(1.0, gt=0, description="How often engine workers exchange with the hub.")
     trainer: str = Field("specray.training.online", description="Module whose train_round(...) trains and gates.")
-    trainer_resources: dict[str, float] = Field(default_factory=lambda: {"num_cpus": 1.0},
-                                                description="Ray resources of the trainer actor (num_cpus, num_gpus).")
+    trainer_resources: dict[str, float] | None = Field(
+        None, description="Ray resources of the trainer actor (num_cpus, num_gpus, custom). Default: what the "
+                          "cluster has free when learning starts, up to 1 CPU; with nothing free, no reservation "
+                          "(it shares the server's cores).")
     name: str | None = Field(None, description="The hub's actor name (default: from the target model).")
 
     def capture(self) -> CaptureConfig:
@@ -157,7 +162,9 @@ class LearnerCore:
         self.fresh: dict[str, int] = {}  # method -> traces since its last round
         self.rounds: list[dict] = []
         self.served: list[dict] = []  # finished requests' (time, method, version, accepted length)
+        self.captured = 0  # traces received, in all: rounds are placed against it
         self.trainer: dict = {"state": "idle", "seen": None, "error": None}
+        self.placement: dict | None = None  # where the trainer runs, or what it waits for (note_placement)
 
     # -- engines ---------------------------------------------------------------------------
     def wants_blueprint(self, method: str) -> bool:
@@ -172,6 +179,7 @@ class LearnerCore:
 
     def push(self, traces: list[Trace], served: list[dict] | None = None) -> dict:
         self.buffer.add(traces)
+        self.captured += len(traces)
         for t in traces:
             self.fresh[t.method] = self.fresh.get(t.method, 0) + 1
         served = [{"time": t.finished_at, "method": t.method, "version": t.version,
@@ -203,26 +211,36 @@ class LearnerCore:
     def take_round(self, method: str):
         """(blueprint, serving version, traces, round config) for a round of ``method``."""
         self.fresh[method] = 0
-        self.trainer.update(state=f"training {method}", since=time.time())
+        self.trainer.update(state=f"training {method}", since=time.time(), since_trace=self.captured)
         return self.blueprints[method], self.store.serving(method), self.buffer.traces(method), \
             self.config.round_config(method)
 
     def finish_round(self, method: str, report: dict, state: dict | None) -> str | None:
         """The trainer's verdict; a candidate that beat the serving version is published."""
+        started = {"started": self.trainer.get("since"), "started_at_trace": self.trainer.get("since_trace")}
         self.trainer.update(state="idle", error=None)
         version = None
+        serving = self.store.serving(method)
         if state is not None:
-            serving = self.store.serving(method)
             v = DrafterVersion(method, self.store.next_name(method), state, dict(report.get("candidate", {})),
                                parent=serving.version if serving else None)
             version = self.store.add(v).version
-        self.rounds = (self.rounds + [{**report, "time": time.time(), "version": version}])[-64:]
+        entry = {**report, **started, "time": time.time(), "finished_at_trace": self.captured, "version": version,
+                 "kept": None if version else (serving.version if serving else None)}
+        self.rounds = (self.rounds + [entry])[-64:]
+        log.info("online learning: %s", round_line(entry))
         return version
 
     def round_failed(self, method: str, error: str) -> None:
         self.trainer.update(state="idle", error=error)
-        self.rounds = (self.rounds + [{"method": method, "published": False, "error": error,
-                                       "time": time.time()}])[-64:]
+        self.rounds = (self.rounds + [{"method": method, "published": False, "error": error, "time": time.time(),
+                                       "finished_at_trace": self.captured}])[-64:]
+        log.warning("online learning: a round of %s failed: %s", method, error)
+
+    def note_placement(self, placement: dict) -> None:
+        """Where the trainer runs (``state: placed``) or what it waits for (``pending``): the
+        engines check its placement group and say so here, since nothing else would."""
+        self.placement = dict(placement)
 
     # -- operations ------------------------------------------------------------------------
     def set_learning(self, on: bool) -> None:
@@ -253,10 +271,26 @@ class LearnerCore:
             learning = "paused: the trainer is not answering (lost or restarting); serving is unaffected"
         else:
             learning = "on"
-        return {"learning": learning, "trainer": dict(self.trainer), "buffer": self.buffer.stats(),
+        trainer = dict(self.trainer)
+        if self.placement is not None and self.placement.get("state") == "pending":
+            trainer["state"] = "pending: " + self.placement["message"]
+        if self.placement is not None:
+            trainer["placement"] = dict(self.placement)
+        return {"learning": learning, "trainer": trainer, "buffer": self.buffer.stats(), "captured": self.captured,
                 "versions": self.store.listing(),
                 "serving": {m: (self.store.serving(m).version if self.store.serving(m) else None) for m in self.blueprints},
                 "rounds": list(self.rounds), "served": list(self.served[-512:])}
+
+
+def round_line(r: dict) -> str:
+    """One line for a training round: the traffic it trained on, the gate's two measures, the verdict."""
+    if r.get("error"):
+        return f"a round of {r['method']} failed: {r['error']}"
+    serving, candidate = r["serving"]["mean_accepted_length"], r["candidate"]["mean_accepted_length"]
+    verdict = f"published {r['version']}" if r.get("version") else f"kept {r.get('kept')}"
+    return (f"round of {r['method']} on {r['train_traces']} traces ({r['held_out_traces']} held out, "
+            f"{r['seconds']:.0f} s): {verdict} (held-out mean accepted length: candidate {candidate:.3f}, "
+            f"serving {serving:.3f})")
 
 
 def load_trainer(name: str):
@@ -350,37 +384,81 @@ def hub_for(config: OnlineLearningConfig, model: str):
     name = config.name or hub_name(model)
     hub = ray.remote(LearnerCore).options(name=name, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
                                           num_cpus=0, max_restarts=-1).remote(config.model_dump())
-    options = trainer_options(config)
-    strategy = PlacementGroupSchedulingStrategy(placement_group=trainer_bundle(name, options),
-                                                placement_group_bundle_index=0)
-    trainer = ray.remote(TrainerLoop).options(
-        name=name + "-trainer", namespace=NAMESPACE, get_if_exists=True, lifetime="detached", max_restarts=-1,
-        max_concurrency=4, scheduling_strategy=strategy, **options).remote(hub, config.model_dump())
+    try:  # a trainer made earlier (by another replica) keeps its placement
+        trainer = ray.get_actor(name + "-trainer", namespace=NAMESPACE)
+    except ValueError:
+        options = trainer_options(config)
+        bundle = trainer_bundle(name, options)
+        strategy = (PlacementGroupSchedulingStrategy(placement_group=bundle, placement_group_bundle_index=0)
+                    if bundle is not None else "DEFAULT")
+        trainer = ray.remote(TrainerLoop).options(
+            name=name + "-trainer", namespace=NAMESPACE, get_if_exists=True, lifetime="detached", max_restarts=-1,
+            max_concurrency=4, scheduling_strategy=strategy, **options).remote(hub, config.model_dump())
     trainer.start.remote()
     return hub, trainer
 
 
 def trainer_bundle(name: str, options: dict):
-    """The trainer's placement group (one bundle, detached: it outlives the replicas), by name."""
+    """The trainer's placement group (one bundle, detached: it outlives the replicas), by name;
+    None when it reserves nothing (a bundle cannot be empty)."""
     from ray.util import get_placement_group
     from ray.util.placement_group import placement_group
 
     try:
         return get_placement_group(name + "-trainer")
     except ValueError:
-        bundle = {"CPU": options["num_cpus"], **({"GPU": options["num_gpus"]} if options.get("num_gpus") else {}),
-                  **options.get("resources", {})}
-        return placement_group([bundle], name=name + "-trainer", lifetime="detached")
+        bundle = {k: v for k, v in {"CPU": options["num_cpus"], "GPU": options.get("num_gpus", 0),
+                                    **options.get("resources", {})}.items() if v}
+        return placement_group([bundle], name=name + "-trainer", lifetime="detached") if bundle else None
+
+
+def auto_trainer_resources(free_cpus: float) -> dict[str, float]:
+    """The trainer's default reservation: half of the CPUs free now, at most one, so that the
+    server keeps room to grow; nothing when (almost) nothing is free — Ray reserves logical
+    CPUs only, so the trainer then runs on the cores the server uses, slower, never stuck.
+
+    >>> auto_trainer_resources(6.0), auto_trainer_resources(0.5), auto_trainer_resources(0.0)
+    ({'num_cpus': 1.0}, {'num_cpus': 0.25}, {'num_cpus': 0.0})
+    """
+    share = min(1.0, free_cpus / 2)
+    return {"num_cpus": round(share, 2) if share >= 0.01 else 0.0}
 
 
 def trainer_options(config: OnlineLearningConfig) -> dict:
-    res = dict(config.trainer_resources)
+    """The trainer actor's resource options: ``trainer_resources`` or the default from what is free."""
+    import ray
+
+    res = dict(config.trainer_resources if config.trainer_resources is not None
+               else auto_trainer_resources(ray.available_resources().get("CPU", 0.0)))
     out = {"num_cpus": res.pop("num_cpus", 1.0)}
     if "num_gpus" in res:
         out["num_gpus"] = res.pop("num_gpus")
     if res:
         out["resources"] = res
     return out
+
+
+def trainer_placement(config: OnlineLearningConfig, model: str) -> dict:
+    """Where the trainer runs, or what it waits for: ``{"state": "placed" | "pending", "resources":
+    the bundle, "message": one line}``."""
+    import ray
+    from ray.util import get_placement_group
+
+    name = config.name or hub_name(model)
+    try:
+        group = get_placement_group(name + "-trainer")
+    except ValueError:
+        return {"state": "placed", "resources": {},
+                "message": "no reservation: the trainer shares the cores the server uses"}
+    bundle = {k: v for k, v in group.bundle_specs[0].items() if not k.startswith(("bundle", "node"))}
+    wanted = ", ".join(f"{k} {v:g}" for k, v in sorted(bundle.items()))
+    if ray.util.placement_group_table(group).get("state") == "CREATED":
+        return {"state": "placed", "resources": bundle, "message": f"the trainer holds {wanted}"}
+    free, total = ray.available_resources(), ray.cluster_resources()
+    has = ", ".join(f"{k} {free.get(k, 0.0):g} of {total.get(k, 0.0):g}" for k in sorted(bundle))
+    return {"state": "pending", "resources": bundle,
+            "message": f"the trainer waits for {wanted} (free now: {has}); lower online_learning.trainer_resources "
+                       f"or add resources"}
 
 
 def drop_learner(config: OnlineLearningConfig, model: str) -> None:
@@ -415,6 +493,7 @@ class OnlineSync:
         self.hub = self.trainer = None
         self.state = "starting"
         self.dropped = 0
+        self.placed = False
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -443,7 +522,13 @@ class OnlineSync:
                     for v in new.values():
                         self.engine.use_drafter(v)
             self.trainer.start.remote()  # idempotent; restarts the loop of a trainer Ray restarted
-            self.state = "ok"
+            if not self.placed:
+                placement = trainer_placement(self.config, self.model)
+                await self.hub.note_placement.remote(placement)
+                if placement["state"] == "pending" and self.state != "waiting":
+                    log.warning("online learning: %s", placement["message"])
+                self.placed = placement["state"] == "placed"
+            self.state = "ok" if self.placed else "waiting"
         except Exception as exc:  # noqa: BLE001 - learning pauses; serving goes on
             self.dropped += len(traces)
             self.state = f"learner hub unreachable ({type(exc).__name__}); retrying"

@@ -151,14 +151,50 @@ def serve_main(args) -> int:
         print(f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{cfg.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32}}'",
               flush=True)
+        learning = LearningReport(url, headers) if cfg.engine.online_learning.enabled else None
         while not stop:
-            time.sleep(3600)
+            if learning is None:
+                time.sleep(3600)
+            else:
+                learning.report()
+                time.sleep(LEARNING_POLL_S)
     except _Stop:
         _drain(cfg.graceful_shutdown_s)
     finally:
         _shutdown(ray, started, local)
     print("specray: stopped", flush=True)
     return 0
+
+
+LEARNING_POLL_S = 2.0
+
+
+class LearningReport:
+    """Online learning in the server's own output: where the trainer runs (or what it waits
+    for), and each training round's gate decision as it happens (``GET /v1/drafters``)."""
+
+    def __init__(self, url: str, headers: dict):
+        self.url, self.headers = url, headers
+        self.placement: str | None = None
+        self.last_round = 0.0  # the finish time of the last round said
+
+    def report(self) -> None:
+        from specray.actors.learner import round_line
+
+        try:
+            status, body = _http(f"{self.url}/v1/drafters", headers=self.headers, timeout=30)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return
+        if status != 200:
+            return
+        placement = (body.get("trainer") or {}).get("placement")
+        if placement and placement.get("message") != self.placement:
+            self.placement = placement["message"]
+            print(f"specray: online learning: {self.placement}", flush=True)
+        for r in body.get("rounds") or []:
+            if r["time"] > self.last_round:
+                self.last_round = r["time"]
+                print(f"specray: online learning: {round_line(r)}", flush=True)
 
 
 def _drain(grace_s: float) -> None:

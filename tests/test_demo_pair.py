@@ -4,6 +4,7 @@ weights) and the trained, cached demo pair (slow: built once into $SPECRAY_CACHE
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -96,6 +97,7 @@ def fake_build(tmp_path, monkeypatch):
     log.touch()
     monkeypatch.setenv("FAKE_BUILD_LOG", str(log))
     monkeypatch.setattr(pair_mod, "build_demo_pair", _fake_build)
+    monkeypatch.setattr(pair_mod, "SHIPPED_DIR", tmp_path / "shipped")  # none: every seed is built
     cache = tmp_path / "cache"
     return cache, lambda: len(log.read_text().split())
 
@@ -137,6 +139,36 @@ def test_incomplete_pair_is_rebuilt(fake_build):
     (cache / pair_key(0, DemoRecipe()) / "target").mkdir(parents=True)
     pair = load_or_build_demo_pair(str(cache))
     assert builds() == 1 and pathlib.Path(pair.draft, "model.safetensors").is_file()
+
+
+def test_a_shipped_pair_is_unpacked_when_its_stamp_matches_the_recipe(fake_build, tmp_path):
+    cache, builds = fake_build
+    shipped = pair_mod.SHIPPED_DIR
+    shipped.mkdir()
+    metrics = _fake_build(shipped, 0, None, None)
+    assert builds() == 1
+    stamp = {**metrics, "seed": 0, "recipe": dataclasses.asdict(DemoRecipe()),
+             "versions": {"demo": pair_mod.DEMO_VERSION}}
+    (shipped / METRICS_FILE).write_text(json.dumps(stamp))
+    pair = load_or_build_demo_pair(str(cache))
+    assert builds() == 1 and pathlib.Path(pair.target).parent == cache / pair_key(0, DemoRecipe())
+    assert load_or_build_demo_pair(str(cache), seed=1) and builds() == 2  # another seed is built
+    load_or_build_demo_pair(str(cache), force=True)  # --force trains here, whatever is shipped
+    assert builds() == 3
+    (shipped / METRICS_FILE).write_text(json.dumps({**stamp, "recipe": {**stamp["recipe"], "draft_steps": 1}}))
+    assert pair_mod.shipped_pair(0, DemoRecipe()) is None  # a stale stamp is never served
+
+
+def test_the_shipped_pair_is_this_recipes(tmp_path):
+    """The weights in the package were built by today's recipe and seed 0 (a recipe change without
+    `python -m specray.demo --force --ship` fails here, not at a user's first run)."""
+    assert pair_mod.shipped_pair(0, DemoRecipe()) == pair_mod.SHIPPED_DIR
+    for part, names in PAIR_PARTS.items():
+        for name in names:
+            assert (pair_mod.SHIPPED_DIR / part / name).is_file(), (part, name)
+    target = json.loads((pair_mod.SHIPPED_DIR / "target" / "config.json").read_text())
+    assert (target["num_hidden_layers"], target["hidden_size"]) == (DemoRecipe().target_layers,
+                                                                    DemoRecipe().hidden_size)
 
 
 def _call_in_child(cache: str, results) -> None:

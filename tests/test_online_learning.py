@@ -347,3 +347,27 @@ def test_the_benchmark_runs(tmp_path):
     report = json.loads((tmp_path / "online.json").read_text())["methods"]["draft"]
     assert rc == 0 and report["identical_tokens"] and (tmp_path / "online.png").exists()
     assert len(report["rounds"]) == 2 and len(report["curve_on"]) == len(report["curve_off"]) == 2
+
+
+def test_the_hub_says_where_the_trainer_waits_and_each_rounds_decision():
+    from specray.actors.learner import LearnerCore, auto_trainer_resources, round_line
+
+    core = LearnerCore({"enabled": True})
+    core.note_placement({"state": "pending", "resources": {"CPU": 64.0},
+                         "message": "the trainer waits for CPU 64 (free now: CPU 0.2 of 2)"})
+    status = core.status()
+    assert status["trainer"]["state"] == "pending: the trainer waits for CPU 64 (free now: CPU 0.2 of 2)"
+    core.note_placement({"state": "placed", "resources": {"CPU": 0.5}, "message": "the trainer holds CPU 0.5"})
+    assert core.status()["trainer"]["state"] == "idle"
+    report = {"method": "draft", "published": False, "serving": {"mean_accepted_length": 1.7},
+              "candidate": {"mean_accepted_length": 1.6}, "train_traces": 24, "held_out_traces": 8, "seconds": 12.0,
+              "loss": 1.0}
+    core.store.register_base("draft", {})
+    core.finish_round("draft", report, None)
+    (kept,) = core.status()["rounds"]
+    assert kept["kept"] == "draft@base" and kept["version"] is None and kept["finished_at_trace"] == 0
+    assert round_line(kept) == ("round of draft on 24 traces (8 held out, 12 s): kept draft@base (held-out mean "
+                                "accepted length: candidate 1.600, serving 1.700)")
+    published = core.finish_round("draft", {**report, "published": True}, {})
+    assert published == "draft@1" and "published draft@1" in round_line(core.status()["rounds"][-1])
+    assert [auto_trainer_resources(f)["num_cpus"] for f in (6.0, 1.0, 0.3, 0.01)] == [1.0, 0.5, 0.15, 0.0]

@@ -183,3 +183,23 @@ def test_a_loaded_version_reaches_the_draft_worker(ray_session, tiny_checkpoints
     finally:
         shutdown(c)
         drop_learner(OnlineLearningConfig.model_validate(cfg["online_learning"]), "")
+
+
+def test_a_trainer_that_cannot_be_placed_is_named_in_the_status(ray_session, tiny_checkpoints, references):
+    """Never a silent wait: the status names what the trainer waits for and what is free;
+    serving goes on meanwhile."""
+    from specray.actors.coordinator import Coordinator
+    from specray.actors.learner import OnlineLearningConfig, drop_learner
+    from tests.test_actors import shutdown
+
+    cfg = config(tiny_checkpoints, "test-online-unplaceable", "fast", trainer_resources={"num_cpus": 64})
+    c = Coordinator.remote(cfg)
+    try:
+        assert [o["token_ids"] for o in serve(c)] == references
+        status = wait_for(lambda: (s := ray.get(c.drafters.remote("status")))["trainer"].get("placement") and s,
+                          what="the trainer's placement in the status")
+        assert status["trainer"]["state"].startswith("pending: the trainer waits for CPU 64 (free now: CPU "), status
+        assert "trainer_resources" in status["trainer"]["state"]
+    finally:
+        shutdown(c)
+        drop_learner(OnlineLearningConfig.model_validate(cfg["online_learning"]), "")

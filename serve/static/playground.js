@@ -389,7 +389,13 @@
   function drawLearning(data) {
     $("#learning").hidden = false;
     const serving = Object.entries(data.serving || {}).map(([m, v]) => `${m}: ${v}`).join(", ");
-    $("#learning-state").textContent = `learning ${data.learning} · serving ${serving || "–"}`;
+    const trainer = (data.trainer && data.trainer.state) || "–";
+    const last = (data.rounds || []).slice(-1)[0];
+    const round = !last ? "no round yet" : last.error ? `last round of ${last.method} failed`
+      : `last round of ${last.method}: ${last.version ? "published " + last.version : "kept " + last.kept}` +
+        ` (candidate ${last.candidate.mean_accepted_length.toFixed(2)}, serving ${last.serving.mean_accepted_length.toFixed(2)})`;
+    $("#learning-state").textContent =
+      `learning ${data.learning} · serving ${serving || "–"} · trainer: ${trainer} · ${round}`;
     const points = data.served || [];
     const chart = $("#learning-chart");
     chart.replaceChildren();
@@ -419,10 +425,12 @@
   }
 
   async function pollLearning() {
-    const response = await request("v1/drafters");
-    if (!response.ok) return; // not answering now: the section keeps what it showed
-    drawLearning(await response.json());
-    setTimeout(() => pollLearning().catch(() => {}), 5000);
+    try {
+      const response = await request("v1/drafters");
+      if (response.ok) drawLearning(await response.json()); // else the section keeps what it showed
+    } finally {
+      setTimeout(() => pollLearning().catch(() => {}), 5000);
+    }
   }
 
   loadMethods().catch((e) => showError(e.message));
