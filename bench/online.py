@@ -6,6 +6,11 @@ requests, learning on against off, for the draft model and EAGLE on the demo pai
                                    [--batch-size 16] [--greedy-temperature 0.25] [--eagle DIR]
                                    [--out bench/results]
     python -m specray.bench.online --overhead [--requests 100] [--repeats 3]   # capture's cost
+    python -m specray.bench.online --live [--requests 300] [--concurrency 4]   # a live server (online_live.py)
+
+``--live`` measures the path users start — ``specray serve --online-learning`` under continuous
+HTTP load, training asynchronously in the server's trainer actor (``bench/online_live.py``); the
+rest of this page describes the in-process loop, which pumps a round between waves of requests.
 
 The workload (``bench/shifted.py``) is German, French and Spanish sentences — the demo pair and
 its heads learned Python source. The same ``--requests`` prompts are served twice per method,
@@ -51,7 +56,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="instead: serving speed with capture on (every request) against off, no training")
     p.add_argument("--repeats", type=int, default=3, help="--overhead: interleaved runs per config (best kept)")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--live", action="store_true",
+                   help="instead: `specray serve --online-learning` under continuous HTTP load (bench/online_live.py)")
+    p.add_argument("--concurrency", type=int, default=4, help="--live: requests in flight")
+    p.add_argument("--config", default=None, help="--live: a serve config file for both servers")
     args = p.parse_args(argv)
+    if args.live:
+        from specray.bench.online_live import run
+
+        return run(args)
 
     import torch
 
