@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 
 import pytest
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+TESTS_PATH = os.path.join(ROOT, ".test-path")
+"""Where ``tests`` imports from (a folder holding a link to tests/): never the root itself."""
+# One import name per module: the root folders (engine/, protocol/, ...) are `specray.*` and
+# nothing else, so the root leaves sys.path (`python -m pytest` and xdist's workers put it
+# first); `tests.*` comes from TESTS_PATH (pyproject's pythonpath).
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != ROOT]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -186,8 +195,7 @@ def ray_session():
         # The hook registers the toy method of tests/failing_method.py in the actors asked to
         # (it runs before Ray puts the driver's directory on a worker's path: PYTHONPATH does).
         # The driver's own PYTHONPATH comes first, so workers import the code the driver imports.
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), root) if p)
+        path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH", ""), TESTS_PATH) if p)
         # address="local": always a fresh in-process cluster, never one that another process
         # started on this machine (ray.init() alone joins the latest `ray start` cluster, or fails
         # on the stale address a stopped one left in /tmp/ray).

@@ -17,7 +17,7 @@ import shlex
 
 import pytest
 
-ROOT = pathlib.Path(__file__).parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "methods").glob("*.md"))]
 FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*")

@@ -1,4 +1,4 @@
-"""The README's layering is true: nothing imports upward (module-level or inside functions).
+"""The layering docs/architecture.md states is true: nothing imports upward (module-level or inside functions).
 
     kernels <- policies <- engine <- cluster <- actors <- serve <- entrypoints <- bench
                             engine <- protocol  (OpenAI's shapes and the one request check:
@@ -125,3 +125,16 @@ def test_no_import_cycles_between_modules():
         if m not in state:
             visit(m, [m])
     assert not cycles, "\n".join(cycles)
+
+
+@pytest.mark.parametrize("folder", sorted(BELOW))
+def test_the_root_folders_import_only_as_specray(folder):
+    """Under the test command the root is not on sys.path: ``import engine`` fails, so no module
+    is ever loaded twice under two names (``engine.config`` beside ``specray.engine.config``)."""
+    import importlib
+    import sys
+
+    assert not any(pathlib.Path(p or ".").resolve() == ROOT for p in sys.path)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(folder)
+    assert importlib.import_module(f"specray.{folder}").__name__ == f"specray.{folder}"

@@ -321,7 +321,7 @@ def test_methods_listing_needs_the_key_and_says_what_is_available(url):
 
 
 def test_the_page_takes_the_options_placeholder_from_the_selected_method():
-    static = pathlib.Path(__file__).parents[1] / "serve" / "static"
+    static = pathlib.Path(__file__).resolve().parents[1] / "serve" / "static"
     html, js = (static / "playground.html").read_text(), (static / "playground.js").read_text()
     assert "dynamic_tree" not in html and 'class="options" type="text">' in html  # no fixed placeholder
     assert "options.placeholder = m ? m.example" in js and '.hidden = !m || !m.example' in js
@@ -345,9 +345,9 @@ def test_the_page_is_served_offline_without_a_key(url):
 def test_static_files_are_in_the_wheel_package_data():
     import tomllib
 
-    pyproject = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["specray.serve"]
-    static = pathlib.Path(__file__).parents[1] / "serve" / "static"
+    static = pathlib.Path(__file__).resolve().parents[1] / "serve" / "static"
     shipped = {p.name for pattern in patterns for p in static.parent.glob(pattern)}
     assert {"playground.html", "playground.js", "playground.css"} <= shipped
 

@@ -213,7 +213,7 @@ def test_example_yaml_args_are_a_valid_config():
     """examples/serve.yaml's application args validate (build_app would use the demo pair)."""
     import pathlib
 
-    doc = yaml.safe_load((pathlib.Path(__file__).parents[1] / "examples" / "serve.yaml").read_text())
+    doc = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1] / "examples" / "serve.yaml").read_text())
     (app,) = doc["applications"]
     assert app["import_path"] == "specray.entrypoints.app:build_app"
     cfg = ServeConfig.model_validate(app["args"])
@@ -232,7 +232,7 @@ def test_autoscaling_as_configured_draws_no_warning_from_ray():
 
     from ray.serve.config import AutoscalingConfig
 
-    doc = yaml.safe_load((pathlib.Path(__file__).parents[1] / "examples" / "serve.yaml").read_text())
+    doc = yaml.safe_load((pathlib.Path(__file__).resolve().parents[1] / "examples" / "serve.yaml").read_text())
     for given in ({}, doc["applications"][0]["args"]["autoscaling"], {"metrics_interval_s": 2, "look_back_period_s": 3}):
         spec = ServeConfig(autoscaling=given).autoscaling
         with warnings.catch_warnings():

@@ -272,7 +272,7 @@ def test_the_documented_layout_is_what_the_split_gives(capsys):
 
     assert bench.main(["--layout", "llama-3-70b:4,llama-3.2-1b:1"]) == 0
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("role", "target", "draft"))]
-    doc = (pathlib.Path(__file__).parents[1] / "docs" / "tensor-parallel.md").read_text()
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "tensor-parallel.md").read_text()
     assert len(printed) == 6 and all(line in doc for line in printed)
 
 
