@@ -175,11 +175,17 @@ def config_data(args: argparse.Namespace, file_data: dict) -> dict:
     return _merge(flat_to_nested(file_data), flat_to_nested(flags))
 
 
+WHOLE = ("default_speculation", "speculative_config")
+"""Settings a flag replaces whole: a speculation is one method's options, never a mix of two."""
+
+
 def _merge(base: dict, over: dict) -> dict:
-    """``over`` laid on ``base``: sections merge key by key; a value (speculation too) replaces."""
+    """``over`` laid on ``base``: sections (engine, checkpoints, online_learning, ...) merge key by
+    key, so ``--online-learning`` keeps the file's ``online_learning:`` settings; a value, and a
+    speculation (``WHOLE``), replaces."""
     out = dict(base)
     for key, value in over.items():
-        section = key in ("engine", "checkpoints") and isinstance(value, dict) and isinstance(out.get(key), dict)
+        section = key not in WHOLE and isinstance(value, dict) and isinstance(out.get(key), dict)
         out[key] = _merge(out[key], value) if section else value
     return out
 

@@ -141,7 +141,9 @@ def serve_main(args) -> int:
         _install_signal_handlers(stop)  # again: ray.init installs its own SIGTERM handler in the driver
         url = f"http://{_url_host(cfg.host)}:{cfg.port}{(cfg.route_prefix or '/').rstrip('/')}"
         headers = {"Authorization": f"Bearer {cfg.resolved_api_key()}"} if cfg.resolved_api_key() else {}
-        _warm_up(url, cfg, headers)
+        warmed, seconds = _warm_up(url, cfg, headers)
+        print(f"specray: warm: {warmed} requests answered in {seconds:.1f} s (models loaded, first calls paid)",
+              flush=True)
         print(f"specray: ready: serving {cfg.model_name!r} at {url}/v1 (playground: {url}/playground)", flush=True)
         if args.once is not None:  # one request over HTTP, then stop (the README's main job)
             status, reply = _http(f"{url}/v1/completions", {"model": cfg.model_name, "prompt": args.once,
@@ -272,13 +274,14 @@ def loopback_worker() -> None:
     replica.add_port_to_grpc_server = loopback
 
 
-def _warm_up(url: str, cfg, headers: dict) -> None:
-    """One completion per replica before "ready": it starts each replica's workers (the
-    models load there) and pays torch's first-call costs, so a user's first request runs
-    at the speed of later ones."""
+def _warm_up(url: str, cfg, headers: dict) -> tuple[int, float]:
+    """Completions before "ready" (two per replica): they start each replica's workers (the
+    models load there) and pay torch's first-call costs, so a user's first request runs at
+    the speed of later ones. Returns (requests answered, seconds)."""
     from specray.serve.deployment import START_FAILED
 
-    deadline = time.monotonic() + 600
+    start = time.monotonic()
+    deadline = start + 600
     body = {"model": cfg.model_name, "prompt": WARMUP_PROMPT, "max_tokens": ONCE_MAX_TOKENS, "temperature": 0}
     replicas = cfg.autoscaling.min_replicas if cfg.autoscaling is not None else cfg.num_replicas
     for _ in range(max(1, replicas) * 2):
@@ -295,6 +298,7 @@ def _warm_up(url: str, cfg, headers: dict) -> None:
             if 400 <= status < 500 or time.monotonic() > deadline:
                 raise RuntimeError(f"the warm-up request failed ({status}): {json.dumps(reply)}")
             time.sleep(0.5)
+    return max(1, replicas) * 2, time.monotonic() - start
 
 
 def _shutdown(ray, started: bool, local: bool) -> None:

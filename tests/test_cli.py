@@ -235,6 +235,12 @@ def test_flags_override_the_config_file_with_the_same_names(tmp_path):
     assert cfg.engine.default_speculation.model_fields_set == {"method"}  # the length stays self-tuning
 
 
+def test_the_online_learning_switch_keeps_the_files_settings():
+    cfg = serve_config("--online-learning", file_data={"online_learning": {"round_requests": 8, "steps": 10}})
+    learning = cfg.engine.online_learning
+    assert (learning.enabled, learning.round_requests, learning.steps) == (True, 8, 10)
+
+
 def test_speculative_config_model_is_the_methods_weights(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     cfg = serve_config("--speculative-config", json.dumps({"method": "draft_model", "model": str(tmp_path)}))
