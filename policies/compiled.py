@@ -11,6 +11,7 @@ so checking every parameter per call would only cost time.
 from __future__ import annotations
 
 import functools
+import os
 import time
 import types
 from contextlib import contextmanager
@@ -76,10 +77,20 @@ def _constants():
     return torch._dynamo.config.patch(specialize_float=True, specialize_int=True)
 
 
+BACKEND_ENV = "SPECRAY_COMPILE_BACKEND"
+"""torch.compile's backend for the ``compile`` step: inductor (the default: generated kernels)
+or another of torch's, e.g. ``aot_eager``, which captures the same graphs (graph breaks and
+recompiles show the same) and runs them without code generation — for finding a capture
+problem, and for tests whose subject is the capture, not inductor's kernels."""
+
+
 def compiled(fn, device):
     """``fn`` under ``torch.compile(dynamic=True, fullgraph=True)`` with ``compile_options``,
     the numbers it reads from modules specialized, its calls counted by ``timing``."""
-    graph = torch.compile(fn, dynamic=True, fullgraph=True, options=compile_options(device))
+    backend = os.environ.get(BACKEND_ENV, "inductor")
+    options = compile_options(device) if backend == "inductor" else {
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    graph = torch.compile(fn, dynamic=True, fullgraph=True, backend=backend, options=options)
     traced = False
 
     def call(*args, **kwargs):

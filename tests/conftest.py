@@ -27,6 +27,17 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
 # Small models on 2 shared cores: one thread is faster and far less noisy.
 torch.set_num_threads(1)
+# The `compile` step's capture (fullgraph, one graph per function, no recompiles, outputs equal
+# to eager) is what most tests prove: aot_eager traces the same graphs without generating and
+# compiling C++ (minutes of gcc per process on 2 cores). Tests marked `inductor` run the real
+# kernels (the `inductor` fixture); Ray actors and subprocesses inherit this.
+os.environ.setdefault("SPECRAY_COMPILE_BACKEND", "aot_eager")
+
+
+@pytest.fixture()
+def inductor(monkeypatch):
+    """This test's `compile` step generates inductor's kernels, as users get them."""
+    monkeypatch.setenv("SPECRAY_COMPILE_BACKEND", "inductor")
 
 
 def pytest_sessionstart(session):

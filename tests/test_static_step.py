@@ -253,26 +253,44 @@ def test_compiled_graphs_take_module_numbers_as_constants(monkeypatch):
 
 
 # -- sampling through the device acceptance --------------------------------------------------
+@pytest.fixture(scope="module")
+def sampling_engines():
+    """One engine per step mode over the chi-square test's tiny-vocabulary models, every
+    method's weights loaded (built, warmed and compiled once for all its methods)."""
+    from tests import test_sampling_e2e as E
+
+    target, draft = E.tiny_llama(vocab=E.VOCAB, seed=3, init=0.25), E.tiny_llama(vocab=E.VOCAB, layers=1, seed=4,
+                                                                                  init=0.25)
+    engines = {}
+
+    def get(step: str) -> LLMEngine:
+        if step not in engines:
+            engines[step] = LLMEngine(
+                EngineConfig(target="x", max_num_seqs=64, step=step, speculation_length=SpeculationLengthPolicy()),
+                target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft),
+                medusa_heads=random_heads(vocab=E.VOCAB),
+                resources={"eagle": random_head(target), "eagle3": random_head3(target, draft_vocab=6),
+                           "redrafter": random_drafter(vocab=E.VOCAB)})
+        return engines[step]
+
+    return target, get
+
+
 @pytest.mark.parametrize("step, name", [
     ("static", "draft"), ("static", "ngram"), ("static", "medusa"), ("static", "eagle"), ("static", "eagle-2"),
     ("static", "eagle3"), ("static", "redrafter"), ("compile", "draft"), ("compile", "eagle"),
     ("compile", "redrafter"),
 ])
-def test_device_sampling_matches_target_distribution(step, name):
+def test_device_sampling_matches_target_distribution(sampling_engines, step, name):
     """Sampled rows through the device step keep the target's distribution: chains with and
     without draft probabilities, static trees with drawn q (EAGLE's, drawn on the device),
     dynamic trees and packed beams built on the device (one-hot q)."""
+    from specray.engine.metrics import SpecMetrics
     from tests import test_sampling_e2e as E
 
-    models = (E.tiny_llama(vocab=E.VOCAB, seed=3, init=0.25), E.tiny_llama(vocab=E.VOCAB, layers=1, seed=4, init=0.25))
-    target, draft = models
-    engine = LLMEngine(
-        EngineConfig(target="x", max_num_seqs=64, step=step, speculation_length=SpeculationLengthPolicy()),
-        target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft),
-        medusa_heads=random_heads(vocab=E.VOCAB),
-        resources={"eagle": random_head(target), "eagle3": random_head3(target, draft_vocab=6),
-                   "redrafter": random_drafter(vocab=E.VOCAB)},
-    )
+    target, get = sampling_engines
+    engine = get(step)
+    engine.scheduler.totals = SpecMetrics()
     params = [SamplingParams(seed=i, **E.PARAMS) for i in range(E.N)]
     options = {"draft": {"num_speculative_tokens": 3}, "ngram": {"num_speculative_tokens": 3},
                "eagle-2": {"dynamic_tree": True, "top_k": 3, "depth": 3, "total_tokens": 8},
@@ -282,4 +300,29 @@ def test_device_sampling_matches_target_distribution(step, name):
     assert t.num_drafts > E.N // 2 and 0 < t.num_accepted_tokens < t.num_draft_tokens
     seqs = np.array([o.token_ids for o in outs])
     pvals = E.check(seqs, E.exact_joint(target))
+    assert min(pvals) > 1e-3, pvals
+
+
+def test_inductor_kernels_keep_greedy_output_and_the_sampling_distribution(inductor):
+    """The other compile tests capture with aot_eager; here inductor generates and runs the
+    kernels (C++ on a CPU) of the target, the draft's chain and the acceptance: greedy output
+    equals the eager step's (itself HF's: the tests above), and sampled rows keep the target's distribution (inductor's
+    own random numbers)."""
+    from tests import test_sampling_e2e as E
+
+    target, draft = E.tiny_llama(vocab=E.VOCAB, seed=3, init=0.25), E.tiny_llama(vocab=E.VOCAB, layers=1, seed=4,
+                                                                                  init=0.25)
+    engines = [LLMEngine(EngineConfig(target="x", max_num_seqs=64, step=step,
+                                      speculation_length=SpeculationLengthPolicy()),
+                         target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft))
+               for step in ("compile", "eager")]
+    prompts = ragged_prompts(8, vocab=E.VOCAB)
+    for name in ("none", "draft"):
+        compiled_outs, eager_outs = (e.generate(prompts, GREEDY, speculation(name)) for e in engines)
+        assert [o.token_ids for o in compiled_outs] == [o.token_ids for o in eager_outs], name
+    engine = engines[0]
+    outs = engine.generate([E.PROMPT] * E.N, [SamplingParams(seed=i, **E.PARAMS) for i in range(E.N)],
+                           SpeculationParams(method="draft", num_speculative_tokens=3))
+    assert 0 < engine.totals.num_accepted_tokens < engine.totals.num_draft_tokens
+    pvals = E.check(np.array([o.token_ids for o in outs]), E.exact_joint(target))
     assert min(pvals) > 1e-3, pvals
