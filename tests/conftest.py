@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+pytest_plugins = ["tests.serving"]  # Serve's proxy and the shared applications
+
 ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 TESTS_PATH = os.path.join(ROOT, ".test-path")
 """Where ``tests`` imports from (a folder holding a link to tests/): never the root itself."""
@@ -255,14 +257,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(ray_session):
-    """Ray Serve's HTTP proxy on a free loopback port, for one test module."""
-    from ray import serve
-
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()

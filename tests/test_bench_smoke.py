@@ -48,7 +48,8 @@ def test_gpu_benchmark_runs_on_the_cpu(tmp_path):
     from specray.bench import gpu
 
     rc = gpu.main(["--device", "cpu", "--shape", "tiny", "--batch", "1,2", "--max-tokens", "12", "--modes",
-                   "eager,static", "--configs", "none,draft k=4", "--profile-steps", "3", "--out", str(tmp_path)])
+                   "eager,static", "--hf", "eager", "--configs", "none,draft k=4", "--profile-steps", "3",
+                   "--out", str(tmp_path)])
     assert rc == 0
     report = json.loads((tmp_path / "gpu.json").read_text())
     rows = {(r["config"], r["mode"], r["batch"]): r for r in report["rows"]}

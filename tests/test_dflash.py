@@ -313,7 +313,7 @@ def drafter_dir(tiny_pair, tmp_path_factory):
 def test_dflash_from_the_command_line(tiny_pair, drafter_dir, tmp_path, capsys):
     """(HTTP, separate layout: tests/test_serve.py's main app; batch jobs: tests/test_jobs.py.)"""
     from specray.entrypoints.cli import main
-    from tests.test_serve import ALPHABET, save_char_tokenizer
+    from tests.conftest import ALPHABET, save_char_tokenizer
 
     target_dir = tmp_path / "target"
     tiny_pair[0].save_pretrained(target_dir)

@@ -519,38 +519,9 @@ def test_eagle3_batch_job(ray_session, tiny_checkpoints, tiny_pair, head_dir, tm
     assert sum(o["metrics"]["num_drafts"] for o in lines) > 0
 
 
-@pytest.mark.timeout(300)
-def test_eagle3_over_http(server, tiny_checkpoints, tiny_pair, head_dir, tmp_path_factory):
-    import httpx
-    from ray import serve
-
-    from specray.entrypoints.app import build_app
-    from tests.test_serve import cpu_placement, decode, save_char_tokenizer, wait_until_serving
-
-    tok = tmp_path_factory.mktemp("eagle3-tok")
-    save_char_tokenizer(tok)
-    cfg = {"model_name": "e3", "engine": {**tiny_checkpoints, "tokenizer": str(tok), "max_num_seqs": 2,
-                                          "checkpoints": {"eagle3": head_dir}, "placement": cpu_placement("separate")}}
-    serve.run(build_app(cfg), name="e3", route_prefix="/e3")
-    try:
-        url = f"{server}/e3"
-        wait_until_serving(url, "e3")
-        prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
-        body = {"model": "e3", "prompt": prompt, "max_tokens": 20, "temperature": 0,
-                "speculation": {"method": "eagle3", "dynamic_tree": True, "top_k": 4, "depth": 4, "total_tokens": 12}}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
-        assert r["choices"][0]["text"] == decode(hf_greedy(tiny_pair[0], prompt, 20))
-        assert r["speculation_metrics"][0]["num_drafts"] > 0
-        body["speculation"] = {"method": "eagle3", "top_k": 0}
-        bad = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert bad.status_code == 400 and "top_k" in bad.text
-    finally:
-        serve.delete("e3")
-
-
 def test_cli_flags_and_generate(tiny_pair, head_dir, tmp_path, capsys):
     from specray.entrypoints.cli import main
-    from tests.test_serve import ALPHABET, save_char_tokenizer
+    from tests.conftest import ALPHABET, save_char_tokenizer
 
     target_dir = tmp_path / "target"
     tiny_pair[0].save_pretrained(target_dir)

@@ -379,7 +379,7 @@ def test_job_submission_end_to_end(ray_head, tiny_dirs, tmp_path):
 @pytest.fixture(scope="module")
 def batch_config(tiny_dirs, tmp_path_factory):
     """tiny_dirs' config plus a tokenizer with a chat template (one character per token id)."""
-    from tests.test_serve import save_char_tokenizer
+    from tests.conftest import save_char_tokenizer
 
     _, config = tiny_dirs
     tok = tmp_path_factory.mktemp("batch-tokenizer")
@@ -410,7 +410,7 @@ def _batch_records():
 
 
 def _check_batch_output(lines: list[dict], target) -> None:
-    from tests.test_serve import decode, encode
+    from tests.conftest import decode, encode
 
     by_id = {o["custom_id"]: o for o in lines}
     assert len(by_id) == len(lines) == 6

@@ -17,7 +17,7 @@ from specray.engine.runner import ModelRunner
 from specray.kernels.tree_acceptance import TreeAcceptance
 from specray.policies.base import CommitRow, ProposalRow
 from specray.policies.lookahead import JacobiWindow, LookaheadOptions, LookaheadProposer, NgramPool, pack_candidates
-from tests.conftest import hf_greedy, tiny_llama
+from tests.conftest import decode, hf_greedy, tiny_llama
 from tests.test_engine import GREEDY, ragged_prompts
 
 CONFIGS = [(2, 2, 1), (4, 3, 4), (5, 4, 3), (3, 6, 7)]
@@ -433,41 +433,30 @@ def test_cli_generate_with_lookahead_defaults_equals_plain(demo_pair, capsys):
     assert out["token_ids"] == plain["token_ids"] and out["metrics"]["num_drafts"] > 0
 
 
-def test_lookahead_over_http(server, tiny_checkpoints, tiny_pair, tmp_path_factory):
+def test_lookahead_over_http(colocated_url, tiny_pair):
     import httpx
     import openai
-    from ray import serve
 
-    from specray.entrypoints.app import build_app
-    from tests.test_serve import assert_openai_error, cpu_placement, decode, save_char_tokenizer, wait_until_serving
+    from tests.serving import COLOCATED, assert_openai_error
 
-    tok = tmp_path_factory.mktemp("lookahead-tokenizer")
-    save_char_tokenizer(tok)
-    cfg = {"model_name": "la", "engine": {**tiny_checkpoints, "tokenizer": str(tok), "max_num_seqs": 2,
-                                          "max_model_len": 64, "placement": cpu_placement("colocated")}}
-    serve.run(build_app(cfg), name="lookahead", route_prefix="/lookahead")
-    url = f"{server}/lookahead"
-    try:
-        wait_until_serving(url, "la")
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
-        prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4]
-        ref = decode(hf_greedy(tiny_pair[0], prompt, 20))
-        for spec in ({"method": "lookahead"}, {"method": "lookahead", "window_size": 3, "ngram_size": 5,
-                                               "verification_set_size": 2, "shared_pool": True}):
-            r = client.completions.create(model="la", prompt=prompt, max_tokens=20, temperature=0,
-                                          extra_body={"speculation": spec})
-            assert r.choices[0].text == ref, spec
-            assert r.model_dump()["speculation_metrics"][0]["num_drafts"] > 0
-        stream = client.completions.create(model="la", prompt=prompt, max_tokens=20, temperature=0, stream=True,
-                                           extra_body={"speculation": {"method": "lookahead"}})
-        assert "".join(ch.choices[0].text for ch in stream) == ref
-        body = {"model": "la", "prompt": prompt, "max_tokens": 4, "speculation": {"method": "lookahead",
-                                                                                    "window_size": 1}}
-        assert_openai_error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400, "window_size")
-        body["speculation"] = {"method": "lookahead", "window_size": 16, "ngram_size": 4, "verification_set_size": 8}
-        assert_openai_error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400, "64-token context")
-    finally:
-        serve.delete("lookahead")
+    client = openai.OpenAI(base_url=f"{colocated_url}/v1", api_key="x", max_retries=0, timeout=60)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4]
+    ref = decode(hf_greedy(tiny_pair[0], prompt, 20))
+    for spec in ({"method": "lookahead"}, {"method": "lookahead", "window_size": 3, "ngram_size": 5,
+                                           "verification_set_size": 2, "shared_pool": True}):
+        r = client.completions.create(model=COLOCATED, prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"speculation": spec})
+        assert r.choices[0].text == ref, spec
+        assert r.model_dump()["speculation_metrics"][0]["num_drafts"] > 0
+    stream = client.completions.create(model=COLOCATED, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                       extra_body={"speculation": {"method": "lookahead"}})
+    assert "".join(ch.choices[0].text for ch in stream) == ref
+    url = f"{colocated_url}/v1/completions"
+    body = {"model": COLOCATED, "prompt": prompt, "max_tokens": 4, "speculation": {"method": "lookahead",
+                                                                                  "window_size": 1}}
+    assert_openai_error(httpx.post(url, json=body, timeout=60), 400, "window_size")
+    body["speculation"] = {"method": "lookahead", "window_size": 16, "ngram_size": 4, "verification_set_size": 8}
+    assert_openai_error(httpx.post(url, json=body, timeout=60), 400, "64-token context")
 
 
 @pytest.mark.slow

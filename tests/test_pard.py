@@ -251,7 +251,7 @@ def test_pard_has_a_bundle_and_kv_of_its_own(tiny_checkpoints, pard_dir):
 # test_drafting_ahead_equals_drafting_afresh above) ---------------------------------------------------
 def test_pard_from_the_command_line(tiny_pair, pard_dir, tmp_path, capsys):
     from specray.entrypoints.cli import main
-    from tests.test_serve import ALPHABET, save_char_tokenizer
+    from tests.conftest import ALPHABET, save_char_tokenizer
 
     target_dir = tmp_path / "target"
     tiny_pair[0].save_pretrained(target_dir)

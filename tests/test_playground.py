@@ -25,17 +25,14 @@ import time
 import httpx
 import pytest
 
-from tests.test_serve import ALPHABET, cpu_placement, decode, sse_events, wait_until_serving
+from tests.conftest import ALPHABET, decode
+from tests.serving import AUTH, GUARDED as MODEL, KEY, sse_events
 
 serve = pytest.importorskip("ray.serve")
 
-from specray.entrypoints.app import build_app  # noqa: E402
 from specray.serve.playground import SpeculationTrack  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
-
-MODEL, KEY = "tiny-playground", "play-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
+pytestmark = pytest.mark.timeout(600)
 CHUNK_KEYS = {"id", "object", "created", "model", "choices"}
 
 
@@ -158,15 +155,9 @@ def test_a_character_split_across_steps_belongs_to_the_token_that_completes_it(b
 
 # -- the server -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def url(server, tiny_tok):
-    """The tiny pair (draft model and n-gram actors), with an API key, under a route prefix."""
-    cfg = {"model_name": MODEL, "api_key": KEY,
-           "engine": {**tiny_tok, "max_num_seqs": 4, "placement": cpu_placement("separate")}}
-    serve.run(build_app(cfg), name="playground", route_prefix="/pg")
-    url = f"{server}/pg"
-    wait_until_serving(url, MODEL, headers=AUTH)
-    yield url
-    serve.delete("playground")
+def url(guarded_url):
+    """The session's guarded app: the tiny pair (draft model and n-gram actors), an API key."""
+    return guarded_url
 
 
 def post(url, path, body, stream=False):
@@ -500,17 +491,6 @@ def test_playground_in_a_real_browser(browser, url, tmp_path):
 
 
 # -- the demo pair: a realistic page (and the README's screenshot) --------------------------
-@pytest.fixture(scope="module")
-def demo_url(server, demo_pair):
-    cfg = {"model_name": "specray-demo", "engine": {"max_num_seqs": 4, "placement": {
-        "mode": "separate", "target": {"num_cpus": 0.25}, "draft": {"num_cpus": 0.25}, "ngram_cpus": 0.25}}}
-    serve.run(build_app(cfg), name="playground-demo", route_prefix="/demo-playground")
-    url = f"{server}/demo-playground"
-    wait_until_serving(url, "specray-demo", timeout=240)
-    yield url
-    serve.delete("playground-demo")
-
-
 @pytest.mark.slow
 def test_playground_demo_pair_screenshot(browser, demo_url, tmp_path):
     driver = browser

@@ -443,38 +443,9 @@ def test_redrafter_batch_job(ray_session, tiny_checkpoints, tiny_pair, trained, 
     assert "num_beams" in capsys.readouterr().err
 
 
-@pytest.mark.timeout(300)
-def test_redrafter_over_http(server, tiny_checkpoints, tiny_pair, trained, tmp_path_factory):
-    from ray import serve
-
-    from specray.entrypoints.app import build_app
-    from tests.test_serve import cpu_placement, decode, save_char_tokenizer, wait_until_serving
-
-    tok = tmp_path_factory.mktemp("redrafter-tok")
-    save_char_tokenizer(tok)
-    cfg = {"model_name": "rd", "engine": {**tiny_checkpoints, "tokenizer": str(tok), "max_num_seqs": 2,
-                                          "checkpoints": {"redrafter": str(trained[2])},
-                                          "placement": cpu_placement("separate")}}
-    serve.run(build_app(cfg), name="rd", route_prefix="/rd")
-    try:
-        url = f"{server}/rd"
-        wait_until_serving(url, "rd")
-        prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
-        body = {"model": "rd", "prompt": prompt, "max_tokens": 20, "temperature": 0,
-                "speculation": {"method": "redrafter", "num_beams": 4, "draft_len_per_beam": 4}}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
-        assert r["choices"][0]["text"] == decode(hf_greedy(tiny_pair[0], prompt, 20))
-        assert r["speculation_metrics"][0]["num_drafts"] > 0
-        body["speculation"] = {"method": "redrafter", "draft_len_per_beam": 0}
-        bad = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert bad.status_code == 400 and "draft_len_per_beam" in bad.text
-    finally:
-        serve.delete("rd")
-
-
 def test_cli_flags_and_generate(tiny_checkpoints, tiny_pair, trained, tmp_path, capsys):
     from specray.entrypoints.cli import main
-    from tests.test_serve import ALPHABET, save_char_tokenizer
+    from tests.conftest import ALPHABET, save_char_tokenizer
 
     target_dir = tmp_path / "target"
     tiny_pair[0].save_pretrained(target_dir)

@@ -19,7 +19,7 @@ from specray.policies.suffix import SuffixOptions, SuffixProposer, best_width
 from specray.policies.suffix_cache import (GlobalSuffixCache, LocalTransport, ReplicatedSuffixCache, SuffixCacheConfig,
                                            SuffixCacheLog)
 from specray.policies.suffix_tree import SuffixMatcher, SuffixTree, TreeDraft
-from tests.conftest import hf_greedy, tiny_llama
+from tests.conftest import decode, hf_greedy, tiny_llama
 from tests.test_engine import GREEDY, ragged_prompts
 
 
@@ -546,7 +546,7 @@ def test_two_deployments_sharing_the_tree_actor_both_benefit(ray_session, tiny_c
     from specray.actors.coordinator import Coordinator
     from specray.actors.suffix_cache import drop_shared_suffix_cache, shared_suffix_cache
     from tests.test_actors import shutdown
-    from tests.test_serve import cpu_placement
+    from tests.serving import cpu_placement
 
     from specray.actors.suffix_cache import default_name
 
@@ -652,66 +652,39 @@ def test_cli_generate_with_suffix_equals_plain(demo_pair, capsys):
     assert out["token_ids"] == plain["token_ids"] and out["metrics"]["num_drafts"] > 0
 
 
-def test_suffix_over_http(server, tiny_checkpoints, tiny_pair, tmp_path_factory):
+def test_suffix_over_http(colocated_url, tiny_pair):
+    """Two replicas, one tree (its actor): once a replica's sync has pulled the other's answers,
+    whichever replica answers drafts this one from them."""
     import httpx
     import openai
-    from ray import serve
 
-    from specray.actors.suffix_cache import drop_shared_suffix_cache
-    from specray.entrypoints.app import build_app
-    from tests.test_serve import assert_openai_error, cpu_placement, decode, save_char_tokenizer, wait_until_serving
+    from tests.serving import COLOCATED, assert_openai_error
 
-    tok = tmp_path_factory.mktemp("suffix-tokenizer")
-    save_char_tokenizer(tok)
-    cfg = {"model_name": "sfx", "num_replicas": 2,
-           "engine": {**tiny_checkpoints, "tokenizer": str(tok), "max_num_seqs": 2, "max_model_len": 64,
-                      "placement": cpu_placement("colocated"),
-                      "suffix_cache": {"name": "suffix-test-http", "sync_every_requests": 1}}}
-    serve.run(build_app(cfg), name="suffix", route_prefix="/suffix")
-    url = f"{server}/suffix"
-    try:
-        wait_until_serving(url, "sfx")
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
-        prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4]
-        ref = decode(hf_greedy(tiny_pair[0], prompt, 20))
-        for spec in ({"method": "suffix"}, {"method": "suffix", "num_speculative_tokens": 6, "max_spec_factor": 2,
-                                            "min_token_prob": 0.05, "tree": False}):
-            for _ in range(2):  # two replicas, one shared tree: the second answer is drafted
-                r = client.completions.create(model="sfx", prompt=prompt, max_tokens=20, temperature=0,
-                                              extra_body={"speculation": spec})
-                assert r.choices[0].text == ref, spec
-        # Replicas pull each other's outputs every sync_interval_s (2 s): once a pull has landed,
-        # whichever replica answers has the earlier answers in its tree and drafts this one. On a
-        # loaded machine a pull can land late, so ask until one does (every answer stays exact).
-        deadline, accepted = time.monotonic() + 60, 0
-        while not accepted and time.monotonic() < deadline:
-            time.sleep(1)
-            r = client.completions.create(model="sfx", prompt=prompt, max_tokens=20, temperature=0,
+    client = openai.OpenAI(base_url=f"{colocated_url}/v1", api_key="x", max_retries=0, timeout=60)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4]
+    ref = decode(hf_greedy(tiny_pair[0], prompt, 20))
+    for spec in ({"method": "suffix"}, {"method": "suffix", "num_speculative_tokens": 6, "max_spec_factor": 2,
+                                        "min_token_prob": 0.05, "tree": False}):
+        for _ in range(2):  # two replicas, one shared tree: the second answer is drafted
+            r = client.completions.create(model=COLOCATED, prompt=prompt, max_tokens=20, temperature=0,
                                           extra_body={"speculation": spec})
-            assert r.choices[0].text == ref
-            accepted = r.model_dump()["speculation_metrics"][0]["num_accepted_tokens"]
-        assert accepted > 0
-        stream = client.completions.create(model="sfx", prompt=prompt, max_tokens=20, temperature=0, stream=True,
-                                           extra_body={"speculation": {"method": "suffix"}})
-        assert "".join(ch.choices[0].text for ch in stream) == ref
-        body = {"model": "sfx", "prompt": prompt, "max_tokens": 4, "speculation": {"method": "suffix",
-                                                                                    "min_token_prob": 2}}
-        assert_openai_error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400, "min_token_prob")
-        body["speculation"] = {"method": "suffix", "num_speculative_tokens": 100}
-        assert_openai_error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 400, "64-token context")
-    finally:
-        serve.delete("suffix")
-        drop_shared_suffix_cache("suffix-test-http")
-
-
-@pytest.mark.parametrize("spec", [suffix(num_speculative_tokens=6), suffix(tree=False)], ids=["tree", "path"])
-def test_the_fixed_shape_step_equals_hf_with_suffix(tiny_pair, references, spec):
-    """The fixed-shape step (verification and acceptance on the device, one read-back) with
-    suffix drafts: trees of any shape per row and step, joins, the global tree warming."""
-    from tests.test_static_step import engine_for
-
-    engine = engine_for(tiny_pair, "static")
-    for _ in range(2):
-        outs = engine.generate(ragged_prompts(8), GREEDY, spec)
-        assert [o.token_ids for o in outs] == references
-    assert engine.totals.num_accepted_tokens > 0
+            assert r.choices[0].text == ref, spec
+    # Replicas pull each other's outputs every sync_interval_s: ask until a pull has landed (a
+    # readiness wait; every answer stays exact meanwhile).
+    deadline, accepted = time.monotonic() + 300, 0
+    while not accepted and time.monotonic() < deadline:
+        time.sleep(1)
+        r = client.completions.create(model=COLOCATED, prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"speculation": spec})
+        assert r.choices[0].text == ref
+        accepted = r.model_dump()["speculation_metrics"][0]["num_accepted_tokens"]
+    assert accepted > 0
+    stream = client.completions.create(model=COLOCATED, prompt=prompt, max_tokens=20, temperature=0, stream=True,
+                                       extra_body={"speculation": {"method": "suffix"}})
+    assert "".join(ch.choices[0].text for ch in stream) == ref
+    url = f"{colocated_url}/v1/completions"
+    body = {"model": COLOCATED, "prompt": prompt, "max_tokens": 4, "speculation": {"method": "suffix",
+                                                                                  "min_token_prob": 2}}
+    assert_openai_error(httpx.post(url, json=body, timeout=60), 400, "min_token_prob")
+    body["speculation"] = {"method": "suffix", "num_speculative_tokens": 100}
+    assert_openai_error(httpx.post(url, json=body, timeout=60), 400, "64-token context")
