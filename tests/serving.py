@@ -177,3 +177,41 @@ def demo_url(server, demo_pair):
     """build_app with no models: the demo pair (separate actors, small CPU shares)."""
     cfg = {"model_name": DEMO, "engine": {"max_num_seqs": 4, "placement": cpu_placement("separate")}}
     return run_app(server, cfg, "demo", DEMO)
+
+
+# -- coordinators ----------------------------------------------------------------------------
+SUFFIX_TREE_ACTORS = "suffix-test-separate"
+
+
+@pytest.fixture(scope="session")
+def tiny_coordinator(ray_session, tiny_methods):
+    """A Coordinator in the separate layout (target, draft, PARD, n-gram and lookahead workers
+    of their own; the heads beside the target) with every method's weights, 3 sequences, a
+    suffix tree actor of its own, on CPU shares: what runs behind Ray, per method."""
+    from specray.actors.coordinator import Coordinator
+    from specray.actors.suffix_cache import drop_shared_suffix_cache
+
+    c = Coordinator.remote({**tiny_methods, "max_num_seqs": 3, "placement": cpu_placement("separate"),
+                            "suffix_cache": {"name": SUFFIX_TREE_ACTORS, "sync_every_requests": 1}})
+    yield c
+    stop_coordinator(c)
+    drop_shared_suffix_cache(SUFFIX_TREE_ACTORS)
+
+
+@pytest.fixture(scope="session")
+def tiny_colocated_coordinator(ray_session, tiny_methods):
+    """The same weights in the colocated layout: every model in one engine worker."""
+    from specray.actors.coordinator import Coordinator
+
+    c = Coordinator.remote({**tiny_methods, "max_num_seqs": 3, "placement": cpu_placement("colocated")})
+    yield c
+    stop_coordinator(c)
+
+
+def stop_coordinator(c) -> None:
+    import ray
+
+    try:
+        ray.get(c.shutdown.remote(), timeout=120)
+    finally:
+        ray.kill(c)

@@ -92,21 +92,14 @@ def test_engine_worker_loss_loses_no_request(ray_session, tiny_checkpoints, tiny
 
 
 @pytest.mark.parametrize("mode", ["separate", "colocated"])
-def test_draft_model_and_medusa_through_the_coordinator(ray_session, tiny_checkpoints, tmp_path, references, mode):
+def test_draft_model_and_medusa_through_the_coordinator(request, references, mode):
     """Both layouts, more prompts than slots: greedy output as plain decoding's for a draft
     model and for Medusa heads on the target."""
-    from tests.test_medusa import random_heads
-
-    random_heads().save(tmp_path / "heads")
-    c = Coordinator.remote({**tiny_checkpoints, "medusa": str(tmp_path / "heads"), "max_num_seqs": 2,
-                            "placement": {"mode": mode}})
-    try:
-        for spec in ({"method": "draft", "num_speculative_tokens": 3}, {"method": "medusa", "tree": "trtllm_example"}):
-            outs = ray.get(c.generate.remote(PROMPTS, GREEDY, spec))
-            assert [o["token_ids"] for o in outs] == references, spec
-            assert sum(o["metrics"]["num_drafts"] for o in outs) > 0, spec
-    finally:
-        shutdown(c)
+    c = request.getfixturevalue("tiny_coordinator" if mode == "separate" else "tiny_colocated_coordinator")
+    for spec in ({"method": "draft", "num_speculative_tokens": 3}, {"method": "medusa", "tree": "trtllm_example"}):
+        outs = ray.get(c.generate.remote(PROMPTS, GREEDY, spec))
+        assert [o["token_ids"] for o in outs] == references, spec
+        assert sum(o["metrics"]["num_drafts"] for o in outs) > 0, spec
 
 
 @pytest.mark.parametrize("mode, phase", [("colocated", "propose"), ("separate", "propose"), ("separate", "verify")])

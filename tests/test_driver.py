@@ -131,30 +131,23 @@ def test_a_toy_method_is_one_spec(toy_method, tiny_pair):
         SpeculationParams(method="toy_repeat", max_run="many")
 
 
-def test_every_layout_runs_the_same_driver(ray_session, tiny_checkpoints):
+def test_every_layout_runs_the_same_driver(tiny_checkpoints, tiny_coordinator, tiny_colocated_coordinator):
     """In-process, colocated and separate: the engine worker holds an LLMEngine whose
     step is StepDriver.step; in the separate layout the draft is a proxy to its own actor."""
-    from specray.actors.coordinator import Coordinator
-    from tests.test_actors import shutdown
-
     engine = LLMEngine(EngineConfig(target=tiny_checkpoints["target"], draft=tiny_checkpoints["draft"]))
     assert type(engine.driver) is StepDriver
-    for mode in ("separate", "colocated"):
-        c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 2, "placement": {"mode": mode}})
-        try:
-            workers = ray.get(c.workers.remote())
-            worker = workers["target" if mode == "separate" else "engine"]
-            out = ray.get(c.generate.remote([[1, 2, 3]], {"max_tokens": 8, "temperature": 0},
-                                            {"method": "draft", "num_speculative_tokens": 2}))[0]
-            assert out["metrics"]["num_drafts"] > 0
-            described = ray.get(worker.describe.remote())
-            assert described["driver"] == "specray.engine.driver.StepDriver"
-            assert described["executor"] == "specray.engine.executor.LocalExecutor"
-            expected = "specray.actors.proposer_proxy.RemoteProposer" if mode == "separate" else \
-                "specray.policies.draft_model.DraftModelProposer"
-            assert described["proposers"]["draft"] == expected
-        finally:
-            shutdown(c)
+    for mode, c in (("separate", tiny_coordinator), ("colocated", tiny_colocated_coordinator)):
+        workers = ray.get(c.workers.remote())
+        worker = workers["target" if mode == "separate" else "engine"]
+        out = ray.get(c.generate.remote([[1, 2, 3]], {"max_tokens": 8, "temperature": 0},
+                                        {"method": "draft", "num_speculative_tokens": 2}))[0]
+        assert out["metrics"]["num_drafts"] > 0
+        described = ray.get(worker.describe.remote())
+        assert described["driver"] == "specray.engine.driver.StepDriver"
+        assert described["executor"] == "specray.engine.executor.LocalExecutor"
+        expected = "specray.actors.proposer_proxy.RemoteProposer" if mode == "separate" else \
+            "specray.policies.draft_model.DraftModelProposer"
+        assert described["proposers"]["draft"] == expected
 
 
 def test_run_sync_refuses_a_step_that_waits():

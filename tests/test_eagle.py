@@ -323,22 +323,15 @@ def test_training_learns_and_saves_the_public_layout(tmp_path):
     assert engine.totals.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("mode", ["separate"])  # colocated: test_colocated_tp2_every_method, the engine tests
-def test_eagle_through_the_coordinator(ray_session, tiny_checkpoints, tiny_pair, tmp_path, mode):
-    from specray.actors.coordinator import Coordinator
-    from tests.test_actors import GREEDY as GREEDY_DICT, PROMPTS, shutdown
+def test_eagle_through_the_coordinator(tiny_coordinator, tiny_pair):
+    """The separate layout (colocated: test_colocated_tp2_every_method, the engine tests)."""
+    from tests.test_actors import GREEDY as GREEDY_DICT, PROMPTS
 
-    target = tiny_pair[0]
-    random_head(target).save(tmp_path / "eagle")
-    c = Coordinator.remote({**tiny_checkpoints, "checkpoints": {"eagle": str(tmp_path / "eagle")}, "max_num_seqs": 3,
-                            "placement": {"mode": mode}})
-    try:
-        specs = [{"method": "eagle", "dynamic_tree": i % 2 == 1} for i in range(len(PROMPTS))]
-        refs = [c.generate.remote([p], GREEDY_DICT, s) for p, s in zip(PROMPTS, specs)]
-        outs = [ray.get(r)[0] for r in refs]
-        assert [o["token_ids"] for o in outs] == [hf_greedy(target, p, GREEDY_DICT["max_tokens"]) for p in PROMPTS]
-        assert sum(o["metrics"]["num_drafts"] for o in outs) > 0
-        with pytest.raises(ValueError, match="dynamic_tree"):
-            ray.get(c.generate.remote([[1, 2]], GREEDY_DICT, {"method": "eagle", "dynamic_tree": True, "tree": "chain"}))
-    finally:
-        shutdown(c)
+    target, c = tiny_pair[0], tiny_coordinator
+    specs = [{"method": "eagle", "dynamic_tree": i % 2 == 1} for i in range(len(PROMPTS))]
+    refs = [c.generate.remote([p], GREEDY_DICT, s) for p, s in zip(PROMPTS, specs)]
+    outs = [ray.get(r)[0] for r in refs]
+    assert [o["token_ids"] for o in outs] == [hf_greedy(target, p, GREEDY_DICT["max_tokens"]) for p in PROMPTS]
+    assert sum(o["metrics"]["num_drafts"] for o in outs) > 0
+    with pytest.raises(ValueError, match="dynamic_tree"):
+        ray.get(c.generate.remote([[1, 2]], GREEDY_DICT, {"method": "eagle", "dynamic_tree": True, "tree": "chain"}))

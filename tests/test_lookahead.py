@@ -353,30 +353,25 @@ ACTOR_SPECS = [{"method": "lookahead"}, {"method": "lookahead", "window_size": 3
                {"method": "ngram"}, {"method": "lookahead", "window_size": 2, "ngram_size": 2}, {"method": "none"}]
 
 
-@pytest.mark.parametrize("mode", ["separate"])  # colocated: test_colocated_tp2_every_method, the engine tests
-def test_lookahead_through_the_coordinator(ray_session, tiny_checkpoints, tiny_pair, mode):
+def test_lookahead_through_the_coordinator(tiny_coordinator, tiny_pair):
+    """The separate layout: the window and the pools live in a proposer worker of their own
+    (colocated: test_colocated_tp2_every_method, the engine tests)."""
     import ray
 
-    from specray.actors.coordinator import Coordinator
-    from tests.test_actors import GREEDY as ACTOR_GREEDY, PROMPTS, shutdown
+    from tests.test_actors import GREEDY as ACTOR_GREEDY, PROMPTS
 
-    c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 3, "placement": {"mode": mode}})
-    try:
-        outs = ray.get(c.generate.remote(PROMPTS, ACTOR_GREEDY, ACTOR_SPECS))
-        refs = [hf_greedy(tiny_pair[0], p, ACTOR_GREEDY["max_tokens"]) for p in PROMPTS]
-        assert [o["token_ids"] for o in outs] == refs
-        assert all(o["metrics"]["num_drafts"] > 0 for o, s in zip(outs, ACTOR_SPECS) if s["method"] == "lookahead")
-        workers = ray.get(c.workers.remote())
-        if mode == "separate":  # the window and the pools live in a proposer worker of their own
-            state = ray.get(workers["lookahead"].__ray_call__.remote(
-                lambda w: ([w.proposer.pool(s) for s in range(3)], {n: len(p) for n, p in w.proposer.shared.items()})))
-            assert state[0] == [None] * 3 and state[1].get(4, 0) > 0  # private state freed; the shared pool kept
-        else:
-            assert "lookahead" not in workers
-        with pytest.raises(ValueError, match="window_size"):
-            ray.get(c.generate.remote([[1, 2]], ACTOR_GREEDY, {"method": "lookahead", "window_size": 1}))
-    finally:
-        shutdown(c)
+    c = tiny_coordinator
+    outs = ray.get(c.generate.remote(PROMPTS, ACTOR_GREEDY, ACTOR_SPECS))
+    refs = [hf_greedy(tiny_pair[0], p, ACTOR_GREEDY["max_tokens"]) for p in PROMPTS]
+    assert [o["token_ids"] for o in outs] == refs
+    assert all(o["metrics"]["num_drafts"] > 0 for o, s in zip(outs, ACTOR_SPECS) if s["method"] == "lookahead")
+    workers = ray.get(c.workers.remote())
+    state = ray.get(workers["lookahead"].__ray_call__.remote(
+        lambda w: ([w.proposer.pool(s) for s in range(3)], {n: len(p) for n, p in w.proposer.shared.items()})))
+    assert state[0] == [None] * 3 and state[1].get(4, 0) > 0  # private state freed; the shared pool kept
+    with pytest.raises(ValueError, match="window_size"):
+        ray.get(c.generate.remote([[1, 2]], ACTOR_GREEDY, {"method": "lookahead", "window_size": 1}))
+
 
 
 def test_lookahead_in_a_batch_job(ray_session, tiny_checkpoints, tiny_pair, tmp_path, capsys):

@@ -399,25 +399,21 @@ def test_engine_loads_the_checkpoint_by_its_key(tiny_checkpoints, trained, targe
     assert engine.totals.num_drafts > 0
 
 
-@pytest.mark.parametrize("mode", ["separate"])  # colocated: test_colocated_tp2_every_method, the engine tests
-def test_redrafter_through_the_coordinator(ray_session, tiny_checkpoints, tiny_pair, trained, mode):
-    from specray.actors.coordinator import Coordinator
-    from tests.test_actors import GREEDY as GREEDY_DICT, PROMPTS, shutdown
+def test_redrafter_through_the_coordinator(tiny_coordinator, tiny_pair):
+    """The separate layout (colocated: test_colocated_tp2_every_method, the engine tests), random
+    weights: acceptance is the engine tests' (trained drafters)."""
+    from tests.test_actors import GREEDY as GREEDY_DICT, PROMPTS
 
-    target = tiny_pair[0]
-    c = Coordinator.remote({**tiny_checkpoints, "checkpoints": {"redrafter": str(trained[2])}, "max_num_seqs": 3,
-                            "placement": {"mode": mode}})
-    try:
-        specs = [{"method": "redrafter", "num_beams": 1 + i % 4, "draft_len_per_beam": 2 + i % 3}
-                 for i in range(len(PROMPTS))]
-        refs = [c.generate.remote([p], GREEDY_DICT, s) for p, s in zip(PROMPTS, specs)]
-        outs = [ray.get(r)[0] for r in refs]
-        assert [o["token_ids"] for o in outs] == [hf_greedy(target, p, GREEDY_DICT["max_tokens"]) for p in PROMPTS]
-        assert sum(o["metrics"]["num_accepted_tokens"] for o in outs) > 0
-        with pytest.raises(ValueError, match="num_beams"):
-            ray.get(c.generate.remote([[1, 2]], GREEDY_DICT, {"method": "redrafter", "num_beams": 0}))
-    finally:
-        shutdown(c)
+    target, c = tiny_pair[0], tiny_coordinator
+    specs = [{"method": "redrafter", "num_beams": 1 + i % 4, "draft_len_per_beam": 2 + i % 3}
+             for i in range(len(PROMPTS))]
+    refs = [c.generate.remote([p], GREEDY_DICT, s) for p, s in zip(PROMPTS, specs)]
+    outs = [ray.get(r)[0] for r in refs]
+    assert [o["token_ids"] for o in outs] == [hf_greedy(target, p, GREEDY_DICT["max_tokens"]) for p in PROMPTS]
+    assert sum(o["metrics"]["num_drafts"] for o in outs) > 0
+    with pytest.raises(ValueError, match="num_beams"):
+        ray.get(c.generate.remote([[1, 2]], GREEDY_DICT, {"method": "redrafter", "num_beams": 0}))
+
 
 
 def test_redrafter_batch_job(ray_session, tiny_checkpoints, tiny_pair, trained, tmp_path, capsys):

@@ -507,32 +507,26 @@ ACTOR_SPECS = [{"method": "suffix"}, {"method": "suffix", "num_speculative_token
                {"method": "ngram"}, {"method": "suffix", "tree": False}, {"method": "none"}]
 
 
-@pytest.mark.parametrize("mode", ["separate"])  # colocated: test_colocated_tp2_every_method, the engine tests
-def test_suffix_through_the_coordinator(ray_session, tiny_checkpoints, tiny_pair, mode):
+def test_suffix_through_the_coordinator(tiny_coordinator, tiny_pair):
+    """The separate layout: suffix drafts beside the target, in the engine worker (colocated:
+    test_colocated_tp2_every_method, the engine tests)."""
     import ray
 
-    from specray.actors.coordinator import Coordinator
-    from specray.actors.suffix_cache import drop_shared_suffix_cache
-    from tests.test_actors import GREEDY as ACTOR_GREEDY, PROMPTS, shutdown
+    from tests.test_actors import GREEDY as ACTOR_GREEDY, PROMPTS
 
-    name = f"suffix-test-{mode}"
-    c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 3, "placement": {"mode": mode},
-                            "suffix_cache": {"name": name, "sync_every_requests": 1}})
-    try:
-        refs = [hf_greedy(tiny_pair[0], p, ACTOR_GREEDY["max_tokens"]) for p in PROMPTS]
-        for _ in range(2):  # the second time, the global tree knows the answers
-            outs = ray.get(c.generate.remote(PROMPTS, ACTOR_GREEDY, ACTOR_SPECS))
-            assert [o["token_ids"] for o in outs] == refs
-        assert all(o["metrics"]["num_accepted_tokens"] > 0 for o, s in zip(outs, ACTOR_SPECS) if s["method"] == "suffix")
-        workers = ray.get(c.workers.remote())
-        assert "suffix" not in workers  # drafted beside the target, in the engine worker, in both layouts
-        engine = workers["target" if mode == "separate" else "engine"]
-        assert ray.get(engine.describe.remote())["proposers"]["suffix"].endswith("SuffixProposer")
-        with pytest.raises(ValueError, match="min_token_prob"):
-            ray.get(c.generate.remote([[1, 2]], ACTOR_GREEDY, {"method": "suffix", "min_token_prob": 2}))
-    finally:
-        shutdown(c)
-        drop_shared_suffix_cache(name)
+    c = tiny_coordinator
+    refs = [hf_greedy(tiny_pair[0], p, ACTOR_GREEDY["max_tokens"]) for p in PROMPTS]
+    for _ in range(2):  # the second time, the global tree knows the answers
+        outs = ray.get(c.generate.remote(PROMPTS, ACTOR_GREEDY, ACTOR_SPECS))
+        assert [o["token_ids"] for o in outs] == refs
+    assert all(o["metrics"]["num_accepted_tokens"] > 0 for o, s in zip(outs, ACTOR_SPECS) if s["method"] == "suffix")
+    workers = ray.get(c.workers.remote())
+    assert "suffix" not in workers  # drafted beside the target, in the engine worker, in both layouts
+    engine = workers["target"]
+    assert ray.get(engine.describe.remote())["proposers"]["suffix"].endswith("SuffixProposer")
+    with pytest.raises(ValueError, match="min_token_prob"):
+        ray.get(c.generate.remote([[1, 2]], ACTOR_GREEDY, {"method": "suffix", "min_token_prob": 2}))
+
 
 
 def test_two_deployments_sharing_the_tree_actor_both_benefit(ray_session, tiny_checkpoints, tiny_pair, workload):
