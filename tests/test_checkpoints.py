@@ -5,8 +5,6 @@ line's one line naming the flag, exit 2, before Ray starts."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -100,31 +98,33 @@ def test_a_default_method_without_its_weights_is_a_problem(dirs):
     assert problems_line([p]).startswith("--speculative-config: method 'eagle' needs an EAGLE head")
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specray.entrypoints.cli", *args], capture_output=True, text=True,
-                          timeout=180)
+def run_cli(capsys, *args: str) -> tuple[int, str]:
+    """The command line in this process (exit code, stderr): the one-line errors come before Ray."""
+    from specray.entrypoints.cli import main
+
+    code = main(list(args))
+    return code, capsys.readouterr().err
 
 
-def test_the_command_line_says_one_line_and_exits_2_before_ray_starts(dirs, tmp_path):
+def test_the_command_line_says_one_line_and_exits_2_before_ray_starts(dirs, tmp_path, no_ray, capsys):
     model = ["--target", dirs["target"], "--tokenizer", dirs["tokenizer"]]
-    r = run_cli("generate", "--prompt", "abc", *model, "--eagle", dirs["tokenizer"], "--method", "eagle")
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    (line,) = [l for l in r.stderr.splitlines() if l.startswith("specray generate: error:")]
+    code, err = run_cli(capsys, "generate", "--prompt", "abc", *model, "--eagle", dirs["tokenizer"], "--method", "eagle")
+    assert code == 2 and "Traceback" not in err, err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("specray generate: error:")]
     assert f"--eagle {dirs['tokenizer']}: config.json not found: not an EAGLE head directory" in line
-    r = run_cli("serve", *model, "--draft", dirs["eagle"], "--port", str(free_port()))
-    assert r.returncode == 2 and "--draft" in r.stderr and "pass it with --eagle" in r.stderr, r.stderr
-    assert "Started a local Ray" not in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("serve", *model, "--speculative-config", '{"method": "eagle"}')
-    assert r.returncode == 2 and "--speculative-config: method 'eagle' needs an EAGLE head" in r.stderr, r.stderr
+    code, err = run_cli(capsys, "serve", *model, "--draft", dirs["eagle"], "--port", str(free_port()))
+    assert code == 2 and "--draft" in err and "pass it with --eagle" in err, err
+    code, err = run_cli(capsys, "serve", *model, "--speculative-config", '{"method": "eagle"}')
+    assert code == 2 and "--speculative-config: method 'eagle' needs an EAGLE head" in err, err
     spec = json.dumps({"method": "redrafter", "model": dirs["eagle"]})
-    r = run_cli("serve", *model, "--speculative-config", spec)
-    assert r.returncode == 2 and f"--speculative-config model {dirs['eagle']}: " in r.stderr, r.stderr
+    code, err = run_cli(capsys, "serve", *model, "--speculative-config", spec)
+    assert code == 2 and f"--speculative-config model {dirs['eagle']}: " in err, err
     config = tmp_path / "job.yaml"
     config.write_text(f"target: {dirs['target']}\ntokenizer: {dirs['tokenizer']}\ndraft: {dirs['medusa']}\n")
     (tmp_path / "in.jsonl").write_text('{"prompt": "abc"}\n')
-    r = run_cli("jobs", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
-                "--config", str(config))
-    assert r.returncode == 2 and f"draft: {dirs['medusa']}: " in r.stderr and "Medusa heads" in r.stderr, r.stderr
+    code, err = run_cli(capsys, "jobs", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+                        "--config", str(config))
+    assert code == 2 and f"draft: {dirs['medusa']}: " in err and "Medusa heads" in err, err
 
 
 @pytest.fixture()

@@ -185,21 +185,18 @@ def test_a_loaded_version_reaches_the_draft_worker(ray_session, tiny_checkpoints
         drop_learner(OnlineLearningConfig.model_validate(cfg["online_learning"]), "")
 
 
-def test_a_trainer_that_cannot_be_placed_is_named_in_the_status(ray_session, tiny_checkpoints, references):
-    """Never a silent wait: the status names what the trainer waits for and what is free;
-    serving goes on meanwhile."""
-    from specray.actors.coordinator import Coordinator
-    from specray.actors.learner import OnlineLearningConfig, drop_learner
-    from tests.test_actors import shutdown
+def test_a_trainer_that_cannot_be_placed_is_named_in_the_status(ray_session):
+    """Never a silent wait: what the engines report (``trainer_placement``) names what the
+    trainer waits for and what is free, and the hub's status says it."""
+    from specray.actors.learner import OnlineLearningConfig, drop_learner, hub_for, trainer_placement
 
-    cfg = config(tiny_checkpoints, "test-online-unplaceable", "fast", trainer_resources={"num_cpus": 64})
-    c = Coordinator.remote(cfg)
+    cfg = OnlineLearningConfig(enabled=True, name="test-online-unplaceable", trainer_resources={"num_cpus": 64})
+    hub, _ = hub_for(cfg, "model")
     try:
-        assert [o["token_ids"] for o in serve(c)] == references
-        status = wait_for(lambda: (s := ray.get(c.drafters.remote("status")))["trainer"].get("placement") and s,
-                          what="the trainer's placement in the status")
-        assert status["trainer"]["state"].startswith("pending: the trainer waits for CPU 64 (free now: CPU "), status
-        assert "trainer_resources" in status["trainer"]["state"]
+        placement = trainer_placement(cfg, "model")
+        assert placement["state"] == "pending" and placement["resources"] == {"CPU": 64.0}, placement
+        ray.get(hub.note_placement.remote(placement))
+        state = ray.get(hub.status.remote())["trainer"]["state"]
+        assert state.startswith("pending: the trainer waits for CPU 64 (free now: CPU ") and "trainer_resources" in state
     finally:
-        shutdown(c)
-        drop_learner(OnlineLearningConfig.model_validate(cfg["online_learning"]), "")
+        drop_learner(cfg, "model")
