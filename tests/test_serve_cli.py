@@ -89,6 +89,15 @@ class Server:
     def __enter__(self) -> "Server":
         return self
 
+    def wait_for(self, text: str) -> list[str]:
+        """Read the server's output until a line contains ``text`` (a readiness wait: the test's
+        timeout bounds it); the lines that do."""
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if text in line:
+                break
+        return [line for line in self.lines if text in line]
+
     def __exit__(self, *exc) -> None:
         if self.proc.poll() is None:  # a failed test: take down what it started (its own group)
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -105,10 +114,8 @@ class Server:
 def assert_clean_exit(server: Server, sig, port: int) -> str:
     """Signal ``sig`` (None: one already sent): exit 0 soon, the port free, nothing left
     running, no crash in the output (returned)."""
-    code, seconds, output = server.stop(sig)
-    # A few seconds on a quiet machine; the bound leaves room for CI's shared cores (10.7 s was
-    # seen with the suite on two workers beside other jobs) and still catches a hang.
-    assert code == 0 and seconds < 30, (code, seconds, output[-2000:])
+    code, _, output = server.stop(sig)  # a hang fails there (the wait is bounded)
+    assert code == 0, (code, output[-2000:])
     assert port_free(port)
     assert not [p for p in server.family if alive(p)], "processes left behind"
     for word in ("Traceback", "Aborted", "core dumped", "graceful_shutdown failed", "*** SIG"):
@@ -131,31 +138,40 @@ def test_busy_port_is_an_error_before_anything_starts(demo_pair):
     with socket.socket() as other:
         other.bind(("127.0.0.1", port))
         other.listen()
-        start = time.monotonic()
-        done = subprocess.run([*SPECRAY, "serve", "--port", str(port)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([*SPECRAY, "serve", "--port", str(port)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"--port {port}: 127.0.0.1:{port} is already in use" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "ready" not in done.stdout
-    assert "Started a local Ray" not in done.stderr and time.monotonic() - start < 60
+    assert "Started a local Ray" not in done.stderr
 
 
-def test_demo_server_warm_loopback_and_sigint(demo_pair):
-    """Ready means warm (the first request within 2x a later one), a local Ray on loopback only,
-    and SIGINT ends it all cleanly (SIGTERM: the draining test below)."""
+def test_demo_server_learns_online_and_stops_on_sigint(demo_pair, tmp_path):
+    """`specray serve --online-learning` as the docs start it, on this machine's real cores: ready
+    once warm-up requests were answered, a local Ray on loopback only, the trainer placed (said
+    at start-up), a training round run on served traffic and its gate decision printed; SIGINT
+    ends it all cleanly (SIGTERM: the draining test below). Rounds are small (a config file)."""
     port = free_port()
-    with Server("--port", str(port)) as server:
+    config = tmp_path / "serve.yaml"
+    config.write_text("online_learning:\n  round_requests: 8\n  steps: 10\n")
+    with Server("--port", str(port), "--online-learning", "--config", str(config)) as server:
         output = "".join(server.lines)
-        for word in ("device cpu", "dtype float32", "attention sdpa", "at most 8 sequences", "methods: draft"):
+        for word in ("device cpu", "dtype float32", "attention sdpa", "at most 8 sequences", "methods: draft",
+                     "tensor parallel size 1"):
             assert word in output, output
+        warm = output.index("specray: warm: ")
+        assert warm < output.index("specray: ready") and "requests answered" in output[warm:]
         addresses = listening(server.family)
         assert addresses and all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for a in addresses), addresses
         url = f"http://127.0.0.1:{port}/v1/completions"
-        body = {"model": "specray-demo", "prompt": "class Stack:\n    def push(self, item):", "max_tokens": 48,
-                "temperature": 0}
-        first, reply = post(url, body)
-        assert reply["speculation_metrics"][0]["method"] == "draft"  # the default, with a draft loaded
-        later = min(post(url, body)[0] for _ in range(3))
-        assert first <= 2 * later, (first, later)
+        prompts = ["class Stack:\n    def push(self, item):", "import os\n", "def add(a, b):", "for i in range("]
+        for i in range(12):  # each a trace of the draft model (at least min_tokens long)
+            _, reply = post(url, {"model": "specray-demo", "prompt": prompts[i % 4] + " " * (i // 4), "max_tokens": 24,
+                                  "temperature": 0, "ignore_eos": True})
+            assert reply["speculation_metrics"][0]["method"] == "draft"  # the default, with a draft loaded
+        lines = server.wait_for("specray: online learning: round of draft on ")
+        assert lines[-1].rstrip().endswith(")") and (" published draft@" in lines[-1] or " kept draft@" in lines[-1])
+        said = "".join(server.lines)
+        assert "specray: online learning: the trainer holds CPU" in said or "no reservation" in said, said
         assert_clean_exit(server, signal.SIGINT, port)
 
 
@@ -219,15 +235,17 @@ def test_own_checkpoint_with_one_flag_and_sigterm_drains(own_checkpoint):
         body = {"model": "my-coder", "prompt": "def f(x):", "temperature": 0, "ignore_eos": True,
                 "speculation": {"method": "none"}}
         short, long, threads = [], [], []
-        for events, max_tokens in ((short, 120), (long, 1900)):  # ~1 s, and well past the grace period
+        # 4 choices of 1,900 tokens: seconds of steps on a quiet machine, well past the grace
+        # period; then 48 tokens, in flight when the signal comes and well inside the period.
+        for events, extra in ((long, {"max_tokens": 1900, "n": 4}), (short, {"max_tokens": 48})):
             first = threading.Event()
-            threads.append(threading.Thread(target=sse_lines, args=(url, {**body, "max_tokens": max_tokens},
-                                                                     events, first), daemon=True))
+            threads.append(threading.Thread(target=sse_lines, args=(url, {**body, **extra}, events, first),
+                                            daemon=True))
             threads[-1].start()
             assert first.wait(60)
         server.proc.send_signal(signal.SIGTERM)
         refused = None
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120
         while refused is None and time.monotonic() < deadline:
             try:
                 post(url, {**body, "max_tokens": 1})
