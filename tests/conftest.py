@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 
@@ -58,27 +59,72 @@ def pytest_sessionstart(session):
     load_or_build_demo_pair()
 
 
-# Files that take minutes, longest first (seconds summed over each file's tests and fixtures in
-# CI's `--durations` on 2 loaded cores). xdist hands whole files to whichever worker is free in
-# this order: run last, any one of them would leave the other worker idle for minutes. xdist's
-# own reorder (files with most tests first) would put exactly these few-test files last.
-RUN_FIRST = (
-    "test_serve.py", "test_tensor_parallel_ray.py", "test_actor_faults.py", "test_overlap.py", "test_jobs.py",
-    "test_serve_autoscale.py", "test_actors.py", "test_suffix.py", "test_online_learning_ray.py", "test_redrafter.py",
-    "test_eagle3.py", "test_trained_heads.py", "test_serve_cli.py", "test_playground.py", "test_lookahead.py",
-    "test_quantization.py", "test_tensor_parallel.py", "test_cluster.py",
-)
+PROCESS_FIXTURES = {"ray_session"}
+"""A test that uses one of these (every Ray and Serve fixture depends on it) starts processes:
+it is ``slow``, out of the fast tier. Tests that start processes otherwise carry the mark."""
+DURATIONS = os.path.join(os.path.dirname(os.path.realpath(__file__)), "durations.json")
+"""Seconds each file took in a full run (``pytest --store-durations``, as pytest-split keeps
+them): xdist hands whole files to whichever worker is free, so the longest go first, or one
+would run alone at the end while the other worker idles."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-durations", action="store_true",
+                     help="write each file's seconds to tests/durations.json (the order files start in)")
 
 
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
         config.option.loadscopereorder = False
+    if "not slow" in (config.option.markexpr or "") and not hasattr(config, "workerinput"):
+        _forbid_processes()
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """The files of ``RUN_FIRST`` first, in its order; the rest keep theirs (a stable sort)."""
-    first = {name: i for i, name in enumerate(RUN_FIRST)}
-    items.sort(key=lambda item: first.get(item.path.name, len(first)))
+    """Process-starting tests marked ``slow``; the files that took longest first."""
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+    try:
+        with open(DURATIONS) as fh:
+            seconds = json.load(fh)
+    except (OSError, ValueError):
+        seconds = {}
+    items.sort(key=lambda item: -seconds.get(item.path.name, 0.0))
+
+
+_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    name = os.path.basename(report.location[0])
+    _seconds[name] = _seconds.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    worker = hasattr(session.config, "workerinput")  # xdist's controller gets every report
+    if session.config.getoption("--store-durations") and _seconds and not worker:
+        with open(DURATIONS, "w") as fh:
+            json.dump({k: round(v, 1) for k, v in sorted(_seconds.items(), key=lambda kv: -kv[1])}, fh, indent=1)
+
+
+def _forbid_processes() -> None:
+    """The fast tier starts no process: a test that would (a subprocess, a fork, Ray) fails
+    here, naming itself, instead of quietly making the tier slow."""
+    import multiprocessing
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("the fast tier starts no process: mark this test `slow`")
+
+    subprocess.Popen.__init__ = refuse
+    multiprocessing.Process.start = refuse
+    try:
+        import ray
+    except ImportError:
+        return
+    ray.init = refuse
 
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+/"
@@ -212,9 +258,13 @@ def ray_session():
         # address="local": always a fresh in-process cluster, never one that another process
         # started on this machine (ray.init() alone joins the latest `ray start` cluster, or fails
         # on the stale address a stopped one left in /tmp/ray).
-        ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False,
+        # CPUs are scheduling tokens here: the session's shared servers hold their shares for
+        # good, and every test's own coordinator must still be placed (idle workers are not
+        # prestarted for them: a process each).
+        ray.init(address="local", num_cpus=32, num_gpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"worker_process_setup_hook": "tests.worker_hook.register",
-                              "env_vars": {"PYTHONPATH": path}})
+                              "env_vars": {"PYTHONPATH": path}},
+                 _system_config={"prestart_worker_first_driver": False})
     yield ray
     ray.shutdown()
 

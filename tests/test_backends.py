@@ -67,6 +67,7 @@ def test_trees_without_xformers_equal_xformers_trees(monkeypatch):
         assert with_x.topk == without.topk
 
 
+@pytest.mark.slow  # starts processes
 def test_a_fresh_install_without_xformers_imports_and_serves_trees(tmp_path):
     """`pip install .` does not install xformers (the optional "xformers" extra): the kernels
     import, trees build, and attention picks SDPA, in a process where xformers cannot import."""

@@ -110,6 +110,7 @@ def test_the_rayservice_serve_config_builds_specrays_app():
         assert config.engine.engine_config().max_num_seqs == 16
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.timeout(300)
 def test_serve_run_of_the_manifests_serve_config_answers(tmp_path, tiny_tok, tiny_pair):
     """The RayService's Serve config through `serve run`, with the tiny pair (and its tokenizer)

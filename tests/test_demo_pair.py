@@ -175,6 +175,7 @@ def _call_in_child(cache: str, results) -> None:
     results.put(load_or_build_demo_pair(cache).to_json())
 
 
+@pytest.mark.slow  # starts processes
 def test_concurrent_callers_build_once(fake_build):
     cache, builds = fake_build
     ctx = multiprocessing.get_context("fork")  # children inherit the fake builder

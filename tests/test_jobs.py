@@ -85,7 +85,7 @@ def _summary_from_stdout(out: str) -> dict:
     raise AssertionError(f"no summary line in stdout:\n{out}")
 
 
-def _assert_resources_back(ray, timeout_s: float = 20.0) -> None:
+def _assert_resources_back(ray, timeout_s: float = 120.0) -> None:
     """The job's coordinator, workers and placement group are gone: all GPUs free again."""
     deadline = time.monotonic() + timeout_s
     while ray.available_resources().get("GPU", 0) < ray.cluster_resources().get("GPU", 0):
@@ -345,6 +345,7 @@ def _job_client(head, timeout_s: float = 90.0):
     raise AssertionError(f"dashboard at {head['url']} did not answer: {last}\n{Path(head['log']).read_text()}")
 
 
+@pytest.mark.slow  # starts processes
 def test_job_submission_end_to_end(ray_head, tiny_dirs, tmp_path):
     from ray.job_submission import JobStatus
 
@@ -444,7 +445,8 @@ def _check_batch_output(lines: list[dict], target) -> None:
     assert sampled["usage"]["completion_tokens"] == 12 and sampled["usage"]["prompt_tokens"] == 3
 
 
-def test_openai_batch_file_in_openai_output_out_and_resume(ray_session, tiny_dirs, batch_config, tmp_path, capsys):
+def test_openai_batch_file_in_openai_output_out_and_resume(ray_session, tiny_dirs, batch_config, tmp_path, capsys,
+                                                             monkeypatch):
     target = tiny_dirs[0]
     inp = _write_jsonl(tmp_path / "batch.jsonl", _batch_records())
     out = tmp_path / "out.jsonl"
@@ -471,13 +473,12 @@ def test_openai_batch_file_in_openai_output_out_and_resume(ray_session, tiny_dir
     assert [json.loads(x)["custom_id"] for x in resumed[4:]] == ["text-default", "sampled"]
     _check_batch_output([json.loads(x) for x in resumed], target)
 
-    # Nothing left: no Ray work, no change.
+    # Nothing left: no coordinator, no change; the summary is the last run's, kept.
     before = out.read_text()
-    t0 = time.perf_counter()
-    assert jobs.main(argv) == 0
-    assert time.perf_counter() - t0 < 10
-    summary3 = _summary_from_stdout(capsys.readouterr().out)
-    assert summary3["prompts_done"] == 0 and summary3["prompts_skipped"] == 6 and out.read_text() == before
+    with monkeypatch.context() as m:
+        m.setattr("specray.actors.coordinator.Coordinator", None)  # any use of it fails
+        assert jobs.main(argv) == 0
+    assert _summary_from_stdout(capsys.readouterr().out) == summary2 and out.read_text() == before
 
     # An output of another input (an unknown custom_id) is not silently mixed in.
     out.write_text(before.replace('"custom_id": "chat"', '"custom_id": "stranger"', 1))

@@ -609,14 +609,17 @@ def test_load_gauges_count_a_running_request_and_fall_to_zero_when_idle(guarded_
 
     body = {"model": GUARDED, "prompt": "abc", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
             "speculation": {"method": "none"}}
+    # Ray exports gauges every few seconds: requests run one after another until an export
+    # falls inside one (a readiness wait, however fast or slow this machine is).
+    seen, deadline = set(), time.monotonic() + 300
     with ThreadPoolExecutor(1) as pool:
-        reply = pool.submit(httpx.post, f"{guarded_url}/v1/completions", json=body, headers=AUTH, timeout=240)
-        seen = set()
-        while not reply.done() and 1 not in seen:
-            seen.add(gauges()[0])
-            time.sleep(0.5)
-        assert reply.result().status_code == 200
-    assert 1 in seen, seen  # Ray exports gauges every few seconds: a 3,000-token request outlasts that
+        while 1 not in seen and time.monotonic() < deadline:
+            reply = pool.submit(httpx.post, f"{guarded_url}/v1/completions", json=body, headers=AUTH, timeout=240)
+            while not reply.done() and 1 not in seen:
+                seen.add(gauges()[0])
+                time.sleep(0.5)
+            assert reply.result().status_code == 200
+    assert 1 in seen, seen
     deadline = time.monotonic() + 45
     while gauges() != (0, 0):
         assert time.monotonic() < deadline, gauges()

@@ -213,6 +213,7 @@ def serve_run(config: pathlib.Path, tmp_path: pathlib.Path, port: int):
     assert not _pids_with_env(marker)
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.timeout(300)
 def test_serve_run_yaml_in_its_own_ray(tmp_path, tiny_checkpoints):
     """examples/serve.yaml's layout, pointed at the tiny pair and a free port, through the
