@@ -48,6 +48,9 @@ def pytest_sessionstart(session):
     cached), before any test and so outside every test's timeout; xdist workers then find it
     built. Runs of chosen files, of ``-m "not slow"`` and xdist workers skip this."""
     cfg = session.config
+    controller = getattr(cfg.option, "numprocesses", None) and not hasattr(cfg, "workerinput")  # xdist's
+    if "not slow" in (cfg.option.markexpr or "") and not controller:
+        _forbid_processes()
     if hasattr(cfg, "workerinput") or cfg.option.collectonly or "not slow" in (cfg.option.markexpr or ""):
         return
     suite = {os.path.normpath(os.path.join(str(cfg.rootpath), p)) for p in cfg.getini("testpaths")}
@@ -76,8 +79,6 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
         config.option.loadscopereorder = False
-    if "not slow" in (config.option.markexpr or "") and not hasattr(config, "workerinput"):
-        _forbid_processes()
 
 
 @pytest.hookimpl(tryfirst=True)

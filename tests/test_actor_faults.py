@@ -91,6 +91,7 @@ def test_engine_worker_loss_loses_no_request(ray_session, tiny_checkpoints, tiny
     shutdown(c)
 
 
+@pytest.mark.slow  # the session's coordinators (asked for by name, so not marked by their fixture)
 @pytest.mark.parametrize("mode", ["separate", "colocated"])
 def test_draft_model_and_medusa_through_the_coordinator(request, references, mode):
     """Both layouts, more prompts than slots: greedy output as plain decoding's for a draft

@@ -303,6 +303,7 @@ def test_device_sampling_matches_target_distribution(sampling_engines, step, nam
     assert min(pvals) > 1e-3, pvals
 
 
+@pytest.mark.slow  # minutes of C++ compilation, in compile worker processes
 def test_inductor_kernels_keep_greedy_output_and_the_sampling_distribution(inductor):
     """The other compile tests capture with aot_eager; here inductor generates and runs the
     kernels (C++ on a CPU) of the target, the draft's chain and the acceptance: greedy output
