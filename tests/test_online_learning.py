@@ -371,3 +371,30 @@ def test_the_hub_says_where_the_trainer_waits_and_each_rounds_decision():
     published = core.finish_round("draft", {**report, "published": True}, {})
     assert published == "draft@1" and "published draft@1" in round_line(core.status()["rounds"][-1])
     assert [auto_trainer_resources(f)["num_cpus"] for f in (6.0, 1.0, 0.3, 0.01)] == [1.0, 0.5, 0.15, 0.0]
+
+
+def test_specray_serve_prints_where_the_trainer_waits_and_each_round(monkeypatch, capsys):
+    """What `specray serve --online-learning` prints from the hub's status: the placement once per
+    change, each round once."""
+    from specray.entrypoints import serving
+
+    rounds = [{"method": "draft", "time": 1.0, "version": "draft@1", "kept": None, "train_traces": 24,
+               "held_out_traces": 8, "seconds": 30.0, "serving": {"mean_accepted_length": 1.6},
+               "candidate": {"mean_accepted_length": 1.8}}]
+    pending = {"state": "pending", "message": "the trainer waits for CPU 64 (free now: CPU 0.2 of 2); lower "
+                                              "online_learning.trainer_resources or add resources"}
+    replies = iter([{"trainer": {"placement": pending}, "rounds": []},
+                    {"trainer": {"placement": pending}, "rounds": rounds},
+                    {"trainer": {"placement": {"state": "placed", "message": "the trainer holds CPU 64"}},
+                     "rounds": rounds}])
+    monkeypatch.setattr(serving, "_http", lambda *a, **k: (200, next(replies)))
+    report = serving.LearningReport("http://x", {})
+    for _ in range(3):
+        report.report()
+    assert capsys.readouterr().out.splitlines() == [
+        "specray: online learning: the trainer waits for CPU 64 (free now: CPU 0.2 of 2); lower "
+        "online_learning.trainer_resources or add resources",
+        "specray: online learning: round of draft on 24 traces (8 held out, 30 s): published draft@1 (held-out "
+        "mean accepted length: candidate 1.800, serving 1.600)",
+        "specray: online learning: the trainer holds CPU 64",
+    ]
