@@ -141,6 +141,10 @@ class Mirror:
             self._depth += 1
             try:
                 return fn(*args, **kwargs)
+            except RuntimeError as exc:
+                if collective and self._depth == 1 and not isinstance(exc, GroupLostError):
+                    self._probe(exc)
+                raise
             finally:
                 self._depth -= 1
                 if method == "enable_static":  # it made (or remade) runner.static
@@ -150,6 +154,18 @@ class Mirror:
 
         mirrored._mirrored = True
         setattr(owner, attr, mirrored)
+
+    def _probe(self, error: RuntimeError) -> None:
+        """After a forward failed: did the group break? A compiled forward's all-reduces are
+        traced into its graph, so a peer that is gone surfaces as the transport's plain
+        RuntimeError, not the eager path's GroupLostError. An empty message to the other ranks
+        (they are back at their receive: a forward that raised here raised there too) tells:
+        its broadcast fails when a peer is gone."""
+        try:
+            self.groups.send([])
+            self.groups.settle()
+        except GroupLostError as lost:
+            raise lost from error
 
     def _record(self, name: str, method: str, args, kwargs, now: bool) -> None:
         start = time.perf_counter()

@@ -96,9 +96,12 @@ def test_http_at_tp2_with_the_draft_split_too(server, tiny_tok, tiny_pair):
 @pytest.fixture(scope="class")
 def colocated_tp2(ray_session, tiny_checkpoints, heads):
     """One colocated TP 2 coordinator for the class's two tests (the second kills a rank of it:
-    it runs last), given back when the class ends: the tests after it need both GPUs. Each
-    start is three processes loading torch, most of such a test's time."""
-    c = Coordinator.remote({**tiny_checkpoints, **heads, **TP2, "max_num_seqs": 3, "placement": {"mode": "colocated"}})
+    it runs last), given back when the class ends: the tests after it need both GPUs. Its step
+    is ``compile``: the all-reduces are functional collectives traced into each graph (fullgraph:
+    a graph break would raise), on every rank, for every method; the eager step at TP 2 is the
+    other entry points' below."""
+    c = Coordinator.remote({**tiny_checkpoints, **heads, **TP2, "step": "compile", "max_num_seqs": 3,
+                            "placement": {"mode": "colocated"}})
     yield c
     shutdown(c)
 
@@ -138,21 +141,6 @@ class TestColocatedTP2:
         assert [o["token_ids"] for o in outs] == references[:3]
         new_engine = ray.get(c.workers.remote())["engine"]
         assert ray.get(new_engine.tensor_parallel.remote())["actors"][0] != rank1  # a new group
-
-
-@pytest.mark.slow  # torch.compile on both ranks: minutes on two shared cores
-@pytest.mark.timeout(1200)
-def test_the_compiled_step_at_tp2(ray_session, tiny_checkpoints, references):
-    """step "compile": the all-reduces are functional collectives, traced into the graph
-    (fullgraph: a graph break would raise)."""
-    c = Coordinator.remote({**tiny_checkpoints, **TP2, "step": "compile", "max_num_seqs": 3,
-                            "placement": {"mode": "colocated"}})
-    try:
-        for spec in METHODS[:3]:
-            outs = ray.get(c.generate.remote(PROMPTS[:3], GREEDY, spec))
-            assert [o["token_ids"] for o in outs] == references[:3], spec
-    finally:
-        shutdown(c)
 
 
 # -- placement -------------------------------------------------------------------------------------
