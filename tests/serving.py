@@ -125,9 +125,12 @@ def tiny_methods(tiny_tok, tiny_pair, tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def main_url(server, tiny_methods):
     """Separate target/draft/PARD/n-gram actors (the heads and DFlash beside the target), 4
-    sequences, no API key."""
+    sequences, no API key; the toy failing method (tests/failing_method.py) served too."""
+    from tests.failing_method import runtime_env
+
     cfg = {"model_name": MAIN, "max_ongoing_requests": 16, "max_sequences_per_request": 600,
-           "engine": {**tiny_methods, "max_num_seqs": 4, "placement": cpu_placement("separate")}}
+           "engine": {**tiny_methods, "max_num_seqs": 4, "placement": cpu_placement("separate")},
+           "runtime_env": runtime_env()}
     return run_app(server, cfg, "main", MAIN)
 
 
@@ -187,11 +190,13 @@ SUFFIX_TREE_ACTORS = "suffix-test-separate"
 def tiny_coordinator(ray_session, tiny_methods):
     """A Coordinator in the separate layout (target, draft, PARD, n-gram and lookahead workers
     of their own; the heads beside the target) with every method's weights, 3 sequences, a
-    suffix tree actor of its own, on CPU shares: what runs behind Ray, per method."""
+    suffix tree actor of its own, on CPU shares: what runs behind Ray, per method (the toy
+    failing method of tests/failing_method.py too)."""
     from specray.actors.coordinator import Coordinator
     from specray.actors.suffix_cache import drop_shared_suffix_cache
+    from tests.failing_method import runtime_env
 
-    c = Coordinator.remote({**tiny_methods, "max_num_seqs": 3, "placement": cpu_placement("separate"),
+    c = Coordinator.options(runtime_env=runtime_env()).remote({**tiny_methods, "max_num_seqs": 3, "placement": cpu_placement("separate"),
                             "suffix_cache": {"name": SUFFIX_TREE_ACTORS, "sync_every_requests": 1}})
     yield c
     stop_coordinator(c)
@@ -202,8 +207,9 @@ def tiny_coordinator(ray_session, tiny_methods):
 def tiny_colocated_coordinator(ray_session, tiny_methods):
     """The same weights in the colocated layout: every model in one engine worker."""
     from specray.actors.coordinator import Coordinator
+    from tests.failing_method import runtime_env
 
-    c = Coordinator.remote({**tiny_methods, "max_num_seqs": 3, "placement": cpu_placement("colocated")})
+    c = Coordinator.options(runtime_env=runtime_env()).remote({**tiny_methods, "max_num_seqs": 3, "placement": cpu_placement("colocated")})
     yield c
     stop_coordinator(c)
 

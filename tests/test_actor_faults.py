@@ -103,31 +103,29 @@ def test_draft_model_and_medusa_through_the_coordinator(request, references, mod
         assert sum(o["metrics"]["num_drafts"] for o in outs) > 0, spec
 
 
+@pytest.mark.slow  # the session's coordinators (asked for by name, so not marked by their fixture)
 @pytest.mark.parametrize("mode, phase", [("colocated", "propose"), ("separate", "propose"), ("separate", "verify")])
-def test_a_failing_row_fails_alone_behind_ray(ray_session, tiny_checkpoints, references, mode, phase):
-    """The toy method of tests/failing_method.py, registered in the coordinator and every
-    worker it starts by Ray's setup hook (in the separate layout it drafts in a worker of its
-    own): the poisoned request finishes with 'error' and the message, the others in the same
-    batches finish as plain greedy decoding would, and the coordinator goes on serving."""
+def test_a_failing_row_fails_alone_behind_ray(request, references, mode, phase):
+    """The toy method of tests/failing_method.py, registered in the session's coordinators and
+    every worker they start by Ray's setup hook (in the separate layout it drafts in a worker of
+    its own): the poisoned request finishes with 'error' and the message, the others in the
+    same batches finish as plain greedy decoding would, and the coordinator goes on serving
+    (the other tests that share it)."""
     import re
 
-    from tests.failing_method import NAME, POISON, runtime_env
+    from tests.failing_method import NAME, poisoned
 
-    c = Coordinator.options(runtime_env=runtime_env(phase)).remote(
-        {**tiny_checkpoints, "max_num_seqs": 4, "placement": {"mode": mode}})
-    try:
-        toy = {"method": NAME, "num_speculative_tokens": 3}
-        draft = {"method": "draft", "num_speculative_tokens": 3}
-        prompts = PROMPTS[:2] + [POISON + [1, 2, 3]] + PROMPTS[2:4]
-        specs = [toy, draft, toy, toy, draft]
-        outs = ray.get(c.generate.remote(prompts, [GREEDY] * 5, specs))
-        bad = outs.pop(2)
-        assert bad["finished"] and bad["finish_reason"] == "error"
-        expected = "IndexError" if phase == "verify" else "poisoned row in propose"
-        assert bad["error"] and re.search(expected, bad["error"]), bad["error"]
-        assert [o["token_ids"] for o in outs] == references[:4]
-        assert all(o["finish_reason"] == "length" for o in outs)
-        again = ray.get(c.generate.remote(PROMPTS[:2], GREEDY, toy))
-        assert [o["token_ids"] for o in again] == references[:2]
-    finally:
-        shutdown(c)
+    c = request.getfixturevalue("tiny_coordinator" if mode == "separate" else "tiny_colocated_coordinator")
+    toy = {"method": NAME, "num_speculative_tokens": 3}
+    draft = {"method": "draft", "num_speculative_tokens": 3}
+    prompts = PROMPTS[:2] + [poisoned(phase)] + PROMPTS[2:4]
+    specs = [toy, draft, toy, toy, draft]
+    outs = ray.get(c.generate.remote(prompts, [GREEDY] * 5, specs))
+    bad = outs.pop(2)
+    assert bad["finished"] and bad["finish_reason"] == "error"
+    expected = "IndexError" if phase == "verify" else "poisoned row in propose"
+    assert bad["error"] and re.search(expected, bad["error"]), bad["error"]
+    assert [o["token_ids"] for o in outs] == references[:4]
+    assert all(o["finish_reason"] == "length" for o in outs)
+    again = ray.get(c.generate.remote(PROMPTS[:2], GREEDY, toy))
+    assert [o["token_ids"] for o in again] == references[:2]

@@ -922,7 +922,7 @@ def test_chat_logprobs_streamed_and_not(main_url, target_model):
     streamed = [e for ev in events[:-1] for ch in ev["choices"] for e in ((ch.get("logprobs") or {}).get("content") or [])]
     assert [(e["token"], round(e["logprob"], 5)) for e in streamed] == \
         [(e["token"], round(e["logprob"], 5)) for e in content]
-    err = assert_openai_error(httpx.post(url, json={**body, "logprobs": False}, timeout=60), 400, "top_logprobs")
+    assert_openai_error(httpx.post(url, json={**body, "logprobs": False}, timeout=60), 400, "top_logprobs")
 
 
 def test_client_errors_are_one_line_in_the_log(main_url):
@@ -952,33 +952,24 @@ def test_client_errors_are_one_line_in_the_log(main_url):
     assert not [ln for ln in text.splitlines() if "drafters" in ln and "ERROR" in ln]
 
 
-def test_a_deterministic_failure_is_a_500_with_its_message_and_the_server_goes_on(server, tiny_tok, target_model):
+def test_a_deterministic_failure_is_a_500_with_its_message_and_the_server_goes_on(main_url, target_model):
     """A request whose proposer raises (the toy method of tests/failing_method.py, registered
-    in the replicas and their workers through the runtime environment) fails alone: 500 with
-    the message (not 503 "retry": retrying cannot help), streamed or not; the next request,
-    of the same method, is served."""
-    from tests.failing_method import NAME, POISON, runtime_env
+    in the replicas and their workers through the runtime environment; in this layout it
+    drafts in a worker of its own) fails alone: 500 with the message (not 503 "retry":
+    retrying cannot help), streamed or not; the next request, of the same method, is served."""
+    from tests.failing_method import NAME, poisoned
 
-    name = "tiny-failing"
-    cfg = {"model_name": name, "engine": {**tiny_tok, "max_num_seqs": 2, "placement": cpu_placement("colocated")},
-           "runtime_env": runtime_env("propose")}
-    serve.run(build_app(cfg), name="failing", route_prefix="/failing")
-    url = f"{server}/failing"
-    try:
-        wait_until_serving(url, name)
-        body = {"model": name, "prompt": POISON + [1, 2], "max_tokens": 8, "temperature": 0,
-                "speculation": {"method": NAME, "num_speculative_tokens": 3}}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert_openai_error(r, 500, "internal error", "poisoned row in propose")
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
-            events = sse_events(s.iter_lines())
-        errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
-        assert errors and errors[0]["code"] == 500 and "poisoned row in propose" in errors[0]["message"], events
-        ok = httpx.post(f"{url}/v1/completions", json={**body, "prompt": [1, 2, 3]}, timeout=60)
-        assert ok.status_code == 200, ok.text
-        assert ok.json()["choices"][0]["text"] == greedy_text(target_model, [1, 2, 3], 8)
-    finally:
-        serve.delete("failing")
+    body = {"model": MAIN, "prompt": poisoned("propose"), "max_tokens": 8, "temperature": 0,
+            "speculation": {"method": NAME, "num_speculative_tokens": 3}}
+    r = httpx.post(f"{main_url}/v1/completions", json=body, timeout=60)
+    assert_openai_error(r, 500, "internal error", "poisoned row in propose")
+    with httpx.stream("POST", f"{main_url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+        events = sse_events(s.iter_lines())
+    errors = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+    assert errors and errors[0]["code"] == 500 and "poisoned row in propose" in errors[0]["message"], events
+    ok = httpx.post(f"{main_url}/v1/completions", json={**body, "prompt": [1, 2, 3]}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["text"] == greedy_text(target_model, [1, 2, 3], 8)
 
 
 def test_drafter_versions_over_http(server, tiny_tok, main_url):
