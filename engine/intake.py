@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from specray.engine.grammar import Grammars
 from specray.engine.params import SamplingParams, best_speculation
 from specray.engine.request import Request
 from specray.policies.registry import Limits, MethodOptions, validate_speculation
@@ -71,6 +72,10 @@ class RequestMaker:
         self.default_speculation = default_speculation or best_speculation(limits.methods)
         self.strict_context = strict_context
         self._ids = itertools.count()
+        eos = getattr(tokenizer, "eos_token_id", None)
+        if eos not in limits.eos_ids:
+            eos = min(limits.eos_ids, default=None)
+        self.grammars = Grammars(tokenizer, limits.vocab_size, eos)  # structured outputs, compiled on first use
 
     def make(
         self,
@@ -98,4 +103,8 @@ class RequestMaker:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.limits.eos_ids)
-        return Request(request_id, prompt_ids, sampling, speculation, stop_ids, generator=generator)
+        grammar = None
+        if sampling.structured_outputs is not None:
+            grammar = self.grammars.source(sampling.structured_outputs.kind, sampling.structured_outputs.value)
+        return Request(request_id, prompt_ids, sampling, speculation, stop_ids, generator=generator,
+                       grammar_source=grammar)

@@ -182,6 +182,8 @@ class LLMEngine:
         A request resumed from another worker has had its text so far sent already."""
         if request.text:
             self._text_sent[request.request_id] = len(request.text)
+        if request.grammar_source is not None and request.grammar is None:
+            request.grammar = self.intake.grammars.matcher(request.grammar_source, request.stop_ids, request.output_ids)
         return self.scheduler.add(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:

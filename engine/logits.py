@@ -76,6 +76,8 @@ def processed(
         depth = torch.zeros(len(rows), w, dtype=torch.long, device=device)
     else:
         depth = positions.depth[idx]
+    if any(r.grammar is not None for r in picked):
+        x = _grammar_masks(x, picked, positions)
     bias = _bias(picked, vocab)
     if bias is not None:
         x = x + bias.to(device, non_blocking=True)[:, None]
@@ -96,6 +98,34 @@ def processed(
     out = logits.to(torch.float32, copy=True)  # the raw logits stay as they are (log-probabilities read them)
     out[idx] = x
     return out
+
+
+def _grammar_masks(x: torch.Tensor, reqs: Sequence, positions: Positions | None) -> torch.Tensor:
+    """Structured outputs: -inf outside what each constrained row's grammar allows after each
+    node's own path (``engine/grammar.py``). A position where the grammar allows nothing (it is
+    complete and the request has no stop token) is left as it is: the request ends there."""
+    _, w, vocab = x.shape
+    host = None if positions is None else (positions.tokens.cpu(), positions.anc.cpu(), positions.depth.cpu())
+    masks = torch.ones(x.shape, dtype=torch.bool)
+    for i, r in enumerate(reqs):
+        if r.grammar is None:
+            continue
+        if host is None:
+            tokens, parents = [r.token_ids[-1]], [-1]
+        else:
+            tokens, parents = host[0][i].tolist(), _parents(host[1][i], host[2][i])
+        allowed = r.grammar.allowed(tokens, parents)  # [n, V]
+        allowed[~allowed.any(dim=-1)] = True
+        masks[i, : allowed.shape[0], : allowed.shape[1]] = allowed
+    return x.masked_fill(~masks.to(x.device, non_blocking=True), float("-inf"))
+
+
+def _parents(anc: torch.Tensor, depth: torch.Tensor) -> list[int]:
+    """[W, W] ancestor mask and [W] depths -> each node's parent (-1 for the root)."""
+    parent = anc & (depth[None, :] == depth[:, None] - 1)  # [W, W]: i is j's parent
+    found = parent.any(dim=-1)
+    idx = parent.int().argmax(dim=-1)
+    return [int(p) if f else (-1 if j == 0 else 0) for j, (p, f) in enumerate(zip(idx.tolist(), found.tolist()))]
 
 
 def _padded(lists: Sequence[Sequence[int]]) -> torch.Tensor:  # [R, L] padded with -1 (token_counts drops it)

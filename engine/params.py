@@ -19,6 +19,47 @@ from specray.policies.registry import MethodOptions, PlainOptions, parse_specula
 DEFAULT_METHOD_ORDER = ("draft", "eagle3", "eagle", "redrafter", "medusa", "ngram")
 
 
+class StructuredOutputs(BaseModel):
+    """Constrain the output to a grammar (vLLM's ``structured_outputs``): exactly one of the
+    kinds. The output is what the target samples with its logits masked to the grammar at
+    each token, under every speculative method (``engine/grammar.py``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+    json_: dict | str | None = Field(None, alias="json", description="A JSON schema the output matches.")
+    regex: str | None = Field(None, description="A regular expression the whole output matches.")
+    choice: list[str] | None = Field(None, min_length=1, description="The output is one of these strings.")
+    grammar: str | None = Field(None, description="A context-free grammar: Lark, or GBNF (``::=``).")
+    json_object: bool | None = Field(None, description="Any JSON object.")
+
+    @field_validator("choice")
+    @classmethod
+    def _nonempty_choices(cls, v):
+        if v is not None and any(c == "" for c in v):
+            raise ValueError("choices must be non-empty strings")
+        return v
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [k for k, v in self.constraint_fields().items() if v not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object"
+                             + (f"; got {', '.join(given)}" if given else ""))
+        return self
+
+    def constraint_fields(self) -> dict:
+        return {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                "json_object": self.json_object}
+
+    @property
+    def kind(self) -> str:
+        return next(k for k, v in self.constraint_fields().items() if v not in (None, False))
+
+    @property
+    def value(self):
+        return self.constraint_fields()[self.kind]
+
+
 class SamplingParams(BaseModel):
     """How to pick tokens and when to stop (vLLM's names and defaults).
 
@@ -53,6 +94,8 @@ class SamplingParams(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, min_length=1, description="Sample only these tokens.")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p x the most likely one "
                          "(after temperature); 0 = off.")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="Constrain the output to a JSON schema, regex, choice or grammar.")
     # How text is made of the tokens.
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     spaces_between_special_tokens: bool = Field(True, description="(Tokenizers that take it.) Spaces around them.")
@@ -93,7 +136,8 @@ class SamplingParams(BaseModel):
     def processes_logits(self) -> bool:
         """Does sampling read other logits than the target's own (``engine/logits.py``)?"""
         return bool(self.min_tokens or self.repetition_penalty != 1.0 or self.presence_penalty
-                    or self.frequency_penalty or self.logit_bias or self.allowed_token_ids is not None)
+                    or self.frequency_penalty or self.logit_bias or self.allowed_token_ids is not None
+                    or self.structured_outputs is not None)
 
     @property
     def penalized(self) -> bool:

@@ -57,9 +57,14 @@ class Request:
     logprobs: list[dict] | None = None  # entries of the kept tokens, when sampling.logprobs asks
     prompt_logprobs: list[dict | None] | None = None
     row_view: object = field(default=None, repr=False, compare=False)  # the controller's view (``step.row_view``)
+    grammar_source: str | None = None  # structured outputs: the checked grammar (``engine/grammar.py``)
+    grammar: object = field(default=None, repr=False, compare=False)  # its matcher, where the steps run
     _prefix_offset: int = 0  # incremental detokenisation (``_decode_new``)
     _read_offset: int = 0
     _prefix_text: str | None = None  # the text of output_ids[_prefix_offset:_read_offset], when known
+
+    def __getstate__(self):  # a matcher stays in its process: the engine that receives a request makes its own
+        return {**self.__dict__, "grammar": None}
 
     @property
     def method(self) -> str:
@@ -78,7 +83,8 @@ class Request:
     def resumed(self, output_ids: Sequence[int], tokenizer, metrics: SpecMetrics, generator) -> "Request":
         """This request as it stood after ``output_ids``, to continue on another worker."""
         out = Request(self.request_id, self.prompt_ids, self.sampling, self.speculation, self.stop_ids,
-                      generator=generator, output_ids=list(output_ids), metrics=metrics)
+                      generator=generator, output_ids=list(output_ids), metrics=metrics,
+                      grammar_source=self.grammar_source)
         if tokenizer is not None and output_ids:
             out.text = out._decode(tokenizer, out.output_ids)
             out._prefix_offset, out._read_offset = len(output_ids) - 1, len(output_ids)
@@ -101,12 +107,17 @@ class Request:
         the emitted tokens' entries; those of the kept ones are recorded)."""
         kept: list[int] = []
         for tok in tokens:
+            if self.grammar is not None and not self.grammar.advance(int(tok)):
+                self.finish_reason = "stop"  # nothing the grammar allows was left to sample
+                break
             self.output_ids.append(int(tok))
             kept.append(int(tok))
             if int(tok) in self.stop_ids:
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.sampling.max_tokens or self.num_tokens >= capacity:
                 self.finish_reason = "length"
+            elif self.grammar is not None and self.grammar.ended:
+                self.finish_reason = "stop"  # the grammar is complete and there is no stop token to end on
             if self.finished:
                 break
         if tokenizer is not None:

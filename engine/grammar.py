@@ -1,0 +1,231 @@
+"""Structured outputs: each constrained request's grammar, and the masks that keep every
+position a step scores inside it — each from the grammar state of its own path.
+
+The backend is llguidance (``docs/structured-outputs.md`` says why): a Rust library with no
+Python dependencies, whose matcher consumes a token, rolls back, and fills a token bitmask
+for its current state. A request's constraint (``StructuredOutputs``) becomes a grammar
+string where the request enters (``Grammars.source``: checked against the tokenizer, cached),
+and a matcher where its steps run (``Grammars.matcher``: the engine attaches it when the
+request joins; a request resumed on another worker replays its tokens into a new one).
+
+Speculation stays exact because the target's logits are masked at every scored node with
+the matcher state after that node's path (``RowGrammar.allowed``): a tree gets one mask per
+node, never one for the whole tree; a node whose own token the grammar refuses is never
+accepted (the masked target gives it no mass), so what is below it is left unmasked. Only
+the tokens a step keeps advance the matcher (``RowGrammar.advance``).
+
+The grammar's end is the request's end: where the grammar may end, the request's stop
+tokens are allowed (the tokenizer's EOS stands for them in the matcher); where it must, only
+they are. A request without stop tokens (``ignore_eos``) finishes with 'stop' where the
+grammar is complete.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from typing import Sequence
+
+import torch
+
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""JSON as ``json.dumps`` writes it: one space after ``,`` and ``:``, no other whitespace.
+A grammar that allows any whitespace lets a model (or a draft) emit it without end."""
+
+ANY_OBJECT = {"type": "object"}
+
+
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled: the message says why (HTTP 400)."""
+
+
+def source(kind: str, value) -> str:
+    """The llguidance grammar of one constraint kind (not yet checked against a tokenizer)."""
+    import llguidance
+
+    make = llguidance.LLMatcher
+    if kind == "json":
+        schema = value if isinstance(value, str) else json.dumps(value)
+        try:
+            return make.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        except ValueError as exc:
+            raise GrammarError(f"invalid JSON schema: {exc}") from None
+    if kind == "json_object":
+        return make.grammar_from_json_schema(json.dumps(ANY_OBJECT), defaults=JSON_DEFAULTS)
+    if kind == "regex":
+        return make.grammar_from_regex(value)
+    if kind == "choice":
+        return make.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in value))
+    if kind == "grammar":
+        text = value
+        if "::=" in text:  # GBNF / EBNF (llama.cpp's, xgrammar's) rather than Lark
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                text = gbnf_to_lark(text)
+            except Exception as exc:  # noqa: BLE001 - its parser's errors are the user's
+                raise GrammarError(f"invalid grammar: {exc}") from None
+        return make.grammar_from_lark(text)
+    raise GrammarError(f"unsupported structured output kind {kind!r}")
+
+
+def one_line(message: str) -> str:
+    """llguidance's error without its source excerpt (the lines that quote and point)."""
+    kept = [ln.strip() for ln in message.splitlines()
+            if ln.strip() and not set(ln.strip()) <= set("^ ") and not ln.strip()[0].isdigit()]
+    return " ".join(kept)[:500]
+
+
+class Grammars:
+    """One tokenizer's grammars: checked sources (cached by constraint) and matchers.
+
+    vocab_size: the width of the target's logits (a tokenizer may have fewer tokens: the
+    rest are never allowed); eos_id: the token that stands for "the grammar may end here"
+    in llguidance's masks (the tokenizer's EOS; without one, an id past the logits')."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_id: int | None):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.eos_id = eos_id if eos_id is not None else vocab_size
+        self.width = max(vocab_size, self.eos_id + 1)  # the masks' (llguidance's vocabulary)
+        self._lock = threading.Lock()
+        self._ll = None
+        self._sources = functools.lru_cache(maxsize=256)(self._compile)
+
+    @property
+    def ll_tokenizer(self):
+        """llguidance's view of the tokenizer (about a second for large vocabularies: made once)."""
+        with self._lock:
+            if self._ll is None:
+                import llguidance.hf
+
+                if self.tokenizer is None:
+                    raise GrammarError("structured outputs need the model's tokenizer")
+                try:
+                    self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.width, eos_token=self.eos_id)
+                except ValueError:  # a decoder llguidance does not read: each token's own text
+                    self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTexts(self.tokenizer, self.eos_id, self.width)),
+                                                      n_vocab=self.width, eos_token=self.eos_id)
+            return self._ll
+
+    def source(self, kind: str, value) -> str:
+        """A constraint's grammar, checked (GrammarError saying what is wrong)."""
+        key = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        return self._sources(kind, key)
+
+    def _compile(self, kind: str, key: str) -> str:
+        import llguidance
+
+        value = key if kind in ("regex", "grammar") or (kind == "json" and not key.startswith(("{", "["))) \
+            else json.loads(key)
+        grammar = source(kind, value)
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if failed:
+            raise GrammarError(f"invalid {kind.replace('_', ' ')}: {one_line(messages[0])}")
+        return grammar
+
+    def matcher(self, grammar: str, stop_ids: frozenset[int], output_ids: Sequence[int] = ()) -> "RowGrammar":
+        """A matcher at the start of ``grammar``, advanced by ``output_ids`` (a resumed request)."""
+        import llguidance
+
+        row = RowGrammar(llguidance.LLMatcher(self.ll_tokenizer, grammar), self.eos_id, stop_ids, self.vocab_size,
+                         self.width)
+        for token in output_ids:
+            row.advance(token)
+        return row
+
+
+class _TokenTexts:
+    """A tokenizer as llguidance's ``TokenizerWrapper`` reads one: each token's bytes."""
+
+    def __init__(self, tokenizer, eos_id: int, width: int):
+        self.tokenizer, self.eos_token_id, self.bos_token_id = tokenizer, eos_id, tokenizer.bos_token_id
+        self.tokens = [tokenizer.decode([i]).encode() for i in range(len(tokenizer))]
+        extra = range(len(self.tokens), width)  # ids the tokenizer lacks (the stand-in EOS among them)
+        self.tokens += [f"<|specray {i}|>".encode() for i in extra]
+        self.special_token_ids = [*tokenizer.all_special_ids, *extra]
+
+    def __call__(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[..., ceil(V / 32)] int32 bitmask -> [..., V] bool."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(*bitmask.shape[:-1], -1)[..., :vocab].bool()
+
+
+class RowGrammar:
+    """One request's matcher: masks for the positions a step scores, and the kept tokens."""
+
+    def __init__(self, matcher, eos_id: int, stop_ids: frozenset[int], vocab: int, width: int):
+        self.matcher, self.eos_id, self.vocab, self.width = matcher, eos_id, vocab, width
+        self.stops = sorted(t for t in stop_ids if 0 <= t < vocab)
+        self.ended = False  # the grammar is complete and nothing may follow (no stop token to end on)
+        self.refused = 0  # kept tokens the grammar refused (only where a mask left nothing)
+
+    def allowed(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """[n, V] bool: what may follow each node. tokens[j], parents[j]: node j's token and
+        parent (node 0, the root, is the last kept token: already consumed; parents[0] -1).
+        Nodes come parents first. A node whose path the grammar refuses gets all True."""
+        import llguidance.torch as lt
+
+        n = len(tokens)
+        bits = torch.zeros(n, (self.width + 31) // 32, dtype=torch.int32)
+        valid = [True] * n
+        path: list[int] = []  # nodes consumed beyond the root, root-most first
+        for j in sorted(range(n), key=lambda j: len(self._path(j, parents))):
+            if j > 0:
+                parent = parents[j]
+                if not valid[parent]:
+                    valid[j] = False
+                    continue
+                chain = self._path(j, parents)
+                common = 0
+                while common < min(len(path), len(chain)) and path[common] == chain[common]:
+                    common += 1
+                if len(path) > common:
+                    self.matcher.rollback(len(path) - common)
+                    del path[common:]
+                for node in chain[common:]:
+                    if self.matcher.is_stopped() or self.matcher.validate_tokens([tokens[node]]) != 1:
+                        valid[node] = False
+                        break
+                    self.matcher.consume_token(tokens[node])
+                    path.append(node)
+                if not valid[j]:
+                    continue
+            lt.fill_next_token_bitmask(self.matcher, bits, j)
+        if path:
+            self.matcher.rollback(len(path))
+        every = unpack(bits, self.width)
+        out = every[:, : self.vocab].clone()
+        if self.eos_id < self.vocab and self.eos_id not in self.stops:
+            out[:, self.eos_id] = False
+        if self.stops:
+            out[:, self.stops] |= every[:, self.eos_id : self.eos_id + 1]
+        invalid = torch.tensor([not v for v in valid])
+        out[invalid] = True
+        return out
+
+    @staticmethod
+    def _path(j: int, parents: Sequence[int]) -> list[int]:
+        chain = []
+        while j > 0:
+            chain.append(j)
+            j = parents[j]
+        return chain[::-1]
+
+    def advance(self, token: int) -> bool:
+        """A kept token: the matcher consumes it (a stop token ends the request: nothing to
+        consume). False when the grammar refuses it."""
+        if token in self.stops or self.ended:
+            return token in self.stops
+        if self.matcher.validate_tokens([token]) != 1:
+            self.refused += 1
+            return False
+        self.matcher.consume_token(token)
+        if self.matcher.is_stopped() and not self.stops:
+            self.ended = True
+        return True
