@@ -162,7 +162,7 @@ both priced one of them far off. Its acceptance is the head's top-1 rate, estima
 steps that drafted it alone: a whole tree's first depth is accepted when any of its first-level
 nodes is, and counted from capped steps the per-depth rates would read a cut tree's missing
 siblings as misses (``_top1``). At batch 8 on the demo pair, as a static cap (``python -m
-specray.bench.selftune --caps 1`` on c88d89d, prefix caching off), EAGLE's and EAGLE-3's best
+specray.bench.selftune --caps 1``, prefix caching off), EAGLE's and EAGLE-3's best
 node alone ran 1.09x plain decoding, their whole trees 0.74-0.79x."""
 
 TREE_TIE = 0.3

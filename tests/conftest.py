@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Serve's controller kills an HTTP proxy that is not ready within 5 s (health checks: 10 s), and
 # serve.start then fails with the proxy "killed by ray.kill". On 2 shared cores, with the other
-# xdist worker busy, a proxy's start can take longer (CI: one did). The in-process cluster's
+# xdist worker busy, a proxy's start can take longer. The in-process cluster's
 # processes inherit these from the driver; serve.start itself waits 60 s at most.
 os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
 os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")

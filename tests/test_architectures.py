@@ -219,7 +219,7 @@ SLIDING = ["mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "starco
 
 @pytest.mark.parametrize("name", SLIDING)
 def test_ignoring_the_window_would_fail(name, monkeypatch):
-    """Before issue 14 the attention function ignored ``sliding_window``: that runner fails here."""
+    """A runner whose attention ignores ``sliding_window`` fails the matrix."""
     assert "sliding window" in _features(name)
     monkeypatch.setattr(attention.AttentionBatch, "mask_for", lambda self, window: self.mask)
     got, _ = run(name, "none", 4)

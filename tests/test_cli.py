@@ -125,7 +125,7 @@ def test_boolean_switches():
     assert args.spec_dynamic_tree is True
     args = parser.parse_args(["generate", "--prompt", "x", "--method", "lookahead", "--no-shared-pool"])
     assert args.spec_shared_pool is False and args.spec_dynamic_tree is None  # not given: not sent
-    with pytest.raises(SystemExit):  # a value after a switch is no longer silently "false"
+    with pytest.raises(SystemExit):  # a value after a switch is an error, not "false"
         parser.parse_args(["generate", "--prompt", "x", "--shared-pool", "banana"])
 
 

@@ -4,7 +4,7 @@ It runs in every process of the session's cluster: Serve's controller and proxie
 workers, every actor. So it imports nothing unless the process was asked to serve the toy
 method of ``tests/failing_method.py``: that module imports specray's policies and with them
 torch, seconds of CPU for each process on 2 shared cores, and Serve's controller kills a proxy
-that is not ready within its ready-check timeout (CI: a proxy "killed by ray.kill").
+that is not ready within its ready-check timeout (a proxy "killed by ray.kill").
 """
 
 from __future__ import annotations
