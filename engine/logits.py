@@ -77,7 +77,7 @@ def processed(
     else:
         depth = positions.depth[idx]
     if any(r.grammar is not None for r in picked):
-        x = _grammar_masks(x, picked, positions)
+        x = _grammar_masks(x, picked, rows, positions)
     bias = _bias(picked, vocab)
     if bias is not None:
         x = x + bias.to(device, non_blocking=True)[:, None]
@@ -100,10 +100,11 @@ def processed(
     return out
 
 
-def _grammar_masks(x: torch.Tensor, reqs: Sequence, positions: Positions | None) -> torch.Tensor:
+def _grammar_masks(x: torch.Tensor, reqs: Sequence, rows: Sequence[int], positions: Positions | None) -> torch.Tensor:
     """Structured outputs: -inf outside what each constrained row's grammar allows after each
     node's own path (``engine/grammar.py``). A position where the grammar allows nothing (it is
-    complete and the request has no stop token) is left as it is: the request ends there."""
+    complete and the request has no stop token) is left as it is: the request ends there.
+    reqs: the rows processed (x's), rows: their indices in the batch (positions')."""
     _, w, vocab = x.shape
     host = None if positions is None else (positions.tokens.cpu(), positions.anc.cpu(), positions.depth.cpu())
     masks = torch.ones(x.shape, dtype=torch.bool)
@@ -113,7 +114,8 @@ def _grammar_masks(x: torch.Tensor, reqs: Sequence, positions: Positions | None)
         if host is None:
             tokens, parents = [r.token_ids[-1]], [-1]
         else:
-            tokens, parents = host[0][i].tolist(), _parents(host[1][i], host[2][i])
+            b = rows[i]
+            tokens, parents = host[0][b].tolist(), _parents(host[1][b], host[2][b])
         allowed = r.grammar.allowed(tokens, parents)  # [n, V]
         allowed[~allowed.any(dim=-1)] = True
         masks[i, : allowed.shape[0], : allowed.shape[1]] = allowed

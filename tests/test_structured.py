@@ -194,3 +194,47 @@ def test_sampled_constrained_speculation_follows_the_constrained_target(small, s
         biased = seqs.copy()
         biased[: N // 5, 1:] = biased[: N // 5, :1]
         assert min(check(biased, small_joint)) < 1e-3
+
+
+# -- every method ------------------------------------------------------------------------------
+EVERY = [
+    {"method": "draft", "num_speculative_tokens": 4},
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "suffix"},
+    {"method": "medusa", "tree": "trtllm_example"},
+    {"method": "eagle"},
+    {"method": "eagle", "dynamic_tree": True},
+    {"method": "eagle3"},
+    {"method": "redrafter"},
+    {"method": "lookahead"},
+    {"method": "pard", "num_speculative_tokens": 4},
+    {"method": "dflash"},
+]
+
+
+@pytest.fixture(scope="module")
+def every_method_engine(tiny_methods):
+    def make(**kw):
+        return LLMEngine(EngineConfig(**tiny_methods, max_num_seqs=4, **kw))
+
+    return make
+
+
+@pytest.mark.parametrize("step", ["eager", "static"])
+def test_every_method_greedy_under_a_constraint(every_method_engine, tiny_pair, char_tokenizer, step):
+    """Every method (trees: one mask per node, from its own path), constrained and free rows
+    mixed in each batch, the eager and the fixed-shape step: the constrained target's text."""
+    from tests.conftest import hf_greedy
+
+    engine = every_method_engine(step=step)
+    constraints = [{"regex": REGEX}, {"choice": CHOICES}, None, {"regex": "([a-c]x|[0-9]{2})+z"}]
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, structured_outputs=c)
+              for c in constraints]
+    refs = [constrained_greedy(tiny_pair[0], char_tokenizer, p, c, 16) if c else hf_greedy(tiny_pair[0], p, 16)
+            for p, c in zip(PROMPTS, constraints)]
+    drafted = 0
+    for spec in EVERY:
+        outs = engine.generate(PROMPTS, params, SpeculationParams(**spec))
+        assert [o.token_ids for o in outs] == refs, spec
+        drafted += sum(o.metrics["num_draft_tokens"] for o in outs[:2] + outs[3:])
+    assert drafted > 0
