@@ -9,7 +9,7 @@ limit against the context, and the speculation against what the server has loade
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -51,6 +51,16 @@ class Facts:
     vocab_size: int
     limits: Limits
     default_speculation: Any
+    _grammars: Any = field(default=None, repr=False)
+
+    @property
+    def grammars(self):
+        """Structured outputs' compiled grammars for this tokenizer (``engine/grammar.py``)."""
+        if self._grammars is None:
+            from specray.engine.grammar import Grammars
+
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, getattr(self.tokenizer, "eos_token_id", None))
+        return self._grammars
 
 
 def facts_for(config, tokenizer) -> Facts:
@@ -169,6 +179,26 @@ class Checked:
     prompt_only: bool = False  # max_tokens 0 with echo: score the prompt, generate nothing (``P.prompt_only``)
 
 
+def _grammar_problems(req, facts: Facts, prefix: str) -> list[tuple[str, str]]:
+    """A structured output that cannot be compiled, or that no allowed token can start."""
+    from specray.engine.grammar import GrammarError
+
+    constraint = req.constraint()
+    if constraint is None:
+        return []
+    param = f"{prefix}{req.constraint_field()}"
+    try:
+        grammar = facts.grammars.source(constraint.kind, constraint.value)
+        if req.allowed_token_ids:
+            first = facts.grammars.matcher(grammar, frozenset()).allowed([0], [-1])[0]
+            if not first[[t for t in req.allowed_token_ids if 0 <= t < facts.vocab_size]].any():
+                return [(f"{prefix}allowed_token_ids", f"{prefix}allowed_token_ids: none of them can start the "
+                                                      f"output {param} asks for")]
+    except GrammarError as exc:
+        return [(param, f"{param}: {exc}")]
+    return []
+
+
 def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = "") -> Checked:
     """Check a parsed request against the model; RequestError with every problem."""
     problems: list[tuple[str | None, str]] = []
@@ -225,6 +255,7 @@ def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = 
         problems.append((f"{prefix}max_tokens", f"{prefix}max_tokens: 0 only scores a prompt: it needs echo "
                                                 "(completions), else at least 1"))
     problems += _token_id_problems(req, facts, prefix)
+    problems += _grammar_problems(req, facts, prefix)
     problems += _speculation_problems(req.speculation or facts.default_speculation, facts, prefix)
     if problems:
         raise RequestError(problems)

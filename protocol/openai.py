@@ -15,9 +15,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from specray.engine.params import SamplingParams, Speculation
+from specray.engine.params import SamplingParams, Speculation, StructuredOutputs
 from specray.engine.intake import check_context_length
 
 
@@ -39,16 +39,39 @@ class StreamOptions(BaseModel):
     )
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema`` (what ``client.beta.chat.completions.parse``
+    sends for a pydantic model)."""
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, v):
-        if v != "text":
-            raise ValueError(f"{v!r} is not supported: only 'text' (no structured output)")
-        return v
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="the output always matches (it does: every schema is enforced)")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise FieldError("json_schema", "json_schema is given with type 'json_schema', and only then")
+        return self
+
+    def constraint(self) -> StructuredOutputs | None:
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputs(json=self.json_schema.schema_ or {})
+        return None
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+"""vLLM's older structured-output fields (removed in its v0.12; older clients still send them)."""
+GRAMMAR_BACKENDS = (None, "auto", "llguidance", "guidance")
 
 
 class FieldError(ValueError):
@@ -79,8 +102,6 @@ def _neutral(value, neutral):
 # one to anything else. A field neither OpenAI nor vLLM knows stays a 400.
 IGNORED_VLLM_FIELDS = {
     "use_beam_search": False, "length_penalty": 1.0, "prompt_logprobs": None, "bad_words": [],
-    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-    "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structural_tag": None,
     "priority": 0, "request_id": None, "logits_processors": None, "return_tokens_as_token_ids": None,
     "cache_salt": None, "kv_transfer_params": None, "vllm_xargs": None, "mm_processor_kwargs": None,
 }
@@ -132,18 +153,20 @@ class _Common(BaseModel):
     speculation: Speculation | None = Field(
         None, description="specray extension: per-request speculation, the options of its 'method'"
     )
+    # Structured outputs (engine/grammar.py): vLLM's field, and its older spellings
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = Field(None, description="llguidance (or auto): the one specray runs")
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | None = None
     # Accepted and ignored (IGNORED_VLLM_FIELDS)
     use_beam_search: Any = None
     length_penalty: Any = None
     prompt_logprobs: Any = None
     bad_words: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
-    structural_tag: Any = None
     priority: Any = None
     request_id: Any = None
     logits_processors: Any = None
@@ -180,6 +203,49 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed when stream is true")
         return self
+
+    @field_validator("guided_decoding_backend")
+    @classmethod
+    def _our_backend(cls, v):
+        if v not in GRAMMAR_BACKENDS:
+            raise ValueError(f"{v!r} is not available: specray's structured outputs run on llguidance")
+        return v
+
+    @field_validator("guided_whitespace_pattern", "structural_tag")
+    @classmethod
+    def _not_supported(cls, v):
+        return _unset(v)
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = self.constraint_sources()
+        if len(given) > 1:
+            raise FieldError(given[1][0], f"one structured output per request; {given[0][0]} gives one already")
+        return self
+
+    def constraint_sources(self) -> list[tuple[str, StructuredOutputs]]:
+        """(field, constraint) of each field that asks for structured output."""
+        found = []
+        if self.response_format is not None and self.response_format.constraint() is not None:
+            found.append(("response_format", self.response_format.constraint()))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", self.structured_outputs))
+        for name, kind in GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    found.append((name, StructuredOutputs(**{kind: value})))
+                except ValidationError as exc:
+                    raise FieldError(name, exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
+        return found
+
+    def constraint(self) -> StructuredOutputs | None:
+        given = self.constraint_sources()
+        return given[0][1] if given else None
+
+    def constraint_field(self) -> str | None:
+        given = self.constraint_sources()
+        return given[0][0] if given else None
 
     @model_validator(mode="after")
     def _name_the_ignored(self):
@@ -234,6 +300,7 @@ class _Common(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.constraint(),
         )
 
 

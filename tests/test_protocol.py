@@ -42,6 +42,21 @@ ERRORS = [  # (id, chat, body patch, the error's param, words of its message)
      ["stream is true"]),
     ("stream options on a chat without a stream", True, {"stream_options": {}, "stream": False}, "stream_options",
      ["stream is true"]),
+    ("two structured outputs", False, {"guided_regex": "a+", "structured_outputs": {"choice": ["a"]}},
+     "guided_regex", ["one structured output", "structured_outputs"]),
+    ("two kinds in structured_outputs", False, {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "structured_outputs", ["exactly one", "regex, choice"]),
+    ("an empty choice", False, {"structured_outputs": {"choice": []}}, "structured_outputs.choice", ["at least 1"]),
+    ("an empty guided choice", True, {"guided_choice": []}, "guided_choice", ["at least 1"]),
+    ("a json_schema format without its schema", True, {"response_format": {"type": "json_schema"}},
+     "response_format.json_schema", ["json_schema"]),
+    ("an unknown response format", True, {"response_format": {"type": "yaml"}}, "response_format.type",
+     ["text", "json_schema"]),
+    ("another grammar backend", False, {"guided_regex": "a", "guided_decoding_backend": "xgrammar"},
+     "guided_decoding_backend", ["llguidance"]),
+    ("a structural tag", False, {"structural_tag": "{}"}, "structural_tag", ["not supported"]),
+    ("an unknown structured output", False, {"structured_outputs": {"yaml": "x"}}, "structured_outputs.yaml",
+     ["Extra inputs"]),
 ]
 
 
@@ -143,8 +158,7 @@ CHAT_HONOURED = {"add_generation_prompt": False, "continue_final_message": True,
                  "chat_template_kwargs": {"x": 1}, "documents": [{"title": "t", "text": "x"}]}
 IGNORED = {  # the rest of vLLM's list: accepted, named once in the log
     "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "bad_words": ["x"],
-    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "g",
-    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "structural_tag": "s", "priority": 3,
+    "priority": 3,
     "request_id": "r", "logits_processors": ["m.P"], "return_tokens_as_token_ids": True, "cache_salt": "s",
     "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "mm_processor_kwargs": {"a": 1},
 }
@@ -192,6 +206,44 @@ def test_bad_extension_values_are_400s_naming_them(facts, patch, param):
     with pytest.raises(C.RequestError) as info:
         C.check(C.parse(body(False, patch), False), False, facts, 16)
     assert info.value.param == param, info.value.problems
+
+
+# -- structured outputs --------------------------------------------------------------------
+@pytest.mark.parametrize("chat, patch, kind, value", [
+    (True, {"response_format": {"type": "json_object"}}, "json_object", True),
+    (True, {"response_format": {"type": "json_schema", "json_schema": {"name": "P", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}}, "json", {"type": "object", "properties": {
+            "a": {"type": "integer"}}}),
+    (False, {"structured_outputs": {"regex": "[a-c]+"}}, "regex", "[a-c]+"),
+    (False, {"structured_outputs": {"grammar": 'start: "x" | "y"'}}, "grammar", 'start: "x" | "y"'),
+    (False, {"guided_json": {"type": "string"}}, "json", {"type": "string"}),
+    (True, {"guided_choice": ["yes", "no"], "guided_decoding_backend": "auto"}, "choice", ["yes", "no"]),
+    (False, {"guided_regex": "a|b"}, "regex", "a|b"),
+    (False, {"guided_grammar": 'root ::= "a"'}, "grammar", 'root ::= "a"'),
+])
+def test_every_structured_output_shape_reaches_the_engine(facts, chat, patch, kind, value):
+    """OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields: each
+    honoured (compiled at the check, before anything is queued), none ignored."""
+    req = C.parse(body(chat, patch), chat)
+    checked = C.check(req, chat, facts, 16)
+    so = checked.samplings[0][0].structured_outputs
+    assert (so.kind, so.value) == (kind, value)
+
+
+@pytest.mark.parametrize("patch, param, words", [
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", ["invalid regex", "unclosed"]),
+    ({"guided_json": {"type": "object", "properties": {"x": {"$ref": "#/nope"}}}}, "guided_json", ["invalid json"]),
+    ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", ["invalid grammar"]),
+    ({"structured_outputs": {"regex": "[a-c]+"}, "allowed_token_ids": [25, 26]}, "allowed_token_ids",
+     ["none of them can start"]),
+])
+def test_a_constraint_that_cannot_compile_is_a_400_naming_its_field(facts, patch, param, words):
+    with pytest.raises(C.RequestError) as info:
+        C.check(C.parse(body(False, patch), False), False, facts, 16)
+    assert info.value.param == param, info.value.problems
+    for word in words:
+        assert word in str(info.value), str(info.value)
+    assert "\n" not in json.dumps(str(info.value))  # one line
 
 
 def test_special_tokens_and_truncation(tmp_path):
