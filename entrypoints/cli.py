@@ -101,14 +101,16 @@ def _generate(args, option_flags: list[F.OptionFlag]) -> int:
     demo = engine_cfg.target is None
     if checkpoint and not engine_cfg.engine_config().checkpoint(checkpoint) and not (demo and checkpoint == "draft"):
         raise ValueError(f"--method {method} needs --{checkpoint} DIR")
+    constraint = F.structured_output(args)
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   top_k=args.top_k, seed=args.seed, stop=args.stop or [],
-                                  ignore_eos=bool(args.ignore_eos))
+                                  ignore_eos=bool(args.ignore_eos), structured_outputs=constraint)
     except ValueError as exc:
         raise ValueError(F.one_line(exc, {name: F.flag_name(name) for name in SamplingParams.model_fields})) from None
     F.check_tokenizer(engine_cfg)
     engine_cfg = resolved(engine_cfg.model_copy(update={"max_num_seqs": 1}))
+    F.check_structured_output(engine_cfg, args, constraint)
     F.check_weights(engine_cfg, args, file_data)
     if engine_cfg.tensor_parallel_size > 1:  # ranks are actors: a local Ray, as `specray serve` starts
         out = _generate_on_ray(engine_cfg, args.prompt, sampling, speculation)
@@ -219,6 +221,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[F.OptionFlag]]:
     g.add_argument("--stop", action="append", metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
                    help="keep generating past EOS (default: off)")
+    g = p.add_argument_group("structured output (one of; docs/structured-outputs.md)")
+    one = g.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE", default=None, help="the output matches this JSON schema")
+    one.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    one.add_argument("--regex", metavar="REGEX", default=None, help="the whole output matches this regex")
+    one.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
+    one.add_argument("--grammar", metavar="FILE", default=None, help="a Lark or GBNF grammar the output follows")
     g = p.add_argument_group("speculation")
     import specray.policies  # noqa: F401
     from specray.policies.registry import registered_methods

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 import typing
 from dataclasses import dataclass
 
@@ -268,6 +269,51 @@ def check_tokenizer(engine) -> None:
     if engine.tokenizer is None and engine.target is not None and tokenizer_dir_problem(engine.target):
         raise ValueError(f"--target {engine.target} has no tokenizer (tokenizer.json, tokenizer_config.json, "
                          f"tokenizer.model or vocab.json): give --tokenizer DIR")
+
+
+STRUCTURED_FLAGS = {"json_schema": "--json-schema", "json_object": "--json-object", "regex": "--regex",
+                    "choice": "--choice", "grammar": "--grammar"}
+
+
+def structured_output(args):
+    """generate's structured-output flags as the request's constraint (None without one)."""
+    from specray.engine.params import StructuredOutputs
+
+    if getattr(args, "json_schema", None):
+        try:
+            schema = json.loads(Path(args.json_schema).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--json-schema {args.json_schema}: {exc}") from None
+        return StructuredOutputs(json=schema)
+    if getattr(args, "json_object", False):
+        return StructuredOutputs(json_object=True)
+    if getattr(args, "regex", None) is not None:
+        return StructuredOutputs(regex=args.regex)
+    if getattr(args, "choice", None):
+        if any(c == "" for c in args.choice):
+            raise ValueError("--choice: choices must be non-empty")
+        return StructuredOutputs(choice=args.choice)
+    if getattr(args, "grammar", None):
+        try:
+            return StructuredOutputs(grammar=Path(args.grammar).read_text())
+        except OSError as exc:
+            raise ValueError(f"--grammar {args.grammar}: {exc}") from None
+    return None
+
+
+def check_structured_output(engine, args, constraint) -> None:
+    """The constraint compiles against the model's tokenizer, before any weight loads."""
+    if constraint is None:
+        return
+    from specray.engine.config import load_tokenizer
+    from specray.engine.grammar import GrammarError, Grammars
+
+    flag = STRUCTURED_FLAGS["json_schema" if constraint.kind == "json" else constraint.kind]
+    tokenizer = load_tokenizer(engine.tokenizer or engine.target)
+    try:
+        Grammars(tokenizer, len(tokenizer), tokenizer.eos_token_id).source(constraint.kind, constraint.value)
+    except GrammarError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 def _speculative_model(args, file_data: dict) -> str | None:

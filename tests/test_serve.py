@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from tests.conftest import ALPHABET, CHAT_TEMPLATE, decode, encode, hf_greedy, save_char_tokenizer  # noqa: F401
 from tests.serving import (  # noqa: F401
-    AUTH, GUARDED, KEY, LONG_CONTEXT, MAIN, assert_openai_error, cpu_placement, sse_events, wait_until_serving,
+    AUTH, DEMO, GUARDED, KEY, LONG_CONTEXT, MAIN, assert_openai_error, cpu_placement, sse_events, wait_until_serving,
 )
 
 ray = pytest.importorskip("ray")
@@ -275,7 +275,7 @@ def test_a_vllm_style_request(client, main_url, target_model):
                                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     ref = decode(hf[0, len(prompt):].tolist())
     extra = {"repetition_penalty": 1.3, "min_tokens": 2, "skip_special_tokens": True, "top_k": -1,
-             "guided_json": {"type": "object"}, "priority": 0, "speculation": {"method": "draft"}}
+             "priority": 0, "speculation": {"method": "draft"}}
     r = client.completions.create(model=MAIN, prompt="abcabcab", max_tokens=12, temperature=0, extra_body=extra)
     assert r.choices[0].text == ref
     stop = ref[3:5]
@@ -688,6 +688,49 @@ def test_demo_chat_and_stream(demo_client, demo_reference, demo_models):
     assert "".join(pieces) == ref.text and len([p for p in pieces if p]) >= 2
 
 
+@pytest.mark.slow
+def test_structured_outputs_over_http(demo_client, demo_url, demo_reference):
+    """The openai client's structured calls on the demo pair: ``parse()`` with a pydantic model
+    (response_format json_schema, strict), json_object, vLLM's structured_outputs and guided_*
+    choice and regex; each output matches, whatever the method; a bad schema is a 400 and the
+    server serves the next request."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        kind: Literal["function", "class", "loop"]
+        valid: bool
+
+    messages = [{"role": "user", "content": "What is `def f(x): return x`? Answer in JSON."}]
+    for spec in ({"method": "draft", "num_speculative_tokens": 3}, {"method": "ngram"}):
+        done = demo_client.beta.chat.completions.parse(model=DEMO, messages=messages, response_format=Verdict,
+                                                       max_tokens=40, temperature=0, extra_body={"speculation": spec})
+        assert isinstance(done.choices[0].message.parsed, Verdict), done
+        assert done.choices[0].finish_reason == "stop"
+    obj = demo_client.chat.completions.create(model=DEMO, messages=messages, max_tokens=60, temperature=0,
+                                              response_format={"type": "json_object"})
+    text = obj.choices[0].message.content
+    assert text.startswith("{") and (obj.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+    prompt = "def add(a, b):\n    return"
+    for extra, check in (({"structured_outputs": {"choice": ["a + b", "a - b", "b"]}}, lambda t: t in ("a + b", "a - b", "b")),
+                         ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+                         ({"guided_regex": " [a-z]{1,3}( [+*-] [a-z]{1,3})?"}, re.compile(r" [a-z]{1,3}( [+*-] [a-z]{1,3})?").fullmatch),
+                         ({"structured_outputs": {"regex": "[0-9]{4}"}, "n": 2, "temperature": 0.8, "seed": 1},
+                          re.compile("[0-9]{4}").fullmatch)):
+        r = demo_client.completions.create(model=DEMO, prompt=prompt, max_tokens=16,
+                                           **({"temperature": 0} | {k: v for k, v in extra.items() if k in ("n", "temperature", "seed")}),
+                                           extra_body={k: v for k, v in extra.items() if k not in ("n", "temperature", "seed")})
+        for c in r.choices:
+            assert check(c.text), (extra, c.text)
+    bad = httpx.post(f"{demo_url}/v1/completions", json={"model": DEMO, "prompt": prompt, "guided_regex": "[a-"},
+                     timeout=60)
+    assert_openai_error(bad, 400, "invalid regex")
+    assert bad.json()["error"]["param"] == "guided_regex"
+    plain = demo_client.completions.create(model=DEMO, prompt=prompt, max_tokens=8, temperature=0)
+    assert plain.choices[0].text == demo_reference(prompt, 8).text
+
+
 # -- OpenAI conventions: prompt forms, errors, logprobs, echo --------------------------------------
 def test_a_long_prompt_list_runs_whole_and_past_the_limit_is_a_400(main_url, target_model):
     """500 prompts in one request are queued and run (not 503 from Serve's queue bound:
@@ -777,15 +820,6 @@ def test_routing_errors_in_openai_shape(main_url):
     assert err["param"] == "path"
     big = b'{"model": "tiny", "prompt": "' + b"a" * (33 * 2**20) + b'"}'
     assert_openai_error(httpx.post(f"{main_url}/v1/completions", content=big, timeout=120), 413, "bytes")
-
-
-def test_chat_response_format(main_url):
-    url = f"{main_url}/v1/chat/completions"
-    base = {"model": MAIN, "messages": [{"role": "user", "content": "ab"}], "max_tokens": 3}
-    assert httpx.post(url, json={**base, "response_format": {"type": "text"}}, timeout=60).status_code == 200
-    err = assert_openai_error(httpx.post(url, json={**base, "response_format": {"type": "json_object"}}, timeout=60),
-                              400, "json_object")
-    assert err["param"] == "response_format.type"
 
 
 def hf_logprobs(model, ids) -> "torch.Tensor":
