@@ -40,6 +40,7 @@ BENCHMARKS = {
     "kv": "paged KV: requests held and tokens/s in one KV budget, TTFT with a cached prefix, EAGLE's hit rate",
     "tensor_parallel": "a tensor-parallel target against TP 1: ms/step and the control plane's share (--layout: "
                        "what each rank holds)",
+    "grammar": "structured outputs' grammar backends: llguidance vs xgrammar, compile and mask time per token",
 }
 
 

@@ -289,6 +289,14 @@ def tiny_tok(tiny_checkpoints, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def char_tokenizer(tiny_tok):
+    """The tiny models' character tokenizer, loaded (token id i is ALPHABET[i])."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_tok["tokenizer"])
+
+
+@pytest.fixture(scope="session")
 def target(tiny_pair):
     """The tiny target model (tests copy it before handing it to an engine)."""
     return tiny_pair[0]

@@ -30,14 +30,18 @@ def run_mixed(coordinator) -> tuple[list, list]:
 
 
 @pytest.mark.parametrize("draft", ["tiny", "target"], ids=["weak draft", "perfect draft"])
-def test_overlap_keeps_greedy_output(ray_session, tiny_checkpoints, tiny_pair, draft):
+def test_overlap_keeps_greedy_output(ray_session, tiny_tok, tiny_pair, char_tokenizer, draft):
     """A weak draft: the bonus guesses mostly fail (drafts made afresh); the target as its own
-    draft: they always come true (drafts made during verification)."""
-    ckpt = {**tiny_checkpoints, "draft": tiny_checkpoints["target"]} if draft == "target" else tiny_checkpoints
+    draft: they always come true (drafts made during verification). Constrained rows too: a
+    draft made ahead is checked against its row's grammar like any other."""
+    from tests.test_structured import constrained_outputs_match
+
+    ckpt = {**tiny_tok, "draft": tiny_tok["target"]} if draft == "target" else tiny_tok
     c = Coordinator.remote({**ckpt, "max_num_seqs": 3, "overlap_drafting": True})
     try:
         prompts, outs = run_mixed(c)
         assert outs == [hf_greedy(tiny_pair[0], p, GREEDY["max_tokens"]) for p in prompts]
+        constrained_outputs_match(c, tiny_pair[0], char_tokenizer, ["draft"])
         stats = ray.get(ray.get(c.workers.remote())["target"].overlap_stats.remote())["draft"]
         assert stats["rows"] > 0
         if draft == "target":  # most steps took a draft made during the previous verification

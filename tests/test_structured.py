@@ -29,17 +29,6 @@ def decode(ids) -> str:
     return "".join(ALPHABET[i] for i in ids)
 
 
-@pytest.fixture(scope="module")
-def char_tokenizer(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from tests.conftest import save_char_tokenizer
-
-    path = tmp_path_factory.mktemp("char-tok")
-    save_char_tokenizer(path)
-    return AutoTokenizer.from_pretrained(str(path))
-
-
 @pytest.fixture()
 def engine_for(tiny_pair, char_tokenizer):
     def make(max_num_seqs: int = 4, **kw):
@@ -77,6 +66,21 @@ def constrained_greedy(model, tokenizer, prompt: list[int], constraint: dict, ma
 
 
 PROMPTS = [encode("abcabcab"), encode("hello"), encode("x0x1x2x3"), encode("QWERTY")]
+
+
+def constrained_outputs_match(coordinator, target, tokenizer, methods) -> None:
+    """Behind Ray: constrained and free rows in one batch per method, each as the reference."""
+    import ray
+
+    from tests.conftest import hf_greedy
+
+    constraints = [{"regex": REGEX}, None, {"choice": CHOICES}]
+    refs = [constrained_greedy(target, tokenizer, p, c, 12) if c else hf_greedy(target, p, 12)
+            for p, c in zip(PROMPTS, constraints)]
+    params = [{"max_tokens": 12, "temperature": 0, "ignore_eos": True, "structured_outputs": c} for c in constraints]
+    for method in methods:
+        outs = ray.get(coordinator.generate.remote(PROMPTS[:3], params, {"method": method}))
+        assert [o["token_ids"] for o in outs] == refs, method
 
 
 @pytest.mark.parametrize("method, k", [("none", None), ("draft", 4), ("ngram", 3)])
@@ -220,13 +224,16 @@ def every_method_engine(tiny_methods):
     return make
 
 
-@pytest.mark.parametrize("step", ["eager", "static"])
-def test_every_method_greedy_under_a_constraint(every_method_engine, tiny_pair, char_tokenizer, step):
+@pytest.mark.parametrize("step, paged", [("eager", True), ("static", True), ("eager", False)],
+                         ids=["eager", "static", "contiguous KV"])
+def test_every_method_greedy_under_a_constraint(every_method_engine, tiny_pair, char_tokenizer, step, paged):
     """Every method (trees: one mask per node, from its own path), constrained and free rows
-    mixed in each batch, the eager and the fixed-shape step: the constrained target's text."""
+    mixed in each batch, the eager and the fixed-shape step, paged KV with prefix caching (each
+    method's batch finds the last one's prompts cached) and contiguous: the constrained
+    target's text."""
     from tests.conftest import hf_greedy
 
-    engine = every_method_engine(step=step)
+    engine = every_method_engine(step=step, paged_kv=paged)
     constraints = [{"regex": REGEX}, {"choice": CHOICES}, None, {"regex": "([a-c]x|[0-9]{2})+z"}]
     params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, structured_outputs=c)
               for c in constraints]

@@ -94,13 +94,13 @@ def test_http_at_tp2_with_the_draft_split_too(server, tiny_tok, tiny_pair):
 
 
 @pytest.fixture(scope="class")
-def colocated_tp2(ray_session, tiny_checkpoints, heads):
+def colocated_tp2(ray_session, tiny_tok, heads):
     """One colocated TP 2 coordinator for the class's two tests (the second kills a rank of it:
     it runs last), given back when the class ends: the tests after it need both GPUs. Its step
     is ``compile``: the all-reduces are functional collectives traced into each graph (fullgraph:
     a graph break would raise), on every rank, for every method; the eager step at TP 2 is the
     other entry points' below."""
-    c = Coordinator.remote({**tiny_checkpoints, **heads, **TP2, "step": "compile", "max_num_seqs": 3,
+    c = Coordinator.remote({**tiny_tok, **heads, **TP2, "step": "compile", "max_num_seqs": 3,
                             "placement": {"mode": "colocated"}})
     yield c
     shutdown(c)
@@ -118,6 +118,12 @@ class TestColocatedTP2:
         assert ray.get(rank1.node_id.remote()) == ray.get(engine.node_id.remote())
         assert tp["ranks"][0]["messages"] == tp["rank0"]["messages"] > 0
         assert ray.get(engine.describe.remote())["proposers"]["draft"].endswith("DraftModelProposer")
+
+    def test_structured_outputs_at_tp2(self, colocated_tp2, tiny_pair, char_tokenizer):
+        """Constrained and free rows together at TP 2 (compiled step): the constrained target."""
+        from tests.test_structured import constrained_outputs_match
+
+        constrained_outputs_match(colocated_tp2, tiny_pair[0], char_tokenizer, ["draft", "medusa", "ngram"])
 
     def test_a_lost_rank_replays_the_replicas_requests(self, colocated_tp2, tiny_pair, references):
         """Kill rank 1 during streams: every request finishes with the undisturbed greedy output
