@@ -8,6 +8,7 @@ scheduler only schedules.
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Sequence
 
 import torch
@@ -103,8 +104,12 @@ class RequestMaker:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         stop_ids = frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else self.limits.eos_ids)
-        grammar = None
+        grammar, compile_s = None, None
         if sampling.structured_outputs is not None:
+            start = time.perf_counter()
             grammar = self.grammars.source(sampling.structured_outputs.kind, sampling.structured_outputs.value)
-        return Request(request_id, prompt_ids, sampling, speculation, stop_ids, generator=generator,
-                       grammar_source=grammar)
+            compile_s = time.perf_counter() - start
+        request = Request(request_id, prompt_ids, sampling, speculation, stop_ids, generator=generator,
+                          grammar_source=grammar)
+        request.metrics.grammar_compile_s = compile_s
+        return request

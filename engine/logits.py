@@ -22,6 +22,7 @@ once per step).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -116,7 +117,9 @@ def _grammar_masks(x: torch.Tensor, reqs: Sequence, rows: Sequence[int], positio
         else:
             b = rows[i]
             tokens, parents = host[0][b].tolist(), _parents(host[1][b], host[2][b])
+        start = time.perf_counter()
         allowed = r.grammar.allowed(tokens, parents)  # [n, V]
+        r.metrics.grammar_mask_s = (r.metrics.grammar_mask_s or 0.0) + time.perf_counter() - start
         allowed[~allowed.any(dim=-1)] = True
         masks[i, : allowed.shape[0], : allowed.shape[1]] = allowed
     return x.masked_fill(~masks.to(x.device, non_blocking=True), float("-inf"))

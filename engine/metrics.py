@@ -26,6 +26,10 @@ class SpecMetrics:
     # method at its latest step, and per version [drafts, accepted tokens] of its steps.
     drafter_version: str | None = None
     accepted_by_version: dict[str, list[int]] = field(default_factory=dict)
+    # Structured outputs (engine/grammar.py): seconds compiling the request's grammar where it
+    # entered (0 when cached), and filling its masks at every scored position; None: unconstrained.
+    grammar_compile_s: float | None = None
+    grammar_mask_s: float | None = None
 
     def record_draft(self, num_draft_tokens: int, num_accepted: int) -> None:
         if num_draft_tokens <= 0:
@@ -67,6 +71,9 @@ class SpecMetrics:
             counts = self.accepted_by_version.setdefault(version, [0, 0])
             counts[0] += drafts
             counts[1] += accepted
+        for name in ("grammar_compile_s", "grammar_mask_s"):
+            if getattr(other, name) is not None:
+                setattr(self, name, (getattr(self, name) or 0.0) + getattr(other, name))
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpecMetrics":
@@ -76,7 +83,7 @@ class SpecMetrics:
     def to_dict(self) -> dict:
         # Every step's output carries these: spelled out, as asdict's deep copy cost more
         # than the rest of a compiled step's bookkeeping.
-        return {
+        out = {
             "num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
             "target_forward_passes": self.target_forward_passes, "num_generated_tokens": self.num_generated_tokens,
@@ -85,3 +92,6 @@ class SpecMetrics:
             "accepted_by_version": {k: list(v) for k, v in self.accepted_by_version.items()},
             "mean_accepted_length": self.mean_accepted_length, "acceptance_rate": self.acceptance_rate,
         }
+        if self.grammar_compile_s is not None or self.grammar_mask_s is not None:
+            out["grammar_compile_s"], out["grammar_mask_s"] = self.grammar_compile_s, self.grammar_mask_s
+        return out

@@ -44,6 +44,10 @@ class EngineMetrics:
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", tags)
         self.preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted (KV freed, recomputed later).", tags)
         self._prefix_seen = (0, 0)  # the pool's prefix-cache totals at the last reading
+        self.grammar_compile = Histogram(PREFIX + "structured_output_compile_seconds",
+                                         "Time compiling a request's grammar (0 when cached).", LATENCY_BUCKETS, tags)
+        self.grammar_mask = Counter(PREFIX + "structured_output_mask_seconds",
+                                    "Time filling grammar masks, every scored position of constrained requests.", tags)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS, tags)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between streamed tokens.", LATENCY_BUCKETS, tags)
 
@@ -63,6 +67,10 @@ class EngineMetrics:
                 self.drafts_by_version.inc(drafts, {**t, "version": version})
             if accepted:
                 self.accepted_by_version.inc(accepted, {**t, "version": version})
+        if m.get("grammar_compile_s") is not None:
+            self.grammar_compile.observe(m["grammar_compile_s"], t)
+        if m.get("grammar_mask_s"):
+            self.grammar_mask.inc(m["grammar_mask_s"], t)
         if m.get("num_preemptions"):
             self.preemptions.inc(m["num_preemptions"], t)
         self.requests.inc(1, {**t, "finished_reason": output["finish_reason"] or "unknown"})

@@ -98,7 +98,9 @@ def test_greedy_constrained_speculation_is_the_constrained_target(engine_for, ti
     for prompt, c, out in zip(PROMPTS, constraints, outs):
         if c is None:
             assert out.token_ids == hf_greedy(tiny_pair[0], prompt, 20)
+            assert "grammar_mask_s" not in out.metrics
             continue
+        assert out.metrics["grammar_mask_s"] > 0 and out.metrics["grammar_compile_s"] >= 0
         ref = constrained_greedy(tiny_pair[0], char_tokenizer, prompt, c, 20)
         assert out.token_ids == ref, (c, decode(out.token_ids), decode(ref))
         if "choice" in c:
