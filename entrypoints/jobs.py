@@ -39,7 +39,6 @@ Exit codes: 0 done, 2 bad arguments/config/input/output file, 1 generation faile
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -63,7 +62,6 @@ from specray.protocol import openai as P
 log = logging.getLogger("specray.jobs")
 
 MAX_REPORTED_ERRORS = 20
-_METRIC_FIELDS = tuple(f.name for f in dataclasses.fields(SpecMetrics))
 
 
 class UsageError(Exception):
@@ -500,7 +498,7 @@ def _run(args, config: SpecrayConfig, records: list, pending: list[int], t_start
                     os.fsync(out_file.fileno())
                     batch_tokens = 0
                     for o in outs:
-                        totals.merge(SpecMetrics(**{k: o["metrics"][k] for k in _METRIC_FIELDS}))
+                        totals.merge(SpecMetrics.from_dict(o["metrics"]))
                         finish[str(o["finish_reason"])] = finish.get(str(o["finish_reason"]), 0) + 1
                         batch_tokens += len(o["token_ids"])
                     dt = time.perf_counter() - tb
