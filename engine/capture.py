@@ -96,6 +96,8 @@ class Trace:
     topk_logprobs: [L - P, k] float32 their log-probabilities (log_softmax of the raw logits)
     temperature:   the request's sampling temperature (0: greedy), what its tokens were drawn at
     version:       the drafter version that served it
+    constrained:   a structured output's grammar masked the target (its tokens are the masked
+                   target's; the teacher's top-k, from the raw logits, are not)
     """
 
     method: str
@@ -108,6 +110,7 @@ class Trace:
     temperature: float = 0.0
     accepted_length: float = 1.0
     finished_at: float = field(default_factory=time.time)
+    constrained: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -178,6 +181,7 @@ class _Open:
     prompt_len: int
     version: str
     temperature: float = 0.0
+    constrained: bool = False
     features: list[torch.Tensor] = field(default_factory=list)
     topk_ids: list[torch.Tensor] = field(default_factory=list)
     topk_logprobs: list[torch.Tensor] = field(default_factory=list)
@@ -212,7 +216,7 @@ class Capture:
             if r.output_ids or not self.wants(r.request_id, r.method):  # resumed requests: not captured
                 continue
             self._open[r.slot] = _Open(r.method, [], len(r.prompt_ids), self.versions.get(r.method, "base"),
-                                       float(r.sampling.temperature or 0.0))
+                                       float(r.sampling.temperature or 0.0), r.sampling.structured_outputs is not None)
             if wants_teacher(r.method):
                 self._topk(self._open[r.slot], logits[i, -1:])
 
@@ -276,4 +280,4 @@ class Capture:
             ids = torch.cat(t.topk_ids).cpu()[:n_out]
             lps = torch.cat(t.topk_logprobs).cpu()[:n_out]
         return Trace(t.method, t.tokens, t.prompt_len, t.version, feats, ids, lps, t.temperature,
-                     1.0 + t.accepted / t.drafts if t.drafts else 1.0)
+                     1.0 + t.accepted / t.drafts if t.drafts else 1.0, constrained=t.constrained)

@@ -247,3 +247,17 @@ def test_every_method_greedy_under_a_constraint(every_method_engine, tiny_pair, 
         assert [o.token_ids for o in outs] == refs, spec
         drafted += sum(o.metrics["num_draft_tokens"] for o in outs[:2] + outs[3:])
     assert drafted > 0
+
+
+def test_online_learning_traces_say_a_grammar_applied(tiny_pair, char_tokenizer):
+    """A captured trace of a constrained request is marked: its tokens are the masked target's."""
+    from tests.test_online_learning import ONLINE
+
+    target, draft = tiny_pair
+    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4, online_learning=ONLINE), target_model=copy.deepcopy(target),
+                       draft_model=copy.deepcopy(draft), tokenizer=char_tokenizer)
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, structured_outputs=c)
+              for c in ({"regex": "[a-z]{12}"}, None)]
+    engine.generate(PROMPTS[:2], params, SpeculationParams(method="draft", num_speculative_tokens=3))
+    traces = {tuple(t.tokens[: t.prompt_len]): t for t in engine.take_traces()}
+    assert traces[tuple(PROMPTS[0])].constrained and not traces[tuple(PROMPTS[1])].constrained
