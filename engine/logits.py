@@ -96,9 +96,26 @@ def processed(
                                     ("repetition_penalty", "presence_penalty", "frequency_penalty"))
         x = apply_penalties(x.reshape(-1, vocab), counts.reshape(-1, vocab), seen.reshape(-1, vocab),
                             rep, presence, frequency).view(len(rows), w, vocab)
+    if any(r.grammar is not None for r in picked):
+        x = _dead_ends(x, picked)
     out = logits.to(torch.float32, copy=True)  # the raw logits stay as they are (log-probabilities read them)
     out[idx] = x
     return out
+
+
+def _dead_ends(x: torch.Tensor, reqs: Sequence) -> torch.Tensor:
+    """A constrained position where nothing is left (the grammar and allowed_token_ids or a
+    -100 bias exclude each other): only the row's stop tokens, so it finishes there (a stop
+    token, or — without one — a token its grammar refuses ends it before it is kept); never
+    a distribution of -inf alone."""
+    dead = ~torch.isfinite(x).any(dim=-1)  # [R, W]
+    if not bool(dead.any()):
+        return x
+    ends = torch.full(x.shape[::2], float("-inf"))  # [R, V]
+    for i, r in enumerate(reqs):
+        stops = [t for t in r.stop_ids if 0 <= t < x.shape[-1]]
+        ends[i, stops if stops else slice(None)] = 0.0
+    return torch.where(dead[..., None], ends.to(x.device)[:, None], x)
 
 
 def _grammar_masks(x: torch.Tensor, reqs: Sequence, rows: Sequence[int], positions: Positions | None) -> torch.Tensor:

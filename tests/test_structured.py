@@ -133,6 +133,7 @@ def constrained_joint(target, tokenizer, prompt: list[int]):
     """P(t1..t4) [8, 8, 8, 8] of the constrained target, by enumerating every prefix: each
     position's logits masked by a matcher that consumed that prefix, then the sampling
     parameters' distribution (the order the engine applies them)."""
+    import functools
     import itertools
 
     import llguidance
@@ -144,22 +145,26 @@ def constrained_joint(target, tokenizer, prompt: list[int]):
 
     grammars = Grammars(tokenizer, 8, None)
     source = grammars.source("regex", SAMPLED_REGEX)
-    joint = np.zeros((8,) * NEW)
     bits = lt.allocate_token_bitmask(1, grammars.width)
+
+    @functools.lru_cache(maxsize=None)
+    def next_probs(prefix: tuple) -> torch.Tensor:  # [8] the constrained target after prefix
+        matcher = llguidance.LLMatcher(grammars.ll_tokenizer, source)
+        assert matcher.consume_tokens(list(prefix))
+        lt.fill_next_token_bitmask(matcher, bits, 0)
+        allowed = unpack(bits, grammars.width)[0, :8]
+        with torch.no_grad():
+            logits = target(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+        return probs_from_logits(logits.masked_fill(~allowed, float("-inf"))[None], torch.tensor([0.9]),
+                                 torch.tensor([6]), torch.tensor([0.95]))[0]
+
+    joint = np.zeros((8,) * NEW)
     for combo in itertools.product(range(8), repeat=NEW):
-        matcher, p = llguidance.LLMatcher(grammars.ll_tokenizer, source), 1.0
+        p = 1.0
         for j, token in enumerate(combo):
-            lt.fill_next_token_bitmask(matcher, bits, 0)
-            allowed = unpack(bits, grammars.width)[0, :8]
-            if not allowed[token]:
-                p = 0.0
+            p *= float(next_probs(combo[:j])[token])
+            if p == 0.0:
                 break
-            with torch.no_grad():
-                logits = target(torch.tensor([prompt + list(combo[:j])])).logits[0, -1]
-            probs = probs_from_logits(logits.masked_fill(~allowed, float("-inf"))[None], torch.tensor([0.9]),
-                                      torch.tensor([6]), torch.tensor([0.95]))[0]
-            p *= float(probs[token])
-            matcher.consume_token(token)
         joint[combo] = p
     return joint
 
@@ -172,31 +177,38 @@ def small_joint(small):
 PROMPT_SMALL = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
 
 
+TREE = {"method": "eagle", "eagle_choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}  # sampled nodes
+
+
 def small_samples(small, method: str):
     import numpy as np
 
+    from tests.test_eagle import self_head
+
     target, draft, tokenizer = small
     engine = LLMEngine(EngineConfig(target="x", max_num_seqs=64), target_model=copy.deepcopy(target),
-                       draft_model=copy.deepcopy(draft), tokenizer=tokenizer)
+                       draft_model=copy.deepcopy(draft), tokenizer=tokenizer, resources={"eagle": self_head(target)})
     params = [SamplingParams(seed=i, structured_outputs={"regex": SAMPLED_REGEX}, **SAMPLED) for i in range(N)]
-    outs = engine.generate([PROMPT_SMALL] * N, params, SpeculationParams(method=method, num_speculative_tokens=3))
+    spec = SpeculationParams(**TREE) if method == "eagle" else SpeculationParams(method=method, num_speculative_tokens=3)
+    outs = engine.generate([PROMPT_SMALL] * N, params, spec)
     if method != "none":
         t = engine.totals
         assert t.num_drafts > N // 4 and 0 < t.num_accepted_tokens < t.num_draft_tokens
     return np.array([o.token_ids for o in outs])
 
 
-@pytest.mark.parametrize("method", ["none", "draft", "ngram"])
+@pytest.mark.parametrize("method", ["none", "draft", "ngram", "eagle"])
 def test_sampled_constrained_speculation_follows_the_constrained_target(small, small_joint, method):
     """Chi-square of each position's marginal and the first two tokens' joint against the exact
-    constrained distribution. The draft model samples from its own unconstrained q: a drafted
-    token the grammar refuses is a rejection, its replacement drawn from max(0, p' - q)."""
+    constrained distribution. The draft model (a chain) and EAGLE's tree of sampled nodes draw
+    from their own unconstrained q: a drafted token the grammar refuses is a rejection, its
+    replacement drawn from max(0, p' - q) (a tree's siblings from the updated residual)."""
     from tests.test_sampling_e2e import check
 
     seqs = small_samples(small, method)
     pvals = check(seqs, small_joint)
     assert min(pvals) > 1e-3, pvals
-    if method == "draft":  # the negative control: 20% repeating their first token fail it
+    if method in ("draft", "eagle"):  # the negative control: 20% repeating their first token fail it
         biased = seqs.copy()
         biased[: N // 5, 1:] = biased[: N // 5, :1]
         assert min(check(biased, small_joint)) < 1e-3
@@ -261,3 +273,19 @@ def test_online_learning_traces_say_a_grammar_applied(tiny_pair, char_tokenizer)
     engine.generate(PROMPTS[:2], params, SpeculationParams(method="draft", num_speculative_tokens=3))
     traces = {tuple(t.tokens[: t.prompt_len]): t for t in engine.take_traces()}
     assert traces[tuple(PROMPTS[0])].constrained and not traces[tuple(PROMPTS[1])].constrained
+
+
+def test_a_grammar_that_leaves_nothing_finishes_cleanly(engine_for, tiny_pair, char_tokenizer):
+    """Where the grammar and another constraint exclude each other mid-way, or min_tokens holds
+    back the stop token the grammar must end on, the request finishes with 'stop' — greedy and
+    sampled, never NaN; the grammar's text so far is kept."""
+    engine = engine_for()
+    digits_only = SamplingParams(max_tokens=8, temperature=0.8, seed=1, ignore_eos=True, allowed_token_ids=encode("ab"),
+                                 structured_outputs={"regex": "ab[0-9]"})
+    held = SamplingParams(max_tokens=12, temperature=0, min_tokens=10, stop_token_ids=[encode("/")[0]],
+                          structured_outputs={"choice": ["abba"]})
+    greedy = digits_only.model_copy(update={"temperature": 0.0, "seed": None})
+    for spec in ({"method": "none"}, {"method": "draft", "num_speculative_tokens": 3}):
+        outs = engine.generate(PROMPTS[:3], [digits_only, held, greedy], SpeculationParams(**spec))
+        assert [decode(o.token_ids) for o in outs] == ["ab", "abba/", "ab"], spec
+        assert all(o.finish_reason == "stop" for o in outs), spec
