@@ -217,6 +217,24 @@ class RowGrammar:
             j = parents[j]
         return chain[::-1]
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens`` the grammar takes in a row from here (the matcher stays put);
+        a stop token is taken where the grammar may end."""
+        if self.ended:
+            return 0
+        n = self.matcher.validate_tokens(list(tokens))
+        if n < len(tokens) and tokens[n] in self.stops:
+            n += self._can_end_after(tokens[:n])
+        return n
+
+    def _can_end_after(self, tokens: Sequence[int]) -> int:
+        if not self.matcher.consume_tokens(list(tokens)):  # validated above: never refused here
+            raise RuntimeError(self.matcher.get_error())
+        can = self.matcher.is_accepting()
+        if tokens:
+            self.matcher.rollback(len(tokens))
+        return int(can)
+
     def advance(self, token: int) -> bool:
         """A kept token: the matcher consumes it (a stop token ends the request: nothing to
         consume). False when the grammar refuses it."""

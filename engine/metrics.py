@@ -30,6 +30,7 @@ class SpecMetrics:
     # entered (0 when cached), and filling its masks at every scored position; None: unconstrained.
     grammar_compile_s: float | None = None
     grammar_mask_s: float | None = None
+    grammar_cut_tokens: int | None = None  # deterministic draft tokens the grammar refused (cut before verifying)
 
     def record_draft(self, num_draft_tokens: int, num_accepted: int) -> None:
         if num_draft_tokens <= 0:
@@ -71,7 +72,7 @@ class SpecMetrics:
             counts = self.accepted_by_version.setdefault(version, [0, 0])
             counts[0] += drafts
             counts[1] += accepted
-        for name in ("grammar_compile_s", "grammar_mask_s"):
+        for name in ("grammar_compile_s", "grammar_mask_s", "grammar_cut_tokens"):
             if getattr(other, name) is not None:
                 setattr(self, name, (getattr(self, name) or 0.0) + getattr(other, name))
 
@@ -94,4 +95,5 @@ class SpecMetrics:
         }
         if self.grammar_compile_s is not None or self.grammar_mask_s is not None:
             out["grammar_compile_s"], out["grammar_mask_s"] = self.grammar_compile_s, self.grammar_mask_s
+            out["grammar_cut_tokens"] = self.grammar_cut_tokens or 0
         return out

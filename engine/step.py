@@ -23,7 +23,7 @@ import torch
 from specray.engine.request import Request, RequestOutput, speculation_event
 from specray.engine import logprobs as L
 from specray.engine.accept import TargetScores, Verified
-from specray.policies.base import EMPTY, CommitRow, Draft, DraftRow, PrefillRow, ProposalRow, SamplingView
+from specray.policies.base import EMPTY, CommitRow, DeviceDraft, Draft, DraftRow, PrefillRow, ProposalRow, SamplingView
 from specray.policies.controller import RowView
 from specray.policies.registry import PLAIN, method_spec
 
@@ -92,18 +92,37 @@ def proposal_row(r: Request, k: int, room: int) -> ProposalRow:
 def merge_drafts(batch: Sequence[Request], plan: ProposalPlan, parts: Mapping[str, Draft | None]) -> list[DraftRow]:
     """One DraftRow per batch row from each method's part (None = that proposer is down:
     its rows decode plainly this step). Chains are cut to the plan; trees come cut by their
-    proposer; greedy rows drop draft probabilities (token match does not read them)."""
+    proposer; greedy rows drop draft probabilities (token match does not read them). A
+    structured output's deterministic chain is cut at its first token the grammar refuses."""
     drafts = [EMPTY] * len(batch)
     for method, (idx, _) in plan.rows.items():
         part = parts.get(method)
         if part is None:
             continue
+        on_host = not isinstance(part, DeviceDraft)  # a device draft's tokens are placeholders until read back
         for row, i in zip(part.rows, idx):
             row = row.cut(plan.ks[i])
             if row.probs is not None and batch[i].sampling.greedy:
                 row = DraftRow(row.tokens, row.tree, None, row.extra)
+            if on_host and batch[i].grammar is not None:
+                row = _grammar_cut(batch[i], row)
             drafts[i] = row
     return drafts
+
+
+def _grammar_cut(r: Request, row: DraftRow) -> DraftRow:
+    """A chain drafted deterministically (or verified greedily) up to its first token the
+    grammar refuses: that node could never be accepted (the masked target gives it no mass,
+    and with a one-hot q its rejection draws from the masked target itself, as the step
+    after a shorter draft does). A sampled drafter's chain is left whole: its refused token is
+    a rejection against the q it was drawn from."""
+    if not row.is_chain or row.extra is not None or row.probs is not None or not row.tokens:
+        return row
+    n = r.grammar.valid_prefix(row.tokens)
+    if n < row.size:
+        r.metrics.grammar_cut_tokens = (r.metrics.grammar_cut_tokens or 0) + row.size - n
+        return row.cut(n)
+    return row
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,8 @@ class EngineMetrics:
                                          "Time compiling a request's grammar (0 when cached).", LATENCY_BUCKETS, tags)
         self.grammar_mask = Counter(PREFIX + "structured_output_mask_seconds",
                                     "Time filling grammar masks, every scored position of constrained requests.", tags)
+        self.grammar_cut = Counter(PREFIX + "structured_output_draft_tokens_cut",
+                                   "Deterministic draft tokens a grammar refused, cut before verification.", tags)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS, tags)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between streamed tokens.", LATENCY_BUCKETS, tags)
 
@@ -71,6 +73,8 @@ class EngineMetrics:
             self.grammar_compile.observe(m["grammar_compile_s"], t)
         if m.get("grammar_mask_s"):
             self.grammar_mask.inc(m["grammar_mask_s"], t)
+        if m.get("grammar_cut_tokens"):
+            self.grammar_cut.inc(m["grammar_cut_tokens"], t)
         if m.get("num_preemptions"):
             self.preemptions.inc(m["num_preemptions"], t)
         self.requests.inc(1, {**t, "finished_reason": output["finish_reason"] or "unknown"})

@@ -253,12 +253,13 @@ def test_every_method_greedy_under_a_constraint(every_method_engine, tiny_pair, 
               for c in constraints]
     refs = [constrained_greedy(tiny_pair[0], char_tokenizer, p, c, 16) if c else hf_greedy(tiny_pair[0], p, 16)
             for p, c in zip(PROMPTS, constraints)]
-    drafted = 0
+    drafted = cut = 0
     for spec in EVERY:
         outs = engine.generate(PROMPTS, params, SpeculationParams(**spec))
         assert [o.token_ids for o in outs] == refs, spec
         drafted += sum(o.metrics["num_draft_tokens"] for o in outs[:2] + outs[3:])
-    assert drafted > 0
+        cut += sum(o.metrics["grammar_cut_tokens"] for o in outs[:2] + outs[3:])
+    assert drafted > 0 and cut > 0  # deterministic chains were cut at a refused token
 
 
 def test_online_learning_traces_say_a_grammar_applied(tiny_pair, char_tokenizer):
