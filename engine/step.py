@@ -160,7 +160,7 @@ def verify_inputs(batch: Sequence[Request], drafts: Sequence[DraftRow]) -> Verif
             mask[i, : t.size, : t.size] = t.mask
             offsets[i, : t.size] = t.depth
             if d.extra is not None:
-                m, width = len(d.extra.tokens), t.size + len(d.extra.tokens)
+                width = t.size + len(d.extra.tokens)
                 mask[i, t.size : width, :width] = d.extra.sees
                 offsets[i, t.size : width] = torch.tensor(d.extra.positions)
         layout = (mask, offsets)
