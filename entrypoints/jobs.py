@@ -39,6 +39,7 @@ Exit codes: 0 done, 2 bad arguments/config/input/output file, 1 generation faile
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -255,7 +256,25 @@ def _check_record(rec: JobLine, config, vocab, has_tokenizer, limits: Limits) ->
         validate_speculation(rec.speculation or config.default_speculation or best_speculation(limits.methods), limits)
     except ValueError as exc:
         problems.append(f"speculation: {exc}")
+    constraint = rec.sampling.structured_outputs if rec.sampling is not None else None
+    if constraint is not None:
+        try:
+            _grammars(config.tokenizer or config.target if has_tokenizer else None).source(constraint.kind,
+                                                                                            constraint.value)
+        except ValueError as exc:
+            problems.append(f"sampling.structured_outputs: {exc}")
     return problems
+
+
+@functools.lru_cache(maxsize=4)
+def _grammars(tokenizer_dir: str | None):
+    """Structured outputs' grammars for a job's tokenizer (one per job, its lines share it)."""
+    from specray.engine.config import load_tokenizer
+    from specray.engine.grammar import Grammars
+
+    tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
+    return Grammars(tokenizer, len(tokenizer) if tokenizer is not None else 0,
+                    getattr(tokenizer, "eos_token_id", None))
 
 
 # -- output and resume ----------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -196,12 +197,14 @@ def test_job_bad_input_lines(tiny_dirs, tmp_path, capsys):
         '{"prompt": [1], "speculation": {"method": "eagle", "dynamic_tree": true}}\n'  # 14 ok
         '{"prompt": [1, 999], "speculation": {"method": "medusa", "medusa_choices": [[0, 0, 0, 0, 0]]}}\n'  # 15 two
         '{"prompt": [1], "sampling": {"max_tokens": "ten"}, "speculation": {"method": "drafft"}}\n'  # 16 two
+        '{"prompt": [1], "sampling": {"structured_outputs": {"regex": "a+"}}}\n'  # 17 no tokenizer for a grammar
     )
     out = tmp_path / "out.jsonl"
     assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 2
     err = capsys.readouterr().err
-    for n in (2, 4, 5, 6, 7, 8, 9, 10, 12, 13):
+    for n in (2, 4, 5, 6, 7, 8, 9, 10, 12, 13, 17):
         assert f"line {n}:" in err, (n, err)
+    assert "structured outputs need the model's tokenizer" in err
     assert "exceeds the 4 draft heads" in err and "dynamic_tree builds its own tree" in err
     for n in (1, 3, 11, 14):
         assert f"line {n}:" not in err
@@ -406,6 +409,8 @@ def _batch_records():
                                  "speculation": {"method": "medusa"}}, url="/v1/chat/completions"),
         _batch_line("chat-to-context", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0},
                     url="/v1/chat/completions"),  # no max_tokens: up to the 256-token context
+        _batch_line("constrained", {"prompt": "helloWorld", "max_tokens": 12, "temperature": 0,
+                                    "structured_outputs": {"regex": "[a-c]{2}(x[0-9])+"}}),
         _batch_line("sampled", {"prompt": [1, 2, 3], "max_tokens": 6, "n": 2, "seed": 5, "temperature": 1.0}),
     ]
 
@@ -414,7 +419,7 @@ def _check_batch_output(lines: list[dict], target) -> None:
     from tests.conftest import decode, encode
 
     by_id = {o["custom_id"]: o for o in lines}
-    assert len(by_id) == len(lines) == 6
+    assert len(by_id) == len(lines) == 7
     for o in lines:
         assert set(o) == {"id", "custom_id", "response", "error"} and o["error"] is None
         assert o["id"].startswith("batch_req_")
@@ -439,6 +444,8 @@ def _check_batch_output(lines: list[dict], target) -> None:
         assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": n,
                                  "total_tokens": len(prompt) + n}
     assert by_id["ids"]["response"]["body"]["speculation_metrics"][0]["num_drafts"] > 0
+    constrained = by_id["constrained"]["response"]["body"]["choices"][0]["text"]
+    assert re.fullmatch("[a-c]{2}(x[0-9])+", constrained) or re.fullmatch("[a-c]{2}(x[0-9])*x?", constrained), constrained
     assert by_id["chat-mct"]["response"]["body"]["speculation_metrics"][0]["num_drafts"] > 0
     sampled = by_id["sampled"]["response"]["body"]
     assert [c["index"] for c in sampled["choices"]] == [0, 1]
@@ -458,7 +465,7 @@ def test_openai_batch_file_in_openai_output_out_and_resume(ray_session, tiny_dir
     lines = [json.loads(x) for x in text.splitlines()]
     assert [o["custom_id"] for o in lines] == [r["custom_id"] for r in _batch_records()]  # input order
     _check_batch_output(lines, target)
-    assert summary["prompts_total"] == summary["prompts_done"] == 6 and summary["prompts_skipped"] == 0
+    assert summary["prompts_total"] == summary["prompts_done"] == 7 and summary["prompts_skipped"] == 0
     assert summary["generated_tokens"] == sum(o["response"]["body"]["usage"]["completion_tokens"] for o in lines)
 
     # A crash: the second line lost, the last one torn mid-write. Resumed by custom_id,
@@ -467,10 +474,10 @@ def test_openai_batch_file_in_openai_output_out_and_resume(ray_session, tiny_dir
     out.write_text(kept[0] + "".join(kept[2:-1]) + kept[-1][:20])
     assert jobs.main(argv) == 0
     summary2 = _summary_from_stdout(capsys.readouterr().out)
-    assert summary2["prompts_skipped"] == 4 and summary2["prompts_done"] == 2
+    assert summary2["prompts_skipped"] == 5 and summary2["prompts_done"] == 2
     resumed = out.read_text().splitlines(keepends=True)
-    assert resumed[:4] == [kept[0], *kept[2:-1]]  # untouched
-    assert [json.loads(x)["custom_id"] for x in resumed[4:]] == ["text-default", "sampled"]
+    assert resumed[:5] == [kept[0], *kept[2:-1]]  # untouched
+    assert [json.loads(x)["custom_id"] for x in resumed[5:]] == ["text-default", "sampled"]
     _check_batch_output([json.loads(x) for x in resumed], target)
 
     # Nothing left: no coordinator, no change; the summary is the last run's, kept.
