@@ -290,3 +290,20 @@ def test_a_grammar_that_leaves_nothing_finishes_cleanly(engine_for, tiny_pair, c
         outs = engine.generate(PROMPTS[:3], [digits_only, held, greedy], SpeculationParams(**spec))
         assert [decode(o.token_ids) for o in outs] == ["ab", "abba/", "ab"], spec
         assert all(o.finish_reason == "stop" for o in outs), spec
+
+
+def test_a_drafter_swapped_mid_request_keeps_the_constrained_output(tiny_pair, char_tokenizer):
+    """Online learning swaps the draft model every other step (engine/drafter_versions.py):
+    constrained rows still give the constrained target's text."""
+    from tests.test_online_learning import ONLINE, run_with_swaps
+
+    target, draft = tiny_pair
+    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4, online_learning=ONLINE), target_model=copy.deepcopy(target),
+                       draft_model=copy.deepcopy(draft), tokenizer=char_tokenizer)
+    constraints = [{"regex": REGEX}, {"regex": "([a-c]x|[0-9]{2})+z"}, {"choice": CHOICES}]
+    sampling = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, structured_outputs=c) for c in constraints]
+    outs, swaps = run_with_swaps(engine, PROMPTS[:3], sampling, SpeculationParams(method="draft", num_speculative_tokens=3),
+                                 "draft")
+    assert swaps > 0
+    for p, c, o in zip(PROMPTS, constraints, outs):
+        assert o.token_ids == constrained_greedy(target, char_tokenizer, p, c, 16), c
