@@ -8,6 +8,7 @@ decoding under a constraint must give exactly that, for every method, in mixed b
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -307,3 +308,32 @@ def test_a_drafter_swapped_mid_request_keeps_the_constrained_output(tiny_pair, c
     assert swaps > 0
     for p, c, o in zip(PROMPTS, constraints, outs):
         assert o.token_ids == constrained_greedy(target, char_tokenizer, p, c, 16), c
+
+
+# -- the anchors' reported failures, as cases ------------------------------------------------------
+def test_a_drafted_stop_token_the_grammar_cannot_take_yet_is_refused(engine_for):
+    """Prompt lookup keeps proposing the stop token '/' (the prompt repeats it) where the grammar
+    cannot end yet (vLLM #46118's drafted special token): refused like any token; the output is
+    plain constrained decoding's, and it ends on '/' only where the grammar is complete."""
+    engine = engine_for()
+    stop = encode("/")
+    params = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=stop, structured_outputs={"regex": "ab(ab){2,4}c"})
+    prompt = encode("ab/ab/ab/ab/ab/ab")
+    plain = engine.generate([prompt], params, SpeculationParams(method="none"))[0]
+    spec = engine.generate([prompt], params, SpeculationParams(method="ngram", num_speculative_tokens=4))[0]
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == plain.finish_reason == "stop"
+    text = decode(plain.token_ids)
+    assert "/" not in text[:-1] and re.fullmatch("ab(ab){2,4}c/?", text), text
+
+
+def test_many_constrained_tree_requests_at_once(every_method_engine, tiny_pair, char_tokenizer):
+    """EAGLE-3 trees under a grammar for more requests than slots (vLLM #27969 crashed at
+    concurrency 30): every row is the constrained target's, none fails."""
+    engine = every_method_engine()
+    prompts = [encode("abcdefgh"[i % 8:] + "xyz") for i in range(24)]
+    constraint = {"regex": "[a-f]{2,5}(x[0-9]|yz)+"}
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, structured_outputs=constraint)
+    outs = engine.generate(prompts, params, SpeculationParams(method="eagle3"))
+    for p, o in zip(prompts, outs):
+        assert o.finish_reason in ("length", "stop") and o.token_ids == constrained_greedy(
+            tiny_pair[0], char_tokenizer, p, constraint, 10)
