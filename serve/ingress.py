@@ -275,7 +275,10 @@ class OpenAIIngress:
                             retry_after_s=RETRY_AFTER_S)
         req = await self._parse(request, chat)
         try:
-            checked = C.check(req, chat, self.facts, self.default_max_tokens)
+            if req.constraint() is not None:  # compiling a grammar (bounded by llguidance's limits) off the loop
+                checked = await asyncio.to_thread(C.check, req, chat, self.facts, self.default_max_tokens)
+            else:
+                checked = C.check(req, chat, self.facts, self.default_max_tokens)
         except C.RequestError as e:
             raise HTTPError(400, str(e), param=e.param) from None
         # The whole request is one call: the engine replica admits it whole or refuses it whole.
