@@ -38,6 +38,26 @@ def test_generate_json_default_is_draft_self_tuned(demo_pair, capsys):
 
 
 @pytest.mark.slow
+def test_generate_with_a_json_schema(demo_pair, tmp_path, capsys):
+    """--json-schema FILE: the text parses and matches the schema, under the default method; a
+    schema that does not compile is exit 2 naming the flag, one line."""
+    schema = {"type": "object", "properties": {"kind": {"enum": ["function", "class"]}, "pure": {"type": "boolean"}},
+              "required": ["kind", "pure"], "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    code, out, err = run(capsys, "generate", "--prompt", "def f(x): return x\n# as JSON: ", "--json-schema", str(path),
+                         "--max-tokens", "40", "--json")
+    assert code == 0, err
+    reply = json.loads(out)
+    value = json.loads(reply["text"])
+    assert set(value) == {"kind", "pure"} and value["kind"] in ("function", "class") and isinstance(value["pure"], bool)
+    assert reply["finish_reason"] == "stop" and reply["method"] == "draft"
+    path.write_text(json.dumps({"type": "object", "properties": {"x": {"$ref": "#/nowhere"}}}))
+    code, _, err = run(capsys, "generate", "--prompt", "x", "--json-schema", str(path))
+    assert code == 2 and err.count("\n") == 1 and "--json-schema" in err and "invalid json" in err, err
+
+
+@pytest.mark.slow
 def test_generate_with_only_target_dir_uses_prompt_lookup(own_checkpoint, capsys):
     """--target DIR alone: no draft, so the default is prompt lookup; output = plain decoding's."""
     common = ["generate", "--prompt", "import os\nimport sys\n", "--max-tokens", "24", "--json",
