@@ -93,7 +93,9 @@ class SpecMetrics:
             "accepted_by_version": {k: list(v) for k, v in self.accepted_by_version.items()},
             "mean_accepted_length": self.mean_accepted_length, "acceptance_rate": self.acceptance_rate,
         }
-        if self.grammar_compile_s is not None or self.grammar_mask_s is not None:
-            out["grammar_compile_s"], out["grammar_mask_s"] = self.grammar_compile_s, self.grammar_mask_s
-            out["grammar_cut_tokens"] = self.grammar_cut_tokens or 0
+        if self.grammar_compile_s is not None or self.grammar_mask_s is not None:  # a structured output's
+            out.update(grammar_compile_s=self.grammar_compile_s, grammar_mask_s=self.grammar_mask_s,
+                       grammar_cut_tokens=self.grammar_cut_tokens or 0)
+        else:
+            out.update(grammar_compile_s=None, grammar_mask_s=None, grammar_cut_tokens=None)
         return out

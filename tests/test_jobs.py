@@ -348,6 +348,19 @@ def _job_client(head, timeout_s: float = 90.0):
     raise AssertionError(f"dashboard at {head['url']} did not answer: {last}\n{Path(head['log']).read_text()}")
 
 
+def _submit(client, entrypoint: str, timeout_s: float = 120.0) -> str:
+    """Submit once the head's job agent is up (the dashboard answers before it does: "No
+    available agent to submit job")."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return client.submit_job(entrypoint=entrypoint)
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
 @pytest.mark.slow  # starts processes
 def test_job_submission_end_to_end(ray_head, tiny_dirs, tmp_path):
     from ray.job_submission import JobStatus
@@ -362,7 +375,7 @@ def test_job_submission_end_to_end(ray_head, tiny_dirs, tmp_path):
     entrypoint = " ".join(shlex.quote(a) for a in [
         sys.executable, "-m", "specray.entrypoints.jobs", "--input", str(inp), "--output", str(out),
         "--config", str(config), "--batch-size", "4"])
-    job_id = client.submit_job(entrypoint=entrypoint)
+    job_id = _submit(client, entrypoint)
     deadline = time.monotonic() + 180
     status = client.get_job_status(job_id)
     while not status.is_terminal() and time.monotonic() < deadline:
