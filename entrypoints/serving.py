@@ -144,6 +144,9 @@ def serve_main(args) -> int:
         warmed, seconds = _warm_up(url, cfg, headers)
         print(f"specray: warm: {warmed} requests answered in {seconds:.1f} s (models loaded, first calls paid)",
               flush=True)
+        learning = LearningReport(url, headers) if cfg.engine.online_learning.enabled and args.once is None else None
+        if learning is not None:
+            learning.wait_for_trainer()
         print(f"specray: ready: serving {cfg.model_name!r} at {url}/v1 (playground: {url}/playground)", flush=True)
         if args.once is not None:  # one request over HTTP, then stop (the README's main job)
             status, reply = _http(f"{url}/v1/completions", {"model": cfg.model_name, "prompt": args.once,
@@ -153,7 +156,6 @@ def serve_main(args) -> int:
         print(f"  curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{cfg.model_name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32}}'",
               flush=True)
-        learning = LearningReport(url, headers) if cfg.engine.online_learning.enabled else None
         while not stop:
             if learning is None:
                 time.sleep(3600)
@@ -169,6 +171,7 @@ def serve_main(args) -> int:
 
 
 LEARNING_POLL_S = 2.0
+TRAINER_WAIT_S = 300.0
 
 
 class LearningReport:
@@ -180,14 +183,37 @@ class LearningReport:
         self.placement: str | None = None
         self.last_round = 0.0  # the finish time of the last round said
 
-    def report(self) -> None:
-        from specray.actors.learner import round_line
+    def wait_for_trainer(self) -> None:
+        """Before "ready": the trainer's process is up and polling (its first round then starts
+        as soon as traces are there, not a process start later), or it cannot be placed (said:
+        serving goes on without it). Bounded: a trainer still starting after TRAINER_WAIT_S is
+        said and served around."""
+        start = time.monotonic()
+        while time.monotonic() - start < TRAINER_WAIT_S:
+            body = self._status()
+            trainer = (body or {}).get("trainer") or {}
+            if trainer.get("seen") is not None:
+                print(f"specray: online learning: the trainer is up ({time.monotonic() - start:.1f} s)", flush=True)
+                return
+            if str(trainer.get("state", "")).startswith("pending"):
+                self.report(body)
+                return
+            time.sleep(0.5)
+        print(f"specray: online learning: the trainer has not started after {TRAINER_WAIT_S:.0f} s; serving without "
+              "it until it does", flush=True)
 
+    def _status(self) -> dict | None:
         try:
             status, body = _http(f"{self.url}/v1/drafters", headers=self.headers, timeout=30)
         except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return
-        if status != 200:
+            return None
+        return body if status == 200 else None
+
+    def report(self, body: dict | None = None) -> None:
+        from specray.actors.learner import round_line
+
+        body = body if body is not None else self._status()
+        if body is None:
             return
         placement = (body.get("trainer") or {}).get("placement")
         if placement and placement.get("message") != self.placement:

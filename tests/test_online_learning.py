@@ -398,3 +398,21 @@ def test_specray_serve_prints_where_the_trainer_waits_and_each_round(monkeypatch
         "mean accepted length: candidate 1.800, serving 1.600)",
         "specray: online learning: the trainer holds CPU 64",
     ]
+
+
+def test_specray_serve_waits_for_its_trainer_before_ready(monkeypatch, capsys):
+    """Before "ready": until the hub has heard from the trainer (its first round then starts as
+    soon as traces are there), or the trainer cannot be placed (said once, serving goes on)."""
+    from specray.entrypoints import serving
+
+    monkeypatch.setattr(serving.time, "sleep", lambda s: None)
+    replies = iter([{"trainer": {"state": "idle", "seen": None}}, {"trainer": {"state": "idle", "seen": None}},
+                    {"trainer": {"state": "idle", "seen": 12.5}}])
+    monkeypatch.setattr(serving, "_http", lambda *a, **k: (200, next(replies)))
+    serving.LearningReport("http://x", {}).wait_for_trainer()
+    assert capsys.readouterr().out.startswith("specray: online learning: the trainer is up (")
+    pending = {"state": "pending: the trainer waits for CPU 64", "seen": None,
+               "placement": {"state": "pending", "message": "the trainer waits for CPU 64"}}
+    monkeypatch.setattr(serving, "_http", lambda *a, **k: (200, {"trainer": pending, "rounds": []}))
+    serving.LearningReport("http://x", {}).wait_for_trainer()
+    assert capsys.readouterr().out.splitlines() == ["specray: online learning: the trainer waits for CPU 64"]

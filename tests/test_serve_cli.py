@@ -161,6 +161,7 @@ def test_demo_server_learns_online_and_stops_on_sigint(demo_pair, tmp_path):
             assert word in output, output
         warm = output.index("specray: warm: ")
         assert warm < output.index("specray: ready") and "requests answered" in output[warm:]
+        assert warm < output.index("specray: online learning: the trainer is up (") < output.index("specray: ready")
         addresses = listening(server.family)
         assert addresses and all(a.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for a in addresses), addresses
         url = f"http://127.0.0.1:{port}/v1/completions"
