@@ -110,7 +110,7 @@ class Grammars:
 
     def source(self, kind: str, value) -> str:
         """A constraint's grammar, checked (GrammarError saying what is wrong)."""
-        key = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        key = value if isinstance(value, str) else json.dumps(value)  # key order kept: a schema's properties come in it
         return self._sources(kind, key)
 
     def _compile(self, kind: str, key: str) -> str:

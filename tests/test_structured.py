@@ -337,3 +337,20 @@ def test_many_constrained_tree_requests_at_once(every_method_engine, tiny_pair, 
     for p, o in zip(prompts, outs):
         assert o.finish_reason in ("length", "stop") and o.token_ids == constrained_greedy(
             tiny_pair[0], char_tokenizer, p, constraint, 10)
+
+
+@pytest.mark.slow  # the demo pair's tokenizer (JSON needs its punctuation)
+def test_a_schemas_properties_come_in_its_order(demo_models):
+    """Compiled grammars are cached by the schema as given: key order kept, since a schema's
+    properties are generated in their order."""
+    from specray.engine.grammar import Grammars
+
+    tok = demo_models[2]
+    grammars = Grammars(tok, len(tok), tok.eos_token_id)
+    for names in (("name", "age"), ("age", "name")):
+        schema = {"type": "object", "properties": {n: {"type": "integer"} for n in names},
+                  "required": list(names), "additionalProperties": False}
+        row = grammars.matcher(grammars.source("json", schema), frozenset())
+        text = "{" + ", ".join(f'"{n}": {i}' for i, n in enumerate(names)) + "}"
+        ids = tok.encode(text, add_special_tokens=False)
+        assert row.valid_prefix(ids) == len(ids), (names, text)
