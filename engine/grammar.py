@@ -67,7 +67,31 @@ def source(kind: str, value) -> str:
             except Exception as exc:  # noqa: BLE001 - its parser's errors are the user's
                 raise GrammarError(f"invalid grammar: {exc}") from None
         return make.grammar_from_lark(text)
+    if kind == "structural_tag":
+        return _structural_tag(value)
     raise GrammarError(f"unsupported structured output kind {kind!r}")
+
+
+def _structural_tag(value) -> str:
+    """vLLM's structural tag: free text in which each ``begin`` (starting with one of the
+    ``triggers``) opens a segment that follows its JSON ``schema`` up to ``end``."""
+    import llguidance
+
+    try:
+        tag = json.loads(value) if isinstance(value, str) else value
+        structures, triggers = tag["structures"], tag["triggers"]
+        tags = []
+        for s in structures:
+            trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+            if trigger is None:
+                raise GrammarError(f"structural tag: begin {s['begin']!r} starts with none of the triggers {triggers}")
+            tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=s.get("schema") or {},
+                                             end=s.get("end", "")))
+    except GrammarError:
+        raise
+    except (ValueError, KeyError, TypeError, AssertionError) as exc:
+        raise GrammarError(f"invalid structural tag (structures of begin, schema, end; triggers): {exc!r}") from None
+    return llguidance.LLMatcher.grammar_from_lark(llguidance.StructTag.to_grammar(tags, assume_special=False))
 
 
 def one_line(message: str) -> str:
@@ -116,7 +140,7 @@ class Grammars:
     def _compile(self, kind: str, key: str) -> str:
         import llguidance
 
-        value = key if kind in ("regex", "grammar") or (kind == "json" and not key.startswith(("{", "["))) \
+        value = key if kind in ("regex", "grammar") or (kind in ("json", "structural_tag") and not key.startswith(("{", "["))) \
             else json.loads(key)
         grammar = source(kind, value)
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)

@@ -31,6 +31,9 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = Field(None, min_length=1, description="The output is one of these strings.")
     grammar: str | None = Field(None, description="A context-free grammar: Lark, or GBNF (``::=``).")
     json_object: bool | None = Field(None, description="Any JSON object.")
+    structural_tag: dict | str | None = Field(
+        None, description="vLLM's structural tag: free text where each structure's begin opens JSON of its schema "
+        "up to its end ({'structures': [{'begin', 'schema', 'end'}], 'triggers': [...]}).")
 
     @field_validator("choice")
     @classmethod
@@ -43,13 +46,13 @@ class StructuredOutputs(BaseModel):
     def _exactly_one(self):
         given = [k for k, v in self.constraint_fields().items() if v not in (None, False)]
         if len(given) != 1:
-            raise ValueError("give exactly one of json, regex, choice, grammar, json_object"
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object, structural_tag"
                              + (f"; got {', '.join(given)}" if given else ""))
         return self
 
     def constraint_fields(self) -> dict:
         return {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                "json_object": self.json_object}
+                "json_object": self.json_object, "structural_tag": self.structural_tag}
 
     @property
     def kind(self) -> str:

@@ -69,7 +69,8 @@ class ResponseFormat(BaseModel):
         return None
 
 
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+          "structural_tag": "structural_tag"}
 """vLLM's older structured-output fields (removed in its v0.12; older clients still send them)."""
 GRAMMAR_BACKENDS = (None, "auto", "llguidance", "guidance")
 
@@ -211,7 +212,7 @@ class _Common(BaseModel):
             raise ValueError(f"{v!r} is not available: specray's structured outputs run on llguidance")
         return v
 
-    @field_validator("guided_whitespace_pattern", "structural_tag")
+    @field_validator("guided_whitespace_pattern")
     @classmethod
     def _not_supported(cls, v):
         return _unset(v)

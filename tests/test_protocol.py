@@ -54,7 +54,8 @@ ERRORS = [  # (id, chat, body patch, the error's param, words of its message)
      ["text", "json_schema"]),
     ("another grammar backend", False, {"guided_regex": "a", "guided_decoding_backend": "xgrammar"},
      "guided_decoding_backend", ["llguidance"]),
-    ("a structural tag", False, {"structural_tag": "{}"}, "structural_tag", ["not supported"]),
+    ("a whitespace pattern", False, {"guided_whitespace_pattern": " +"}, "guided_whitespace_pattern",
+     ["not supported"]),
     ("an unknown structured output", False, {"structured_outputs": {"yaml": "x"}}, "structured_outputs.yaml",
      ["Extra inputs"]),
 ]
@@ -209,6 +210,8 @@ def test_bad_extension_values_are_400s_naming_them(facts, patch, param):
 
 
 # -- structured outputs --------------------------------------------------------------------
+TAG = {"structures": [{"begin": "ab", "schema": {"type": "integer"}, "end": "z"}], "triggers": ["a"]}
+
 @pytest.mark.parametrize("chat, patch, kind, value", [
     (True, {"response_format": {"type": "json_object"}}, "json_object", True),
     (True, {"response_format": {"type": "json_schema", "json_schema": {"name": "P", "strict": True, "schema": {
@@ -220,6 +223,8 @@ def test_bad_extension_values_are_400s_naming_them(facts, patch, param):
     (True, {"guided_choice": ["yes", "no"], "guided_decoding_backend": "auto"}, "choice", ["yes", "no"]),
     (False, {"guided_regex": "a|b"}, "regex", "a|b"),
     (False, {"guided_grammar": 'root ::= "a"'}, "grammar", 'root ::= "a"'),
+    (False, {"structural_tag": json.dumps(TAG)}, "structural_tag", json.dumps(TAG)),
+    (False, {"structured_outputs": {"structural_tag": TAG}}, "structural_tag", TAG),
 ])
 def test_every_structured_output_shape_reaches_the_engine(facts, chat, patch, kind, value):
     """OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields: each
@@ -234,6 +239,9 @@ def test_every_structured_output_shape_reaches_the_engine(facts, chat, patch, ki
     ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", ["invalid regex", "unclosed"]),
     ({"guided_json": {"type": "object", "properties": {"x": {"$ref": "#/nope"}}}}, "guided_json", ["invalid json"]),
     ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", ["invalid grammar"]),
+    ({"structural_tag": json.dumps({"structures": [{"begin": "ab", "end": "z"}], "triggers": ["x"]})}, "structural_tag",
+     ["starts with none of the triggers"]),
+    ({"structured_outputs": {"structural_tag": {"triggers": []}}}, "structured_outputs", ["invalid structural tag"]),
     ({"structured_outputs": {"regex": "[a-c]+"}, "allowed_token_ids": [25, 26]}, "allowed_token_ids",
      ["none of them can start"]),
 ])

@@ -354,3 +354,19 @@ def test_a_schemas_properties_come_in_its_order(demo_models):
         text = "{" + ", ".join(f'"{n}": {i}' for i, n in enumerate(names)) + "}"
         ids = tok.encode(text, add_special_tokens=False)
         assert row.valid_prefix(ids) == len(ids), (names, text)
+
+
+def test_a_structural_tag_constrains_only_its_segments(engine_for, tiny_pair, char_tokenizer):
+    """vLLM's structural tag: free text, and where a structure's begin appears, its schema up to
+    its end — the constrained target's text under speculation too."""
+    tag = {"structures": [{"begin": "ab", "schema": {"type": "integer", "minimum": 0, "maximum": 999}, "end": "Z"}],
+           "triggers": ["a"]}
+    engine = engine_for()
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, structured_outputs={"structural_tag": tag})
+    prompt = encode("abc1Zxyab7Zab")
+    ref = constrained_greedy(tiny_pair[0], char_tokenizer, prompt, {"structural_tag": tag}, 24)
+    for spec in ({"method": "none"}, {"method": "draft", "num_speculative_tokens": 3}, {"method": "ngram"}):
+        out = engine.generate([prompt], params, SpeculationParams(**spec))[0]
+        assert out.token_ids == ref, spec
+    for segment in re.findall("ab(.*?)(?:Z|$)", decode(ref)):
+        assert re.fullmatch("[0-9]{0,3}", segment), decode(ref)
