@@ -152,7 +152,7 @@ def measure(tokenizer, label: str, repeats: int) -> list[dict]:
             compiles, masks = [], []
             for _ in range(repeats):
                 if backend is LLGuidance:
-                    b.grammars._sources.cache_clear()
+                    b.grammars._sources.clear()
                 start = time.perf_counter()
                 make = b.compile(kind, value)
                 matcher = make()

@@ -22,7 +22,6 @@ grammar is complete.
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from typing import Sequence
@@ -34,6 +33,7 @@ JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_sepa
 A grammar that allows any whitespace lets a model (or a draft) emit it without end."""
 
 ANY_OBJECT = {"type": "object"}
+CACHED_GRAMMARS = 256  # checked grammars kept per tokenizer
 
 
 class GrammarError(ValueError):
@@ -114,7 +114,7 @@ class Grammars:
         self.width = max(vocab_size, self.eos_id + 1)  # the masks' (llguidance's vocabulary)
         self._lock = threading.Lock()
         self._ll = None
-        self._sources = functools.lru_cache(maxsize=256)(self._compile)
+        self._sources: dict[tuple[str, str], str] = {}  # (kind, constraint) -> checked grammar
 
     @property
     def ll_tokenizer(self):
@@ -133,19 +133,20 @@ class Grammars:
             return self._ll
 
     def source(self, kind: str, value) -> str:
-        """A constraint's grammar, checked (GrammarError saying what is wrong)."""
-        key = value if isinstance(value, str) else json.dumps(value)  # key order kept: a schema's properties come in it
-        return self._sources(kind, key)
-
-    def _compile(self, kind: str, key: str) -> str:
+        """A constraint's grammar, checked (GrammarError saying what is wrong); cached by the
+        constraint as given (key order kept: a schema's properties come in it)."""
         import llguidance
 
-        value = key if kind in ("regex", "grammar") or (kind in ("json", "structural_tag") and not key.startswith(("{", "["))) \
-            else json.loads(key)
+        key = (kind, value if isinstance(value, str) else json.dumps(value))
+        if key in self._sources:
+            return self._sources[key]
         grammar = source(kind, value)
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
         if failed:
             raise GrammarError(f"invalid {kind.replace('_', ' ')}: {one_line(messages[0])}")
+        if len(self._sources) >= CACHED_GRAMMARS:
+            self._sources.pop(next(iter(self._sources)))  # the oldest
+        self._sources[key] = grammar
         return grammar
 
     def matcher(self, grammar: str, stop_ids: frozenset[int], output_ids: Sequence[int] = ()) -> "RowGrammar":
@@ -198,14 +199,14 @@ class RowGrammar:
         n = len(tokens)
         bits = torch.zeros(n, (self.width + 31) // 32, dtype=torch.int32)
         valid = [True] * n
+        chains = [self._path(j, parents) for j in range(n)]  # each node's path below the root
         path: list[int] = []  # nodes consumed beyond the root, root-most first
-        for j in sorted(range(n), key=lambda j: len(self._path(j, parents))):
+        for j in sorted(range(n), key=lambda j: len(chains[j])):
             if j > 0:
-                parent = parents[j]
-                if not valid[parent]:
+                if not valid[parents[j]]:
                     valid[j] = False
                     continue
-                chain = self._path(j, parents)
+                chain = chains[j]
                 common = 0
                 while common < min(len(path), len(chain)) and path[common] == chain[common]:
                     common += 1

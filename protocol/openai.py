@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from specray.engine.params import SamplingParams, Speculation, StructuredOutputs
 from specray.engine.intake import check_context_length
@@ -178,6 +178,7 @@ class _Common(BaseModel):
     mm_processor_kwargs: Any = None
 
     IGNORED: ClassVar[dict[str, Any]] = IGNORED_VLLM_FIELDS
+    _constraint: tuple[str | None, StructuredOutputs | None] = PrivateAttr(default=(None, None))
 
     @model_validator(mode="before")
     @classmethod
@@ -219,34 +220,29 @@ class _Common(BaseModel):
 
     @model_validator(mode="after")
     def _one_constraint(self):
-        given = self.constraint_sources()
-        if len(given) > 1:
-            raise FieldError(given[1][0], f"one structured output per request; {given[0][0]} gives one already")
-        return self
-
-    def constraint_sources(self) -> list[tuple[str, StructuredOutputs]]:
-        """(field, constraint) of each field that asks for structured output."""
-        found = []
+        """The fields that ask for structured output, read once: (field, constraint) of at most one."""
+        given = []
         if self.response_format is not None and self.response_format.constraint() is not None:
-            found.append(("response_format", self.response_format.constraint()))
+            given.append(("response_format", self.response_format.constraint()))
         if self.structured_outputs is not None:
-            found.append(("structured_outputs", self.structured_outputs))
+            given.append(("structured_outputs", self.structured_outputs))
         for name, kind in GUIDED.items():
             value = getattr(self, name)
             if value is not None:
                 try:
-                    found.append((name, StructuredOutputs(**{kind: value})))
+                    given.append((name, StructuredOutputs(**{kind: value})))
                 except ValidationError as exc:
                     raise FieldError(name, exc.errors()[0]["msg"].removeprefix("Value error, ")) from None
-        return found
+        if len(given) > 1:
+            raise FieldError(given[1][0], f"one structured output per request; {given[0][0]} gives one already")
+        self._constraint = given[0] if given else (None, None)
+        return self
 
     def constraint(self) -> StructuredOutputs | None:
-        given = self.constraint_sources()
-        return given[0][1] if given else None
+        return self._constraint[1]
 
     def constraint_field(self) -> str | None:
-        given = self.constraint_sources()
-        return given[0][0] if given else None
+        return self._constraint[0]
 
     @model_validator(mode="after")
     def _name_the_ignored(self):
