@@ -45,7 +45,7 @@ import transformers
 from .corpus import corpus_documents
 from .metrics import MeasureConfig, held_out_loss, measure_alpha, measure_cost_ratio
 from .prompts import held_out_prompts
-from .tokenizer import encode_documents, train_tokenizer
+from .tokenizer import CHAT_TEMPLATE, encode_documents, train_tokenizer
 from .training import DemoRecipe, distill_draft, train_draft, train_target
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ SHIPPED_DIR = pathlib.Path(__file__).parent / "weights"
 CACHE_ENV = "SPECRAY_CACHE"
 DEFAULT_CACHE_DIR = "~/.cache/specray"
 METRICS_FILE = "metrics.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where save_pretrained puts a tokenizer's chat template
 PAIR_PARTS = {
     "tokenizer": ("tokenizer.json", "tokenizer_config.json"),
     "draft": ("config.json", "model.safetensors"),
@@ -229,6 +230,7 @@ def _load(pair_dir: pathlib.Path) -> DemoPair | None:
         return None
     metrics = json.loads((pair_dir / METRICS_FILE).read_text())
     _note_acceptance(pair_dir / "draft" / "config.json", float(metrics["alpha"]))
+    _current_chat_template(pair_dir / "tokenizer" / CHAT_TEMPLATE_FILE)
     _log_quality(metrics, pair_dir)
     return DemoPair(
         target=str(pair_dir / "target"),
@@ -257,6 +259,20 @@ def _note_acceptance(draft_config: pathlib.Path, alpha: float) -> None:
         partial.replace(draft_config)
     except OSError as exc:  # a read-only cache: the controller then starts from its own prior
         log.warning("could not note the draft's acceptance in %s: %s", draft_config, exc)
+
+
+def _current_chat_template(path: pathlib.Path) -> None:
+    """The chat template is code (``tokenizer.CHAT_TEMPLATE``), not something training made: a
+    pair cached with an older one (before tools rendered) gets this one on its next load; the
+    weights and the tokenizer's vocabulary stay as built. Written aside and renamed."""
+    if path.is_file() and path.read_text() == CHAT_TEMPLATE:
+        return
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(CHAT_TEMPLATE)
+        partial.replace(path)
+    except OSError as exc:  # a read-only cache keeps the template it has
+        log.warning("could not update the chat template in %s: %s", path, exc)
 
 
 def _log_quality(metrics: dict, where: pathlib.Path | None = None) -> None:

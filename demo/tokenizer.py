@@ -31,13 +31,34 @@ SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, IM_START, IM_END)
 "is this position padding?" unambiguous for code that derives masks from token ids."""
 
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions. Their signatures are within <tools></tools>:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nWrite each call as a JSON object with the function\\'s name and arguments within "
+    "<tool_call></tool_call>:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n"
+    "</tool_call><|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ ('\\n' if message['content'] or not loop.first else '') + '<tool_call>\\n{\"name\": ' + "
+    "(call['function']['name'] | tojson) + ', \"arguments\": ' + (call['function']['arguments'] | tojson) + "
+    "'}\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-"""ChatML. The demo models never saw chat data, so chat replies are code-flavoured
-noise; the template only exists so /v1/chat/completions has something real to render."""
+"""ChatML, with tools as Qwen2.5 and Hermes models see them (Hermes-style calls: the ``hermes``
+tool-call parser reads them back): the tools' signatures in the system message, an assistant's
+calls as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, a tool's result in a
+``<tool_response>``. A conversation without tools, calls or tool results renders as plain
+ChatML. The demo models never saw chat data, so chat replies are code-flavoured noise; the
+template exists so /v1/chat/completions, tools included, has something real to render."""
 
 
 def train_tokenizer(

@@ -31,6 +31,7 @@ from specray.serve.config import FLAT_KEYS
 _PATH_FLAGS = {path: "--" + key.replace("_", "-") for key, path in FLAT_KEYS.items() if key not in ("model",)}
 _PATH_FLAGS[("engine", "default_speculation")] = "--speculative-config"
 _PATH_FLAGS[("engine", "checkpoints")] = "--<method> DIR"
+_PATH_FLAGS.update({("tool_call_parser",): "--tool-call-parser", ("enable_auto_tool_choice",): "--enable-auto-tool-choice"})
 
 
 def flag_name(name: str) -> str:
@@ -151,10 +152,23 @@ def add_server_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--graceful-shutdown-s", type=float, metavar="SECONDS", default=None,
                    help="on SIGINT/SIGTERM: new requests get 503, requests in flight get this long to finish, "
                         "then end with an error event (default: 2)")
+    add_tool_flags(g)
     g.add_argument("--address", metavar="ADDRESS", default=None,
                    help="join this Ray cluster (default: start a local Ray, stopped on exit)")
     g.add_argument("--once", metavar="PROMPT", default=None,
                    help="answer one completion for PROMPT over HTTP, print it, and exit")
+
+
+def add_tool_flags(g) -> None:
+    """vLLM's tool-calling flags (serve, jobs; docs/tool-calling.md)."""
+    from specray.protocol.tool_parsers import PARSER_NAMES
+
+    g.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                   help="tool_choice 'auto' (the default when a request gives tools): the calls the model writes "
+                        "come back as tool_calls, read by --tool-call-parser (default: off, such requests get 400)")
+    g.add_argument("--tool-call-parser", metavar="NAME", default=None,
+                   help=f"how the model writes calls: {', '.join(PARSER_NAMES)} (vLLM's names; hermes: Qwen2.5/3 "
+                        "and Hermes; llama3_json: Llama 3.1/3.2)")
 
 
 def config_data(args: argparse.Namespace, file_data: dict) -> dict:
@@ -167,7 +181,7 @@ def config_data(args: argparse.Namespace, file_data: dict) -> dict:
             "speculative_config", "served_model_name", "host", "port", "api_key", "num_replicas", "online_learning",
             "max_sequences_per_request", "max_waiting_sequences", "graceful_shutdown_s", "block_size",
             "kv_cache_memory_bytes", "num_gpu_blocks_override", "enable_prefix_caching", "paged_kv", "quantization",
-            "draft_quantization", "fp8_kernel", *checkpoint_keys())
+            "draft_quantization", "fp8_kernel", "enable_auto_tool_choice", "tool_call_parser", *checkpoint_keys())
     flags = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "enforce_eager", None):
         if flags.get("step", "eager") != "eager":

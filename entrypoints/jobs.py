@@ -120,6 +120,26 @@ def engine_part(data: dict) -> dict:
     return {**{k: v for k, v in nested.items() if k not in server and k != "engine"}, **nested.get("engine", {})}
 
 
+def tool_settings(args: argparse.Namespace) -> str | None:
+    """Auto tool choice's parser, from --config (a serve config's ``enable-auto-tool-choice`` and
+    ``tool-call-parser``) and the flags, which override it; None where it is off."""
+    from specray.entrypoints.flags import one_line
+    from specray.serve.config import ServeConfig
+
+    keys = ("enable_auto_tool_choice", "tool_call_parser")
+    data = {}
+    if args.config is not None:
+        import yaml
+
+        raw = yaml.safe_load(Path(args.config).read_text(encoding="utf-8")) or {}  # load_config read it first
+        data = {k.replace("-", "_"): v for k, v in raw.items() if k.replace("-", "_") in keys}
+    data.update({k: getattr(args, k) for k in keys if getattr(args, k) is not None})
+    try:
+        return ServeConfig.model_validate(data).auto_tool_parser()
+    except ValidationError as exc:
+        raise UsageError(one_line(exc)) from None
+
+
 def _format_errors(exc: ValidationError, indent: str = "") -> str:
     lines = []
     for err in exc.errors():
@@ -146,10 +166,12 @@ def _model_facts(config: SpecrayConfig) -> tuple[int | None, bool | None]:
     return vocab, has_tok
 
 
-def read_input(path: str, config: SpecrayConfig) -> list[JobLine] | list[openai_batch.BatchRequest]:
+def read_input(path: str, config: SpecrayConfig,
+               tool_parser: str | None = None) -> list[JobLine] | list[openai_batch.BatchRequest]:
     """Parse and validate every line; UsageError listing all bad lines (1-based numbers).
 
     The file's first JSON object decides its format: OpenAI's batch lines, or specray's.
+    ``tool_parser``: auto tool choice's parser (``tool_settings``), None where it is off.
     """
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -170,7 +192,7 @@ def read_input(path: str, config: SpecrayConfig) -> list[JobLine] | list[openai_
             continue
         objects.append((lineno, obj))
     if objects and openai_batch.is_batch_line(objects[0][1]):
-        records, bad = _read_batch_lines(objects, config)
+        records, bad = _read_batch_lines(objects, config, tool_parser)
     else:
         records, bad = _read_job_lines(objects, config)
     found = sorted(problems + bad, key=lambda e: e[0])
@@ -217,9 +239,10 @@ def _read_job_lines(objects, config: SpecrayConfig) -> tuple[list[JobLine], list
     return records, errors
 
 
-def _read_batch_lines(objects, config: SpecrayConfig):
+def _read_batch_lines(objects, config: SpecrayConfig, tool_parser: str | None = None):
     """OpenAI's batch format: each body checked as the HTTP server checks its request."""
     facts = _batch_facts(config)
+    facts.tool_parser = tool_parser
     checked, errors = [], []
     for lineno, obj in objects:
         rec, problems = openai_batch.check_line(obj, facts)
@@ -425,6 +448,9 @@ def build_parser(prog: str = "python -m specray.entrypoints.jobs") -> argparse.A
                    help="JSONL completions, in input order (resumed if it exists)")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="SpecrayConfig as YAML or JSON (default: the demo pair)")
+    from specray.entrypoints.flags import add_tool_flags
+
+    add_tool_flags(p.add_argument_group("tool calls (OpenAI batch files; docs/tool-calling.md)"))
     p.add_argument("--batch-size", type=int, default=64, metavar="N",
                    help="records per coordinator.generate call (default 64)")
     p.add_argument("--address", default=None, metavar="ADDRESS",
@@ -449,7 +475,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m specray.entrypoin
         problems = checkpoint_problems(with_demo_pair(config).engine_config())
         if problems:  # before Ray starts
             raise UsageError(problems_line(problems, flags=False))
-        records = read_input(args.input, config)
+        records = read_input(args.input, config, tool_settings(args))
         pending = pending_records(args.output, records)
     except UsageError as exc:
         print(f"specray.jobs: error: {exc}", file=sys.stderr)

@@ -9,7 +9,9 @@ Input, one request per line (``entrypoints/jobs.py`` tells the formats apart per
 
 The body is what the HTTP server takes at that URL (``protocol/openai.py``), checked the same
 way (``speculation`` included); ``stream`` is refused. Chat messages go through the
-tokenizer's chat template, as the server renders them. ``max_tokens`` as the server
+tokenizer's chat template, as the server renders them; ``tools`` with ``tool_choice`` required or a
+named function answer with ``tool_calls`` (``auto`` needs the job's ``--enable-auto-tool-choice``
+and ``--tool-call-parser``, as the server's). ``max_tokens`` as the server
 decides it: a number that overflows the context is refused, naming both numbers; without
 one, chat runs up to the context and a completion gets 16. ``model`` is echoed, not checked:
 a job serves the one model of its config. Every line is checked before anything runs.
@@ -36,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specray.protocol import checks as C
 from specray.protocol import openai as P
+from specray.protocol import tools
 
 log = logging.getLogger("specray.jobs")
 
@@ -85,7 +88,7 @@ class BatchRequest:
         n = len(c.samplings[0])
         echoes = [P.echo_of(c.prompts[i // n], c.prompt_ids[i // n], self.tokenizer) if self.echo else None
                   for i in range(len(outs))]
-        choices = P.choices(outs, self.chat, echoes, P.token_text_of(self.tokenizer))
+        choices = tools.choices(P.choices(outs, self.chat, echoes, P.token_text_of(self.tokenizer)), c.tools)
         body = P.completion_response(rid, self.model, choices, P.usage(outs, [len(ids) for ids in c.prompt_ids]),
                                      P.speculation_metrics(outs), self.chat)
         return json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": self.custom_id,

@@ -18,6 +18,8 @@ from specray.engine.params import SamplingParams, best_speculation
 from specray.engine.intake import ContextLengthError, check_context_length, encode_prompt
 from specray.policies.registry import Limits, parse_speculation, validate_speculation
 from specray.protocol import openai as P
+from specray.protocol import tools
+from specray.protocol.tools import ToolPlan
 
 MAX_REPORTED = 10  # problems listed in one message; the rest are counted
 
@@ -51,6 +53,7 @@ class Facts:
     vocab_size: int
     limits: Limits
     default_speculation: Any
+    tool_parser: str | None = None  # auto tool choice's parser (--tool-call-parser); None: auto is off
     _grammars: Any = field(default=None, repr=False)
 
     @property
@@ -177,6 +180,7 @@ class Checked:
     samplings: list[list[SamplingParams]]
     speculation: dict | None
     prompt_only: bool = False  # max_tokens 0 with echo: score the prompt, generate nothing (``P.prompt_only``)
+    tools: ToolPlan | None = None  # how the reply is read for tool calls (chat; ``protocol/tools.py``)
 
 
 def _grammar_problems(req, facts: Facts, prefix: str) -> list[tuple[str, str]]:
@@ -257,7 +261,14 @@ def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = 
     problems += _token_id_problems(req, facts, prefix)
     problems += _grammar_problems(req, facts, prefix)
     problems += _speculation_problems(req.speculation or facts.default_speculation, facts, prefix)
+    plan = None
+    if chat:
+        if (problem := tools.auto_problem(req, facts.tool_parser)) is not None:
+            problems.append((f"{prefix}tool_choice", f"{prefix}tool_choice: {problem}"))
+        plan = tools.plan_for(req, facts.tool_parser)
     if problems:
         raise RequestError(problems)
+    if plan is not None and plan.keeps_special_tokens(facts.tokenizer):
+        samplings = [[s.model_copy(update={"skip_special_tokens": False}) for s in row] for row in samplings]
     spec = req.speculation.model_dump() if req.speculation else None
-    return Checked(prompts, ids_per_prompt, samplings, spec, prompt_only)
+    return Checked(prompts, ids_per_prompt, samplings, spec, prompt_only, plan)

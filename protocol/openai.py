@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from specray.engine.params import SamplingParams, Speculation, StructuredOutputs
 from specray.engine.intake import check_context_length
+from specray.protocol import tools
 
 
 # Request bodies are strict where OpenAI is: a boolean is not an integer, a string is not a
@@ -385,16 +386,34 @@ class ToolCall(BaseModel):
 
 class FunctionDefinition(BaseModel):
     model_config = STRICT
-    name: str
+    name: str = Field(..., min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (none: no arguments)")
+    strict: bool | None = Field(None, description="the arguments always match (constrained calls: they do)")
+
+    @field_validator("parameters")
+    @classmethod
+    def _a_schema(cls, v):
+        return v if v is None else tools.check_parameters(v)
 
 
 class Tool(BaseModel):
     model_config = STRICT
     type: Literal["function"] = "function"
     function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: str = Field(..., min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call this function."""
+
+    model_config = STRICT
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatMessage(BaseModel):
@@ -464,11 +483,11 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = Field(False, description="return each token's log-probability (the target's raw distribution)")
     top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
-    tools: list[Tool] | None = Field(None, description="rendered by the chat template (no tool-call parsing)")
-    tool_choice: Literal["none", "auto"] | None = Field(
-        None, description="'none' or 'auto' (the model writes what it writes); 'required' and named tools "
-        "would need guided decoding")
-    parallel_tool_calls: bool | None = None
+    tools: list[Tool] | None = Field(None, description="rendered by the chat template; see tool_choice")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none: text; auto (the default with tools): calls parsed by the server's "
+        "--tool-call-parser; required, or a named function: the output constrained to calls (protocol/tools.py)")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default: several allowed)")
     # vLLM's chat template extensions, honoured (transformers' apply_chat_template takes them)
     add_generation_prompt: bool = True
     continue_final_message: bool = Field(False, description="leave the last (assistant) message open to continue it")
@@ -493,6 +512,56 @@ class ChatCompletionRequest(_Common):
             documents=self.documents, chat_template=self.chat_template, tokenize=False,
             add_generation_prompt=self.add_generation_prompt, continue_final_message=self.continue_final_message,
             **(self.chat_template_kwargs or {}))
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _one_choice(cls, v):
+        """One message for a wrong tool_choice (a union would give one per member)."""
+        if isinstance(v, dict):
+            try:
+                return NamedToolChoice.model_validate(v)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                raise ValueError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}; a named function is "
+                                 '{"type": "function", "function": {"name": "my_function"}}') from None
+        if v is not None and v not in ("none", "auto", "required"):
+            raise ValueError(f"{v!r} is not 'none', 'auto', 'required' or "
+                             '{"type": "function", "function": {"name": "my_function"}}')
+        return v
+
+    def tool_mode(self) -> str:
+        """none, auto, required or named (OpenAI's default: auto when tools are given, else none)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    @model_validator(mode="after")
+    def _tool_choice_fits(self):
+        """vLLM's checks of tool_choice against tools; required and named constrain the output
+        (one structured output per request: they take the constraint's place)."""
+        if self.tools is not None and not self.tools:
+            raise FieldError("tools", "must not be empty: give at least one tool, or leave tools out")
+        mode = self.tool_mode()
+        if mode in ("none", "auto"):
+            if self.tool_choice == "auto" and not self.tools:
+                raise FieldError("tool_choice", "tool_choice 'auto' needs tools")
+            return self
+        names = [t.function.name for t in self.tools or []]
+        if not names:
+            raise FieldError("tool_choice", f"tool_choice {mode} needs tools")
+        named = self.tool_choice.function.name if mode == "named" else None
+        if named is not None and named not in names:
+            raise FieldError("tool_choice", f"function {named!r} is not among the tools ({', '.join(names)})")
+        if self._constraint[0] is not None:
+            raise FieldError("tool_choice", f"tool_choice {mode} constrains the output to tool calls; "
+                             f"{self._constraint[0]} asks for another structured output (one per request)")
+        try:
+            schema = tools.call_schema([(t.function.name, t.function.parameters) for t in self.tools], named,
+                                       self.parallel_tool_calls is not False)
+        except ValueError as exc:
+            raise FieldError("tools", str(exc)) from None
+        self._constraint = ("tools", StructuredOutputs(json=schema))
+        return self
 
     @model_validator(mode="after")
     def _one_ending(self):
@@ -567,12 +636,18 @@ def speculation_metrics(finals: list[dict]) -> list[dict]:
     return [{"method": ran_method(o), **o["metrics"]} for o in finals]
 
 
-def choice(index: int, text: str, finish_reason: str | None, chat: bool, delta: bool = False) -> dict:
+def choice(index: int, text: str, finish_reason: str | None, chat: bool) -> dict:
     if not chat:
         return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
-    key = "delta" if delta else "message"
-    body = {"content": text} if delta else {"role": "assistant", "content": text}
-    return {"index": index, key: body, "finish_reason": finish_reason, "logprobs": None}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+            "logprobs": None}
+
+
+def delta_choice(index: int, body: dict, finish_reason: str | None, chat: bool) -> dict:
+    """A streamed choice: chat's ``delta`` (content, or tool-call deltas), a completion's text."""
+    if not chat:
+        return choice(index, body.get("content", ""), finish_reason, chat)
+    return {"index": index, "delta": body, "finish_reason": finish_reason, "logprobs": None}
 
 
 def chunk(rid: str, model: str, choices: list[dict], chat: bool, usage: dict | None = None) -> dict:

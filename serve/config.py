@@ -14,11 +14,12 @@ import json
 import os
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specray.actors.config import SpecrayConfig
 from specray.engine.admission import AdmissionPolicy
 from specray.policies.registry import PLAIN, method_spec, parse_speculation, resolve_method
+from specray.protocol.tool_parsers import PARSER_NAMES
 
 DEMO_MODEL_NAME = "specray-demo"
 
@@ -219,6 +220,12 @@ class ServeConfig(BaseModel):
     runtime_env: dict | None = Field(
         None, description="Ray runtime environment of the replicas and of the workers they start (as ray.serve.llm's "
         "LLMConfig.runtime_env): env_vars, pip, or a worker_process_setup_hook that registers methods of your own.")
+    enable_auto_tool_choice: bool = Field(
+        False, description="tool_choice 'auto' (the default with tools): the model's calls are parsed by "
+        "tool_call_parser (vLLM's flag; without it such a request is a 400).")
+    tool_call_parser: str | None = Field(
+        None, description=f"how auto tool choice reads calls: {', '.join(PARSER_NAMES)} (vLLM's names; "
+        "docs/tool-calling.md).")
 
     @model_validator(mode="before")
     @classmethod
@@ -231,6 +238,24 @@ class ServeConfig(BaseModel):
             target = self.engine.target
             self.model_name = os.path.basename(os.path.normpath(target)) if target else DEMO_MODEL_NAME
         return self
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parser(cls, v):
+        if v is not None and v not in PARSER_NAMES:
+            raise ValueError(f"unknown tool-call parser {v!r}; choose one of {', '.join(PARSER_NAMES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _auto_needs_a_parser(self):
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                             f"{', '.join(PARSER_NAMES)})")
+        return self
+
+    def auto_tool_parser(self) -> str | None:
+        """The parser of tool_choice 'auto', None where auto tool choice is off."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     def admission_policy(self) -> AdmissionPolicy:
         """The one policy that admits a request whole or refuses it whole (engine/admission.py)."""

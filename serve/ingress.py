@@ -16,6 +16,7 @@ from specray.engine.admission import RETRY_AFTER_S, RequestCost
 from specray.engine.delta import OutputAssembly
 from specray.protocol import checks as C
 from specray.protocol import openai as P
+from specray.protocol import tools
 from specray.serve.config import ServeConfig
 from specray.serve.deployment import REFUSED
 from specray.serve.metrics import scrape
@@ -106,6 +107,7 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(engine.tokenizer or engine.target)
         # What checking a request needs (context, vocabulary, methods), read once, as the engines see it.
         self.facts = C.facts_for(engine, self.tokenizer)
+        self.facts.tool_parser = cfg.auto_tool_parser()
         self.token_text = P.token_text_of(self.tokenizer)
         self.engine_config = engine
         self.static = static_files()
@@ -309,13 +311,13 @@ class OpenAIIngress:
             options = req.stream_options or P.StreamOptions()
             return StreamingResponse(
                 self._sse(rid, stream, count, first, chat, max_stop, options, echoes,
-                          [len(ids) for ids in checked.prompt_ids], checked.prompt_only),
+                          [len(ids) for ids in checked.prompt_ids], checked.prompt_only, checked.tools),
                 media_type="text/event-stream",
             )
         finals = await self._whole(stream, count)
         if checked.prompt_only:
             finals = [P.prompt_only(f) for f in finals]
-        choices = P.choices(finals, chat, echoes, self.token_text)
+        choices = tools.choices(P.choices(finals, chat, echoes, self.token_text), checked.tools)
         usage = P.usage(finals, [len(ids) for ids in checked.prompt_ids])
         return P.completion_response(rid, self.model, choices, usage, P.speculation_metrics(finals), chat)
 
@@ -355,7 +357,7 @@ class OpenAIIngress:
         return first
 
     async def _sse(self, rid, stream, count, first, chat, max_stop, options: P.StreamOptions, echoes, prompt_sizes,
-                   prompt_only=False):
+                   prompt_only=False, tool_plan=None):
         # With include_speculation each choice's steps travel with the text they make up.
         tracks = [SpeculationTrack(self.tokenizer) for _ in range(count)] if options.include_speculation else None
         # continuous_usage_stats (vLLM's): every chunk carries its choice's usage so far.
@@ -366,6 +368,7 @@ class OpenAIIngress:
                 return None
             return P.usage([], prompt_sizes) if out is None else P.usage([out], [prompt_sizes[index // per_prompt]])
         wholes = [OutputAssembly() for _ in range(count)]  # each choice's output so far, from its deltas
+        calls = [tool_plan.stream() for _ in range(count)] if tool_plan is not None else None  # tool-call deltas
 
         async def deltas():
             yield first
@@ -413,10 +416,16 @@ class OpenAIIngress:
                                                                                or echoing):
                     logprobs = P.choice_logprobs(out, chat, echoes[index], self.token_text, scored[index])
                     scored[index] = len(out["logprobs"])
-                if delta or reason or steps:
-                    choice = P.choice(index, delta, reason, chat, delta=True)
-                    choice["logprobs"] = logprobs
-                    if steps is not None:
+                if calls is None:
+                    bodies = [{"content": delta}] if delta or reason or steps else []
+                else:  # the text as content and tool-call deltas (protocol/tool_parsers.py)
+                    bodies = calls[index].feed(text[:upto], out["finished"])
+                    reason = tools.finish_reason(reason, calls[index].called)
+                    bodies = bodies or ([{}] if reason or steps else [])
+                for n, body in enumerate(bodies):
+                    choice = P.delta_choice(index, body, reason if n == len(bodies) - 1 else None, chat)
+                    choice["logprobs"] = logprobs if n == 0 else None
+                    if steps is not None and n == 0:
                         choice["speculation"] = steps
                     yield P.sse(P.chunk(rid, self.model, [choice], chat, usage=running(index, out)))
                 if out["finished"]:

@@ -8,7 +8,7 @@ ingress, an engine replica and its workers: processes that import torch, seconds
   and wants an API key: admission, overload and keys.
 * ``colocated_url`` — two colocated replicas with a 64-token context and one suffix tree
   shared through its actor: suffix decoding's cross-replica drafts, lookahead's window.
-* ``demo_url`` — the demo pair (a real tokenizer and chat template).
+* ``demo_url`` — the demo pair (a real tokenizer and chat template), auto tool choice on (hermes).
 
 No shared application reserves a fake GPU (``cpu_placement``): tests that place models on
 GPUs get both of the session's. Tests that need a configuration of their own run it on the
@@ -177,8 +177,10 @@ def colocated_url(server, tiny_tok):
 
 @pytest.fixture(scope="session")
 def demo_url(server, demo_pair):
-    """build_app with no models: the demo pair (separate actors, small CPU shares)."""
-    cfg = {"model_name": DEMO, "engine": {"max_num_seqs": 4, "placement": cpu_placement("separate")}}
+    """build_app with no models: the demo pair (separate actors, small CPU shares); auto tool
+    choice on, with the parser of the calls its chat template asks for."""
+    cfg = {"model_name": DEMO, "enable_auto_tool_choice": True, "tool_call_parser": "hermes",
+           "engine": {"max_num_seqs": 4, "placement": cpu_placement("separate")}}
     return run_app(server, cfg, "demo", DEMO)
 
 

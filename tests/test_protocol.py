@@ -130,7 +130,7 @@ def test_tools_tool_calls_and_tool_messages_reach_the_template(facts):
                  "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 7}'}}]},
                 {"role": "tool", "content": "r", "tool_call_id": "c1"}]
     tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}]
-    assert rendered(facts, messages=messages, tools=tools) == "Tfua\nbaCf7trIc1ZZ"
+    assert rendered(facts, messages=messages, tools=tools, tool_choice="none") == "Tfua\nbaCf7trIc1ZZ"
     assert rendered(facts, messages=messages[:1]) == "ua\nbZZ"  # no tools: none rendered
 
 
@@ -140,8 +140,8 @@ def test_a_template_that_fails_is_a_400_naming_messages(facts):
     assert info.value.param == "messages" and "starts with a user" in str(info.value)
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
-def test_tool_choice_that_needs_guided_decoding_is_refused(choice):
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "f"}}])
+def test_a_tool_choice_without_tools_is_refused(choice):
     with pytest.raises(C.RequestError) as info:
         C.parse(body(True, {"tool_choice": choice}), True)
     assert info.value.param == "tool_choice"

@@ -916,10 +916,14 @@ def test_openai_message_shapes(main_url, client, target_model):
                 {"role": "assistant", "content": None},
                 {"role": "user", "content": [{"type": "text", "text": "hello"}]}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    r = client.chat.completions.create(model=MAIN, messages=messages, tools=tools, tool_choice="auto",
+    r = client.chat.completions.create(model=MAIN, messages=messages, tools=tools, tool_choice="none",
                                        max_tokens=6, temperature=0)
-    assert r.choices[0].message.content == ref
+    assert r.choices[0].message.content == ref and not r.choices[0].message.tool_calls
     url = f"{main_url}/v1/chat/completions"
+    auto = {"model": MAIN, "messages": messages, "tools": tools, "max_tokens": 6}  # auto, the default with tools
+    err = assert_openai_error(httpx.post(url, json=auto, timeout=60), 400, "--enable-auto-tool-choice",
+                              "--tool-call-parser")
+    assert err["param"] == "tool_choice"
     image = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
     err = assert_openai_error(httpx.post(url, json={"model": MAIN, "messages": [{"role": "user", "content": image}]},
                                          timeout=60), 400, "image_url", "text")
