@@ -410,6 +410,9 @@ def _batch_line(custom_id, body, url="/v1/completions"):
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "tiny", **body}}
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 def _batch_records():
     hello = [{"role": "system", "content": "abc"}, {"role": "user", "content": "hello"}]  # -> "abchelloZZ"
     return [
@@ -424,6 +427,8 @@ def _batch_records():
                     url="/v1/chat/completions"),  # no max_tokens: up to the 256-token context
         _batch_line("constrained", {"prompt": "helloWorld", "max_tokens": 12, "temperature": 0,
                                     "structured_outputs": {"regex": "[a-c]{2}(x[0-9])+"}}),
+        _batch_line("chat-tools", {"messages": hello, "max_tokens": 10, "temperature": 0, "tools": [TOOL],
+                                   "tool_choice": "none"}, url="/v1/chat/completions"),  # rendered, never parsed
         _batch_line("sampled", {"prompt": [1, 2, 3], "max_tokens": 6, "n": 2, "seed": 5, "temperature": 1.0}),
     ]
 
@@ -432,7 +437,7 @@ def _check_batch_output(lines: list[dict], target) -> None:
     from tests.conftest import decode, encode
 
     by_id = {o["custom_id"]: o for o in lines}
-    assert len(by_id) == len(lines) == 7
+    assert len(by_id) == len(lines) == 8
     for o in lines:
         assert set(o) == {"id", "custom_id", "response", "error"} and o["error"] is None
         assert o["id"].startswith("batch_req_")
@@ -444,6 +449,7 @@ def _check_batch_output(lines: list[dict], target) -> None:
         "text-default": (encode("helloWorld"), 16, False),
         "chat": (encode("abchelloZZ"), 10, True),
         "chat-mct": (encode("abchelloZZ"), 5, True),
+        "chat-tools": (encode("abchelloZZ"), 10, True),  # the tiny template renders contents only
         "chat-to-context": (encode("hiZZ"), 256 - 4, True),
     }
     for cid, (prompt, n, chat) in expected.items():
@@ -460,6 +466,7 @@ def _check_batch_output(lines: list[dict], target) -> None:
     constrained = by_id["constrained"]["response"]["body"]["choices"][0]["text"]
     assert re.fullmatch("[a-c]{2}(x[0-9])+", constrained) or re.fullmatch("[a-c]{2}(x[0-9])*x?", constrained), constrained
     assert by_id["chat-mct"]["response"]["body"]["speculation_metrics"][0]["num_drafts"] > 0
+    assert "tool_calls" not in by_id["chat-tools"]["response"]["body"]["choices"][0]["message"]
     sampled = by_id["sampled"]["response"]["body"]
     assert [c["index"] for c in sampled["choices"]] == [0, 1]
     assert sampled["usage"]["completion_tokens"] == 12 and sampled["usage"]["prompt_tokens"] == 3
@@ -478,7 +485,7 @@ def test_openai_batch_file_in_openai_output_out_and_resume(ray_session, tiny_dir
     lines = [json.loads(x) for x in text.splitlines()]
     assert [o["custom_id"] for o in lines] == [r["custom_id"] for r in _batch_records()]  # input order
     _check_batch_output(lines, target)
-    assert summary["prompts_total"] == summary["prompts_done"] == 7 and summary["prompts_skipped"] == 0
+    assert summary["prompts_total"] == summary["prompts_done"] == 8 and summary["prompts_skipped"] == 0
     assert summary["generated_tokens"] == sum(o["response"]["body"]["usage"]["completion_tokens"] for o in lines)
 
     # A crash: the second line lost, the last one torn mid-write. Resumed by custom_id,
@@ -487,10 +494,10 @@ def test_openai_batch_file_in_openai_output_out_and_resume(ray_session, tiny_dir
     out.write_text(kept[0] + "".join(kept[2:-1]) + kept[-1][:20])
     assert jobs.main(argv) == 0
     summary2 = _summary_from_stdout(capsys.readouterr().out)
-    assert summary2["prompts_skipped"] == 5 and summary2["prompts_done"] == 2
+    assert summary2["prompts_skipped"] == 6 and summary2["prompts_done"] == 2
     resumed = out.read_text().splitlines(keepends=True)
-    assert resumed[:5] == [kept[0], *kept[2:-1]]  # untouched
-    assert [json.loads(x)["custom_id"] for x in resumed[5:]] == ["text-default", "sampled"]
+    assert resumed[:6] == [kept[0], *kept[2:-1]]  # untouched
+    assert [json.loads(x)["custom_id"] for x in resumed[6:]] == ["text-default", "sampled"]
     _check_batch_output([json.loads(x) for x in resumed], target)
 
     # Nothing left: no coordinator, no change; the summary is the last run's, kept.
@@ -528,17 +535,22 @@ def test_openai_batch_bad_lines_are_rejected_up_front(batch_config, tmp_path, ca
         _batch_line("l", {"prompt": [1] * 256}),                                       # 15 prompt fills context
         _batch_line("m", {"messages": [{"role": "user", "content": "ok"}], "max_tokens": 4}, url=chat),  # 16 ok
         {**_batch_line("o", {"prompt": [1] * 200, "max_tokens": 100, "stream": True}), "method": "GET"},  # 17 all
+        _batch_line("q", {"messages": [{"role": "user", "content": "ok"}], "tools": [TOOL]}, url=chat),  # 18 auto
+        _batch_line("r", {"messages": [{"role": "user", "content": "ok"}], "tools": [TOOL],
+                          "tool_choice": {"type": "function", "function": {"name": "g"}}}, url=chat),  # 19 not a tool
     ]
     inp = tmp_path / "bad.jsonl"
-    inp.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"custom_id": "n", \n'  # 18 not JSON
-                   + json.dumps(_batch_line("p", {"prompt": "a\ud800b"})) + "\n")       # 19 lone surrogate
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines) + '{"custom_id": "n", \n'  # 20 not JSON
+                   + json.dumps(_batch_line("p", {"prompt": "a\ud800b"})) + "\n")       # 21 lone surrogate
     out = tmp_path / "out.jsonl"
     assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(batch_config)]) == 2
     err = capsys.readouterr().err
     expect = {2: "custom_id", 3: "method", 4: "url", 5: "body.max_tokens", 6: "body.max_tokens",
               7: "body.stream", 8: "repeats line 1", 9: "body.speculation", 10: "body.messages.0.role",
               11: "body.frobnicate", 12: "body.prompt", 13: "body.max_completion_tokens", 14: "custom_id",
-              15: "body.prompt", 18: "invalid JSON", 19: "body.prompt: not valid Unicode"}
+              15: "body.prompt", 18: "body.tool_choice: \"auto\" tool choice requires --enable-auto-tool-choice",
+              19: "body.tool_choice: function 'g' is not among the tools", 20: "invalid JSON",
+              21: "body.prompt: not valid Unicode"}
     reported: dict[int, str] = {}
     for row in err.splitlines():
         if row.strip().startswith("line "):

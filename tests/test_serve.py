@@ -20,6 +20,7 @@ import re
 import time
 
 import httpx
+import jsonschema
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -686,6 +687,100 @@ def test_demo_chat_and_stream(demo_client, demo_reference, demo_models):
         model="specray-demo", messages=messages, max_tokens=24, temperature=0, stream=True,
         extra_body={"speculation": {"method": "ngram"}}) if c.choices]
     assert "".join(pieces) == ref.text and len([p for p in pieces if p]) >= 2
+
+
+# -- tool calls on the demo pair (auto tool choice on, hermes; tests/test_tools.py: the rest) --------
+def valid_call(call) -> dict:
+    """A call of the openai client's reply: its id and type, its arguments valid for its tool."""
+    from tests.test_tools import SCHEMAS
+
+    assert call.id.startswith("call_") and call.type == "function"
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, SCHEMAS[call.function.name])
+    return arguments
+
+
+@pytest.mark.slow
+def test_required_and_named_tool_calls(demo_client):
+    """required with parallel_tool_calls false: exactly one call; a named function: that one;
+    the stream, assembled by the client, is the same reply; with parallel calls allowed the
+    demo model writes several (until max_tokens: no valid whole array, so the reply is its text)."""
+    from tests.test_tools import ASK, TIME, WEATHER
+
+    one = demo_client.chat.completions.create(model=DEMO, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                              parallel_tool_calls=False, max_tokens=60, temperature=0)
+    choice = one.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    valid_call(call)
+    named = demo_client.chat.completions.create(model=DEMO, messages=ASK, tools=[WEATHER, TIME], max_tokens=60,
+                                                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                                temperature=0, extra_body={"speculation": {"method": "ngram"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and set(valid_call(call)) == {"city", "unit"}
+    assert named.choices[0].finish_reason == "tool_calls"
+    with demo_client.chat.completions.stream(model=DEMO, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                             parallel_tool_calls=False, max_tokens=60, temperature=0) as stream:
+        pieces = [event for event in stream if event.type == "tool_calls.function.arguments.delta"]
+        streamed = stream.get_final_completion().choices[0]
+    assert len(pieces) >= 2 and streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    several = demo_client.chat.completions.create(model=DEMO, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                                  max_tokens=60, temperature=0, stream=True)
+    indices = {tc.index for chunk in several if chunk.choices for tc in chunk.choices[0].delta.tool_calls or []}
+    assert len(indices) >= 2
+
+
+@pytest.mark.slow
+def test_a_tool_result_round_trips(demo_client):
+    """The call goes back as the assistant's tool_calls, its result as a tool message; the chat
+    template renders both (the prompt grows by them) and the model answers."""
+    from tests.test_tools import ASK, WEATHER
+
+    first = demo_client.chat.completions.create(model=DEMO, messages=ASK, tools=[WEATHER], max_tokens=40, temperature=0,
+                                                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    messages = ASK + [first.choices[0].message.model_dump(exclude_none=True),
+                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    second = demo_client.chat.completions.create(model=DEMO, messages=messages, tools=[WEATHER], tool_choice="none",
+                                                 max_tokens=8, temperature=0)
+    assert isinstance(second.choices[0].message.content, str) and not second.choices[0].message.tool_calls
+    grown = second.usage.prompt_tokens - first.usage.prompt_tokens
+    assert grown > len(call.function.arguments) // 4, grown
+
+
+HERMES_CALL = r'Checking\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}\n</tool_call>'
+
+
+@pytest.mark.slow
+def test_auto_tool_choice_parses_what_the_model_writes(demo_client, demo_url):
+    """auto (the default with tools) on a server started with --enable-auto-tool-choice
+    --tool-call-parser hermes: a Hermes call the model writes (a regex makes the demo model write
+    one) comes back as tool_calls, its text before as content — whole and streamed; the bad
+    requests are 400s naming their field."""
+    from tests.test_tools import ASK, TIME, assemble, chat
+
+    extra = {"structured_outputs": {"regex": HERMES_CALL}}
+    whole = demo_client.chat.completions.create(model=DEMO, messages=ASK, tools=[TIME], max_tokens=80, temperature=0,
+                                                extra_body=extra)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_time" and len(valid_call(call)["zone"]) == 3
+    chunks = [c for c in demo_client.chat.completions.create(model=DEMO, messages=ASK, tools=[TIME], max_tokens=80,
+                                                             temperature=0, extra_body=extra, stream=True) if c.choices]
+    deltas = [c.choices[0].delta.model_dump(exclude_none=True) for c in chunks]
+    content, calls = assemble(deltas)
+    assert content == "Checking." and [(c["name"], c["arguments"]) for c in calls] == \
+        [(call.function.name, call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    url = f"{demo_url}/v1/chat/completions"
+    for patch, param in ((dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+                         (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]),
+                          "tools.0.function.parameters")):
+        err = assert_openai_error(httpx.post(url, json=chat(**patch), timeout=60), 400)
+        assert err["param"] == param, err
 
 
 @pytest.mark.slow

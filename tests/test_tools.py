@@ -1,5 +1,5 @@
 """Tool calling: the parsers on each family's format, the request checks, exactness under
-speculation, batch files, and the whole loop over HTTP on the demo pair.
+speculation and batch files. Over HTTP (the shared demo server): tests/test_serve.py.
 
 The demo models never saw tool data: ``auto`` is tested on outputs written in each family's
 format (hermes: Qwen2.5/3 and Hermes; llama3_json: Llama 3.1/3.2), and over HTTP with a regex
@@ -11,15 +11,13 @@ from __future__ import annotations
 import copy
 import json
 
-import httpx
 import jsonschema
-import openai
 import pytest
 
 from specray.protocol import checks as C
 from specray.protocol import tool_parsers as T
 from specray.protocol import tools
-from tests.serving import DEMO, assert_openai_error
+from tests.serving import DEMO
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -243,91 +241,31 @@ def test_required_calls_are_the_same_tokens_under_every_method(demo_models, demo
         parsed.calls
 
 
-# -- over HTTP, with the openai client (the shared demo server: hermes, auto tool choice on) ------------
-@pytest.fixture(scope="module")
-def client(demo_url):
-    return openai.OpenAI(base_url=f"{demo_url}/v1", api_key="x", max_retries=0, timeout=120)
+# -- the flags ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, words", [
+    (["--tool-call-parser", "mistral"], ["--tool-call-parser mistral", "hermes, llama3_json"]),
+    (["--enable-auto-tool-choice"], ["--enable-auto-tool-choice needs --tool-call-parser"]),
+])
+def test_serve_refuses_tool_flags_it_cannot_honour(argv, words, capsys):
+    from specray.entrypoints.cli import main
+
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and all(w in err for w in words), err
 
 
-def valid(call) -> dict:
-    assert call.id.startswith("call_") and call.type == "function"
-    arguments = json.loads(call.function.arguments)
-    jsonschema.validate(arguments, SCHEMAS[call.function.name])
-    return arguments
+def test_a_job_takes_the_tool_flags_over_its_configs_keys(tmp_path):
+    """A job reads a serve config's enable-auto-tool-choice and tool-call-parser, and vLLM's
+    flags, which override it; its engine part is the job's config as before."""
+    from specray.entrypoints import jobs
 
-
-@pytest.mark.slow
-def test_required_and_named_calls_over_http(client):
-    """required with parallel_tool_calls false: exactly one call; a named function: that one;
-    the stream, assembled by the client, is the same reply; with parallel calls allowed the
-    demo model writes several (until max_tokens: no valid whole array, so the reply is its text)."""
-    one = client.chat.completions.create(model=DEMO, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                         parallel_tool_calls=False, max_tokens=60, temperature=0)
-    choice = one.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    (call,) = choice.message.tool_calls
-    valid(call)
-    named = client.chat.completions.create(model=DEMO, messages=ASK, tools=[WEATHER, TIME], max_tokens=60,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                           temperature=0, extra_body={"speculation": {"method": "ngram"}})
-    (call,) = named.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and set(valid(call)) == {"city", "unit"}
-    assert named.choices[0].finish_reason == "tool_calls"
-    with client.chat.completions.stream(model=DEMO, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                        parallel_tool_calls=False, max_tokens=60, temperature=0) as stream:
-        pieces = [event for event in stream if event.type == "tool_calls.function.arguments.delta"]
-        streamed = stream.get_final_completion().choices[0]
-    assert len(pieces) >= 2 and streamed.finish_reason == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
-        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
-    several = client.chat.completions.create(model=DEMO, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                             max_tokens=60, temperature=0, stream=True)
-    indices = {tc.index for chunk in several if chunk.choices for tc in chunk.choices[0].delta.tool_calls or []}
-    assert len(indices) >= 2
-
-
-@pytest.mark.slow
-def test_a_tool_result_round_trips(client):
-    """The call goes back as the assistant's tool_calls, its result as a tool message; the chat
-    template renders both (the prompt grows by them) and the model answers."""
-    first = client.chat.completions.create(model=DEMO, messages=ASK, tools=[WEATHER], max_tokens=40, temperature=0,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    call = first.choices[0].message.tool_calls[0]
-    messages = ASK + [first.choices[0].message.model_dump(exclude_none=True),
-                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
-    second = client.chat.completions.create(model=DEMO, messages=messages, tools=[WEATHER], tool_choice="none",
-                                            max_tokens=8, temperature=0)
-    assert isinstance(second.choices[0].message.content, str) and not second.choices[0].message.tool_calls
-    grown = second.usage.prompt_tokens - first.usage.prompt_tokens
-    assert grown > len(call.function.arguments) // 4, grown
-
-
-HERMES_CALL = r'Checking\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}\n</tool_call>'
-
-
-@pytest.mark.slow
-def test_auto_parses_what_the_model_writes(client, demo_url):
-    """auto (the default with tools) on a server started with --enable-auto-tool-choice
-    --tool-call-parser hermes: a Hermes call the model writes (a regex makes the demo model write
-    one) comes back as tool_calls, its text before as content — whole and streamed; the bad
-    requests are 400s naming their field."""
-    extra = {"structured_outputs": {"regex": HERMES_CALL}}
-    whole = client.chat.completions.create(model=DEMO, messages=ASK, tools=[TIME], max_tokens=40, temperature=0,
-                                           extra_body=extra)
-    choice = whole.choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
-    (call,) = choice.message.tool_calls
-    assert call.function.name == "get_time" and len(valid(call)["zone"]) == 3
-    chunks = [c for c in client.chat.completions.create(model=DEMO, messages=ASK, tools=[TIME], max_tokens=40,
-                                                         temperature=0, extra_body=extra, stream=True) if c.choices]
-    deltas = [c.choices[0].delta.model_dump(exclude_none=True) for c in chunks]
-    content, calls = assemble(deltas)
-    assert content == "Checking." and [(c["name"], c["arguments"]) for c in calls] == \
-        [(call.function.name, call.function.arguments)]
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    url = f"{demo_url}/v1/chat/completions"
-    for patch, param in ((dict(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
-                         (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]),
-                          "tools.0.function.parameters")):
-        err = assert_openai_error(httpx.post(url, json=chat(**patch), timeout=60), 400)
-        assert err["param"] == param, err
+    config = tmp_path / "serve.yaml"
+    config.write_text("enable-auto-tool-choice: true\ntool-call-parser: llama3_json\nmax-num-seqs: 3\n")
+    base = ["--input", "in.jsonl", "--output", "out.jsonl"]
+    parse = jobs.build_parser().parse_args
+    assert jobs.tool_settings(parse(base)) is None
+    assert jobs.tool_settings(parse([*base, "--config", str(config)])) == "llama3_json"
+    assert jobs.tool_settings(parse([*base, "--config", str(config), "--tool-call-parser", "hermes"])) == "hermes"
+    assert jobs.load_config(str(config)).max_num_seqs == 3
+    with pytest.raises(jobs.UsageError, match="--tool-call-parser pythonic: unknown"):
+        jobs.tool_settings(parse([*base, "--tool-call-parser", "pythonic"]))
