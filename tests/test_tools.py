@@ -206,14 +206,16 @@ def test_special_markers_stay_in_the_text_where_the_tokenizer_makes_them_special
 # -- exact under speculation, and in batch files (the demo pair, in this process) ---------------------
 @pytest.mark.slow  # loads the demo pair's weights
 def test_required_calls_are_the_same_tokens_under_every_method(demo_models, demo_tokenizer):
-    """The constrained call is the grammar layer's: greedy, token for token the same for plain
-    decoding, a draft model, prompt lookup and an EAGLE tree; it parses into calls whose
-    arguments validate; a batch file's line with the same body answers with those calls."""
+    """The constrained call is the grammar layer's: greedy, token for token the constrained
+    target's (its forward per token, masked by llguidance's own matcher) for plain decoding, a
+    draft model, prompt lookup and an EAGLE tree; it parses into calls whose arguments validate;
+    a batch file's line with the same body answers with those calls."""
     from specray.engine.config import EngineConfig
     from specray.engine.llm_engine import LLMEngine
     from specray.engine.params import SpeculationParams
     from specray.entrypoints import openai_batch
     from tests.test_eagle import random_head
+    from tests.test_structured import constrained_greedy
 
     target, draft, _ = demo_models
     engine = LLMEngine(EngineConfig(target="<in-memory>", max_num_seqs=2), target_model=copy.deepcopy(target),
@@ -229,7 +231,8 @@ def test_required_calls_are_the_same_tokens_under_every_method(demo_models, demo
             for m in ("none", "draft", "ngram", "eagle")}
     assert len({tuple(o.token_ids) for o in outs.values()}) == 1, {m: o.text for m, o in outs.items()}
     plain = outs["none"]
-    assert plain.finish_reason == "stop"
+    reference = constrained_greedy(target, demo_tokenizer, ids[0], {"json": sampling.structured_outputs.json_}, 60)
+    assert plain.token_ids in (reference, reference + [demo_tokenizer.eos_token_id]) and plain.finish_reason == "stop"
     parsed = T.parse(T.scan_required, plain.text)
     assert len(parsed.calls) == 1 and parsed.content is None
     for name, arguments in parsed.calls:
