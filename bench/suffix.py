@@ -117,11 +117,10 @@ def _run(args, argv) -> int:
 
 
 def _cold(engine) -> None:
-    """A run starts cold: a new suffix proposer (empty global tree), an unlearned controller."""
-    from specray.policies.controller import AdaptiveSpeculation
-
+    """A run starts cold: a new suffix proposer (empty global tree), a budget that has learned no
+    acceptance (its profiled cost table kept)."""
     engine.proposers._built.pop("suffix", None)
-    engine.driver.length_policy = AdaptiveSpeculation()
+    engine.driver.length_policy = engine.driver.length_policy.fresh()
 
 
 def _rows(workload: str, batch: int, best: dict[str, dict]) -> list[dict]:

@@ -73,11 +73,11 @@ class EngineConfig:
         eager on CPU).
     default_speculation: for requests that do not say; None (default) = the best method
         the loaded weights allow (``params.best_speculation``: draft, then heads, then
-        prompt lookup), its length left to the self-tuning controller.
+        prompt lookup), its length left to the verification budget.
     speculation_length: static caps of k by running batch size (off above a batch size),
-        whatever requests ask for; None (default) = the self-tuning controller
-        (``policies/controller.py``), which learns each step's k from measured acceptance
-        and step costs (k = 0 when speculation does not pay).
+        whatever requests ask for; None (default) = the verification budget
+        (``policies/budget.py``): each step verifies the draft slots, per request and
+        position, worth their cost by the profiled cost table (0 when none is).
     tensor_parallel_size: ranks the target is split over (``engine/tensor_parallel.py``), each a
         process on its own device; > 1 runs only under the Ray actors (rank 0 is the engine
         worker, ``engine/mirror.py``), the in-process engine refuses it.
@@ -88,6 +88,9 @@ class EngineConfig:
         (default): neither.
     warm_up: under a compiled step, compile every loaded method's graphs when the engine
         starts (``engine/warmup.py``), not on the first requests.
+    profile_costs: measure the verification budget's cost table when the engine starts: a
+        few steps at each batch-size bucket and width, and each loaded drafter's forwards
+        (``engine/profile.py``); False: the table fills from served steps alone.
     paged_kv: keep every model's KV in blocks of ``block_size`` tokens taken from one pool
         per model as sequences grow (default; ``engine/kv_blocks.py``), or False: each of the
         ``max_num_seqs`` rows holds a whole ``max_model_len`` context (the contiguous layout).
@@ -119,6 +122,7 @@ class EngineConfig:
     speculation_length: SpeculationLengthPolicy | None = None
     online_learning: CaptureConfig | None = None
     warm_up: bool = True
+    profile_costs: bool = True
     paged_kv: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None

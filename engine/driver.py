@@ -18,10 +18,9 @@ from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
 from specray.engine.accept import TargetScores, Verified, sampled_rows
 from specray.engine.collectives import GroupLostError
-from specray.engine.gc_pauses import gc_seconds
 from specray.kernels.sampling import sample
 from specray.policies.base import Draft, DraftRow
-from specray.policies.controller import AdaptiveSpeculation
+from specray.policies.budget import StepRecord, VerificationBudget
 from specray.policies.spec_length import SpeculationLengthPolicy
 
 log = logging.getLogger(__name__)
@@ -69,15 +68,15 @@ class StepDriver:
     """Continuous batching over an executor: requests join and leave between steps."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, capacity: int, tokenizer=None,
-                 length_policy: SpeculationLengthPolicy | AdaptiveSpeculation | None = None,
+                 length_policy: SpeculationLengthPolicy | VerificationBudget | None = None,
                  clock: Callable[[], float] = time.perf_counter):
         self.scheduler, self.executor = scheduler, executor
         self.capacity, self.tokenizer = capacity, tokenizer
         # What a step's cost is measured in (the length policy learns from it): wall seconds,
         # or (LLMEngine decides) the process's CPU seconds where that is all a step costs.
         self.clock = clock
-        # How many nodes each row drafts: learned online (default), or static caps.
-        self.length_policy = length_policy if length_policy is not None else AdaptiveSpeculation()
+        # How many nodes each row drafts: the verification budget (default), or static caps.
+        self.length_policy = length_policy if length_policy is not None else VerificationBudget()
         # Seconds spent waiting for drafts and verifying, and steps (benchmarks read them).
         self.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}
 
@@ -107,7 +106,7 @@ class StepDriver:
         return self._apply(S.commit_prefill(reqs, tokens, self.capacity, self.tokenizer, scores))
 
     async def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
-        start, cost, paused = time.perf_counter(), self.clock(), gc_seconds()
+        start, cost = time.perf_counter(), self.clock()
         views = [S.row_view(r) for r in batch]
         plan = S.plan_proposals(batch, self.capacity, self.length_policy.caps(views))
         drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
@@ -116,7 +115,7 @@ class StepDriver:
         batch, drafts, views, ended = self._make_room(batch, drafts, views)
         if not batch:
             return ended
-        proposed = time.perf_counter()
+        proposed, drafted_at = time.perf_counter(), self.clock()
         try:
             verified = await self.executor.verify(batch, drafts)
         except GroupLostError:
@@ -128,9 +127,10 @@ class StepDriver:
             self.phase_seconds["verify"] += time.perf_counter() - proposed
             self.phase_seconds["steps"] += 1
             outputs = self._apply(S.commit_step(batch, verified, self.capacity, self.tokenizer))
-            # A collector pause that fell in this step is no cost of its drafts (gc_pauses.py).
-            seconds = max(self.clock() - cost - (gc_seconds() - paused), 0.0)
-            self.length_policy.observe(views, [d.size for d in drafts], verified.result.num_accepted, seconds)
+            self.length_policy.observe(StepRecord(
+                views, [d.size for d in verified.drafts], verified.result.num_accepted, verified.result.paths,
+                [None if d.is_chain else d.structure.parents.numpy()[1:].tolist() for d in verified.drafts],
+                propose_s=drafted_at - cost, verify_s=self.clock() - drafted_at))
         return ended + self._fail_after(outputs, failed)
 
     def _make_room(self, batch: list[Request], drafts: list[DraftRow], views: list):

@@ -34,9 +34,10 @@ from specray.engine.params import SamplingParams
 from specray.engine.request import Request, RequestOutput
 from specray.engine.runner import ModelRunner
 from specray.engine.scheduler import Scheduler
+from specray.engine.profile import profile_costs
 from specray.engine.warmup import warm_up
 from specray.policies.checkpoint_files import measured_acceptance
-from specray.policies.controller import AdaptiveSpeculation
+from specray.policies.budget import BudgetConfig, VerificationBudget
 from specray.policies.registry import Limits, MethodOptions, ProposerContext, method_spec, registered_methods
 
 log = logging.getLogger(__name__)
@@ -124,9 +125,10 @@ class LLMEngine:
         self.intake = RequestMaker(self.limits, tokenizer, config.default_speculation)
         self.scheduler = Scheduler(config.max_num_seqs)
         self.executor = LocalExecutor(self.target, self.proposers)
-        # How many nodes each row drafts: static caps when configured, else the self-tuning
-        # controller, starting from the acceptance the loaded weights were measured at.
-        length = config.speculation_length or AdaptiveSpeculation(priors=measured_priors(config, self.limits.methods))
+        # How many nodes each row drafts: static caps when configured, else the verification
+        # budget, its estimates starting from the acceptance the loaded weights were measured at.
+        length = config.speculation_length or VerificationBudget(
+            BudgetConfig(ragged=self.step_mode == "eager"), measured_priors(config, self.limits.methods))
         # A step's cost: on a CPU with every proposer in this process, the CPU seconds it
         # takes (which other work on the same cores does not inflate, as it does wall time);
         # wall seconds where a device or another process works for it.
@@ -145,6 +147,9 @@ class LLMEngine:
         self.warmup_seconds = None  # what compiling the step took at start-up (compiled steps)
         if self.step_mode in COMPILED and config.warm_up and not proposers:  # remote proposers warm up there
             self.warmup_seconds = warm_up(self)
+        self.profile_seconds = None  # what measuring the budget's cost table took at start-up
+        if isinstance(length, VerificationBudget) and config.profile_costs and not proposers:
+            self.profile_seconds = profile_costs(self, length)
 
     def _runner_for(self, model, extra_capacity: int = 0, shift: int = 0, name: str = "draft") -> ModelRunner:
         """A runner for a proposer's model (a draft model, an EAGLE head): its cache paged like

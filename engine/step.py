@@ -24,7 +24,7 @@ from specray.engine.request import Request, RequestOutput, speculation_event
 from specray.engine import logprobs as L
 from specray.engine.accept import TargetScores, Verified
 from specray.policies.base import EMPTY, CommitRow, DeviceDraft, Draft, DraftRow, PrefillRow, ProposalRow, SamplingView
-from specray.policies.controller import RowView
+from specray.policies.budget import RowView
 from specray.policies.registry import PLAIN, method_spec
 
 

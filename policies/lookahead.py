@@ -84,10 +84,9 @@ class LookaheadOptions(MethodOptions):
     TensorRT-LLM's); those were not measured here.
 
     (W, N, G) always count as given, defaults included: lookahead sizes itself (it narrows
-    its window and candidates as batches grow), so the self-tuning speculation length
-    (``policies/controller.py``) leaves its requests on. That controller would otherwise
-    switch a request off in its first steps — drafting nothing while the window fills the
-    pool — and, with trees only on or off, never try it again.
+    its window and candidates as batches grow), so the verification budget
+    (``policies/budget.py``) leaves its requests as they are: it would otherwise price a
+    request off in its first steps, while the window fills the pool and nothing is drafted.
     """
 
     method: Literal["lookahead"] = "lookahead"

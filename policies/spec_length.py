@@ -31,12 +31,12 @@ class SpeculationLengthPolicy:
                 raise ValueError(f"batch_k_caps entries need min_batch >= 1 and max_k >= 0, got {(min_batch, max_k)}")
 
     def caps(self, rows) -> list[int | None]:
-        """Per row (``controller.RowView``): the k it asked for (None: a tree's own size),
+        """Per row (``budget.RowView``): the k it asked for (None: a tree's own size),
         capped at this batch size."""
         cap = self.cap(len(rows))
         return [r.requested if cap is None else (cap if r.requested is None else min(cap, r.requested)) for r in rows]
 
-    def observe(self, rows, drafted, accepted, seconds) -> None:
+    def observe(self, step) -> None:
         """Static caps learn nothing."""
 
     def release(self, request_id: str) -> None:

@@ -36,9 +36,8 @@ rows' own tokens plus the kept nodes' probabilities) per unit of step cost (1 + 
 ``step_cost_tokens``: the step's cost doubles with that many more verified tokens). Where
 verifying is dear — CPUs, GPUs at large batches — and the guesses unsure, W shrinks, to 0 when
 no draft is worth its cost; a lone row of sure guesses drafts all it has. On top of that the
-self-tuning speculation length (``policies/controller.py``) switches requests that leave the
-options to the engine on and off by measured acceptance and step cost, as for the other tree
-methods.
+verification budget (``policies/budget.py``) cuts requests that leave the options to the
+engine to the nodes worth their cost, as for the other tree methods.
 """
 
 from __future__ import annotations

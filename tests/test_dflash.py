@@ -227,7 +227,7 @@ def test_training_learns_and_saves_the_published_layout(tmp_path):
             "layers.0.mlp.down_proj.weight"} <= names and not any("embed" in n or "lm_head" in n for n in names)
     engine = LLMEngine(EngineConfig(target="x", checkpoints={"dflash": str(tmp_path / "d2")}, max_num_seqs=4),
                        target_model=copy.deepcopy(target))
-    outs = engine.generate(ragged_prompts(3), GREEDY, SpeculationParams(method="dflash"))
+    outs = engine.generate(ragged_prompts(3), GREEDY, SpeculationParams(method="dflash", num_speculative_tokens=3))
     assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(3)]
     assert engine.totals.num_accepted_tokens > 0
 

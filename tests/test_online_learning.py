@@ -315,25 +315,22 @@ def test_the_switch_and_the_section_reach_the_engine_config():
         ServeConfig.model_validate({"engine": {"online_learning": {"top_k": 64}}})
 
 
-def test_a_new_version_restarts_the_controllers_acceptance(models):
-    """The self-tuning length forgets the old version's acceptance and starts from the new one's
-    measured rates (per draft position): a new row's expected tokens per k come from them."""
-    from specray.policies.controller import RowView
+def test_a_new_version_restarts_the_budgets_acceptance(models):
+    """The verification budget forgets the old version's acceptance and starts from the new one's
+    measured rates (per draft position): a new row's slot values come from them."""
+    from specray.policies.budget import RowView
 
     target, draft = models
     engine = online_engine(target, draft)
     engine.generate(ragged_prompts(2), GREEDY, SpeculationParams(method="draft"))
     policy = engine.driver.length_policy
-    before = list(policy._methods["draft"].reached)
+    assert policy.values(RowView("a new request", "draft"), 2) != pytest.approx([0.9, 0.45])
     engine.use_drafter(DrafterVersion("draft", "draft@x", snapshot(engine.proposers.resources["draft"]),
                                       {"rates": [0.9, 0.5]}))
     # The old version's counts are gone; the new rates are where the estimates start, as a
-    # trained head's saved acceptance is (policies/controller.py: priors).
-    assert before and "draft" not in policy._methods and policy.priors["draft"] == [0.9, 0.5]
-    expected = policy._expected_tokens(RowView("a new request", "draft"))
-    # 1 + 0.9 + 0.9 * 0.5 + 0.9 * 0.5 ** 2 ...: beyond the measured positions, the last one's rate
-    want = [1.0] + [1.0 + sum(0.9 * 0.5 ** i for i in range(k)) for k in range(1, len(expected))]
-    assert expected == pytest.approx(want)
+    # trained head's saved acceptance is: beyond the measured positions, the last one's rate.
+    assert policy.priors["draft"] == [0.9, 0.5]
+    assert policy.values(RowView("a new request", "draft"), 4) == pytest.approx([0.9, 0.45, 0.225, 0.1125])
 
 
 @pytest.mark.slow

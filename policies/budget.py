@@ -1,0 +1,426 @@
+"""Verification budgets: each step verifies the draft slots worth what they cost.
+
+A *slot* is one draft node of one row: position j of a chain, node j of a tree (in its
+proposer's order, parents first) or of a block. Its *value* is the probability that it ends
+on the accepted path — for a chain the product of the per-position acceptance rates up to
+it. A step's expected tokens are one per row plus the values of the slots it verifies; its
+seconds come from a cost table (what verifying each shape costs, and each drafter's forward
+at each depth), profiled at start-up and refreshed while serving. The step admits the set
+of slots with the highest expected tokens per second:
+
+    rate(S) = (rows + sum of S's values) / (verify(shape(S)) + sum over methods of draft(depth))
+
+over the candidates "the n most valuable slots no deeper than d" for every n and d: the
+depth bounds what sequential drafters run and what a step mode that pads every row to the
+widest verifies; within it, a mode that verifies only the admitted slots (ragged) pays per
+slot. Each row is cut to its admitted slots (its cap; 0 = plain decoding for that row): a
+confident row keeps its block while a doubtful one in the same batch is trimmed, and a
+drafter that is never right is cut to 0 because its slots add cost and no value.
+
+Exact by construction: only drafts are cut, and a cap is chosen before any token of the
+step is drawn, from the request's past steps — never from a drawn token's probability.
+
+>>> b = VerificationBudget()
+>>> rows = [RowView("a", "draft")]
+>>> b.costs.record_verify(1, 1, 1.0); b.costs.record_verify(1, 9, 1.8)   # ms: plain step, 8 more tokens
+>>> for _ in range(50):                      # drafts never accepted
+...     k = b.caps(rows)[0]
+...     b.observe(StepRecord(rows, [k], [0], [[0]]))
+>>> b.caps(rows)[0]
+0
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from specray.policies.costs import StepCosts, bucket
+
+
+@dataclass(frozen=True)
+class RowView:
+    """What the policy knows of a row: its request and method; ``fixed``: the request set its
+    speculation size itself (``num_speculative_tokens``, a tree, a seed), which then stands
+    (``requested``: that k, None for a tree's own size); ``tree``: the method drafts trees;
+    ``block``: it drafts its whole length in one forward."""
+
+    request_id: str
+    method: str
+    requested: int | None = None
+    fixed: bool = False
+    tree: bool = False
+    block: bool = False
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did, for the policy to learn from.
+
+    drafted:   per row, the draft nodes it verified
+    accepted:  per row, the draft nodes accepted
+    paths:     per row, the node indices on its accepted path (0 = the root, drafts from 1)
+    parents:   per row, each draft node's parent (0 = the root; node i + 1 is draft i); None: a chain
+    propose_s / verify_s: the step's seconds drafting and verifying (None: not measured)
+    """
+
+    rows: Sequence[RowView]
+    drafted: Sequence[int]
+    accepted: Sequence[int]
+    paths: Sequence[Sequence[int]]
+    parents: Sequence[Sequence[int] | None] | None = None
+    propose_s: float | None = None
+    verify_s: float | None = None
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """The policy's settings (each a property of the estimates, not of a workload)."""
+
+    max_k: int = 8
+    """Most slots a self-tuned chain row drafts."""
+    prior_acceptance: float = 0.6
+    """Per-position acceptance assumed for a method whose weights saved none."""
+    pseudo_counts: float = 4.0
+    """Weight, in steps, of the method's estimate in a request's (and of the prior in the method's)."""
+    forget: float = 0.98
+    """Per step, the weight left on older acceptance counts: acceptance drifts along a text and
+    with the traffic, and evidence against a drafter must age for it to be tried again."""
+    ragged: bool = False
+    """The step verifies only the admitted slots (True), or every row as wide as the widest."""
+    seed: int = 0
+    """Seed of the posterior draws (decisions are reproducible; outputs never depend on them)."""
+
+
+@dataclass
+class _Counts:
+    """Per slot: how often it was reached (its parent was on the accepted path: the root for a
+    chain's first position) and how often it was on the path, each count weighing ``forget``
+    less per step since (whether the slot drafted then or not: a method cut to 0 drifts back
+    to its prior, is admitted again, and so is measured again)."""
+
+    reached: list[float] = field(default_factory=list)
+    hits: list[float] = field(default_factory=list)
+    at: int = 0  # the step the counts are as of
+
+    def add(self, reached: Sequence[int], hit: Sequence[int], forget: float, now: int) -> None:
+        grow = max(reached, default=-1) + 1 - len(self.reached)
+        if grow > 0:
+            self.reached += [0.0] * grow
+            self.hits += [0.0] * grow
+        age = forget ** (now - self.at)
+        if age < 1.0:
+            self.reached = [d * age for d in self.reached]
+            self.hits = [h * age for h in self.hits]
+        self.at = now
+        for j in reached:
+            self.reached[j] += 1.0
+        for j in hit:
+            self.hits[j] += 1.0
+
+    def rate(self, j: int, prior: float, pseudo: float, age: float, rng: random.Random | None = None) -> float:
+        """P(slot j on the path | its parent is): its counts weighing ``age`` (forget ** steps
+        since ``at``), shrunk towards ``prior`` — the posterior mean, or with ``rng`` a draw
+        from the posterior, Beta(hits + pseudo * prior, misses + pseudo * (1 - prior))."""
+        hits, reached = (age * self.hits[j], age * self.reached[j]) if j < len(self.reached) else (0.0, 0.0)
+        a, b = hits + pseudo * prior, reached - hits + pseudo * (1.0 - prior)
+        if a + b <= 0:  # no counts and no weight on the prior
+            return prior
+        if rng is None or a <= 0 or b <= 0:
+            return a / (a + b)
+        return rng.betavariate(a, b)
+
+    def seen(self, j: int) -> bool:
+        return j < len(self.reached) and self.reached[j] > 0
+
+
+def _reached(parents: Sequence[int], counted: int, path: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Slots (0-based: node j + 1) reached (their parent on the path) and on the path."""
+    on = set(path)
+    reached = [j for j in range(counted) if (parents[j] if j < len(parents) else j) in on]
+    return reached, [j for j in reached if j + 1 in on]
+
+
+def non_increasing(values: Sequence[float]) -> list[float]:
+    """The closest non-increasing sequence with the same total (pool adjacent violators): a
+    row is cut to a prefix, so a later slot worth more than an earlier one is admitted with it.
+
+    >>> non_increasing([0.5, 0.1, 0.3])
+    [0.5, 0.2, 0.2]
+    """
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    return [s / n for s, n in blocks for _ in range(int(n))]
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A step's decision: per row its cap, and what the policy expected of it."""
+
+    caps: list[int | None]
+    slots: int
+    tokens: float
+    seconds: float
+
+
+class VerificationBudget:
+    """The speculation-length policy (module doc): ``caps`` before a step, ``observe`` after."""
+
+    def __init__(self, config: BudgetConfig | None = None, priors: Mapping[str, Sequence[float]] | None = None,
+                 costs: StepCosts | None = None):
+        self.config = config or BudgetConfig()
+        # method -> acceptance per position measured when its weights were trained (P(position
+        # j accepted | j - 1 accepted)): where its estimates start.
+        self.priors = {m: [float(r) for r in rates] for m, rates in (priors or {}).items() if rates}
+        self.costs = costs or StepCosts(ragged=self.config.ragged)
+        self._methods: defaultdict[str, _Counts] = defaultdict(_Counts)
+        self._requests: defaultdict[str, _Counts] = defaultdict(_Counts)
+        self._shapes: dict[str, tuple[int, ...]] = {}  # tree method -> its nodes' parents, as last drafted whole
+        self._levels: dict[str, list[int]] = {}  # tree method -> levels its first n + 1 nodes take
+        self._caps: dict[str, int | None] = {}  # request -> the cap it was given this step
+        self.last: Admission | None = None
+        self._step = 0
+        self._rng = random.Random(self.config.seed)  # the posterior draws (never a request's generator)
+        self._draws: dict = {}  # (method, slot, prior) -> this step's draw
+        self._spreads: dict[str, float] = {}  # method -> this step's request-level pseudo-counts
+        self._request_methods: dict[str, str] = {}
+
+    def fresh(self) -> "VerificationBudget":
+        """A policy with these settings, priors and costs that has learned no acceptance yet."""
+        return VerificationBudget(self.config, self.priors, self.costs)
+
+    # -- estimates -----------------------------------------------------------------------------
+    def values(self, row: RowView, slots: int, draw: bool = False) -> list[float]:
+        """P(slot j on the accepted path) for the row's first ``slots`` slots: the product of the
+        conditional rates along its ancestors, each the request's own counts shrunk towards
+        its method's, shrunk towards the prior. ``draw``: the method's rates drawn from their
+        posteriors (one draw per method and slot per step) instead of their means — Thompson
+        sampling, so that a drafter whose estimate is uncertain is tried in proportion to the
+        chance that it pays, and one whose estimate is sure is not."""
+        pseudo, forget = self.config.pseudo_counts, self.config.forget
+        method, own = self._methods.get(row.method), self._requests.get(row.request_id)
+        m_age = forget ** (self._step - method.at) if method is not None else 1.0
+        r_age = forget ** (self._step - own.at) if own is not None else 1.0
+        parents = self._parents(row, slots)
+        saved = self.priors.get(row.method)
+        siblings = defaultdict(int)
+        for p in parents:
+            siblings[p] += 1
+        out, rates, depths = [], [], []
+        for j, p in enumerate(parents):
+            depth = depths[p - 1] + 1 if p > 0 else 1
+            depths.append(depth)
+            if saved:  # the rate measured at training at this depth (beyond: the last one)
+                prior = saved[min(depth - 1, len(saved) - 1)]
+            elif row.tree or j == 0 or not (method is not None and method.seen(j - 1)):
+                prior = self.config.prior_acceptance
+            else:  # a chain position never reached yet: as the one before it
+                prior = rates[j - 1]
+            prior /= siblings[p]  # a node shares its parent's continuation with its siblings
+            if draw:
+                key = (row.method, j, prior)
+                if key not in self._draws:
+                    counts = method if method is not None else _Counts()
+                    self._draws[key] = counts.rate(j, prior, pseudo, m_age, self._rng)
+                rate = self._draws[key]
+            else:
+                rate = method.rate(j, prior, pseudo, m_age) if method is not None else prior
+            rate = own.rate(j, rate, self._spread(row.method), r_age, self._rng if draw else None) if own is not None else rate
+            rates.append(rate)
+            out.append(rate * (out[p - 1] if p > 0 else 1.0))
+        return out
+
+    def _spread(self, method: str) -> float:
+        """Pseudo-counts of the method's estimate in each request's: ``pseudo_counts`` where its
+        requests accept alike, fewer the more they differ — method of moments on the requests'
+        first-slot rates (their spread less what their own counts' noise explains), so that in
+        a batch of easy and hard texts each request soon stands on its own evidence."""
+        if method in self._spreads:
+            return self._spreads[method]
+        cap = self.config.pseudo_counts
+        rates = [(c.hits[0] / c.reached[0], c.reached[0]) for rid, c in self._requests.items()
+                 if self._request_methods.get(rid) == method and c.reached and c.reached[0] >= 1]
+        pseudo = cap
+        if len(rates) >= 2:
+            mean = sum(r for r, _ in rates) / len(rates)
+            spread = sum((r - mean) ** 2 for r, _ in rates) / (len(rates) - 1)
+            noise = sum(mean * (1 - mean) / n for _, n in rates) / len(rates)
+            if spread > noise and 0 < mean < 1:
+                pseudo = min(cap, max(mean * (1 - mean) / (spread - noise) - 1, 0.0))
+        self._spreads[method] = pseudo
+        return pseudo
+
+    def _parents(self, row: RowView, slots: int) -> list[int]:
+        """Each slot's parent (0 = the root): a tree's shape as last drafted whole, else a chain."""
+        shape = self._shapes.get(row.method) if row.tree else None
+        parents = list(shape[:slots]) if shape else []
+        return parents + list(range(len(parents), slots))
+
+    @staticmethod
+    def _levels_of(parents: Sequence[int]) -> list[int]:
+        """Per n, the levels a drafter grows for the first n + 1 nodes (their deepest)."""
+        depths, levels = [], []
+        for p in parents:
+            depths.append(depths[p - 1] + 1 if p > 0 else 1)
+            levels.append(max(levels[-1] if levels else 0, depths[-1]))
+        return levels
+
+    # -- deciding ------------------------------------------------------------------------------
+    def caps(self, rows: Sequence[RowView]) -> list[int | None]:
+        """Per row: the most draft nodes it may take this step (None: its tree's own size)."""
+        self._step += 1
+        self._draws.clear()
+        self._spreads.clear()
+        admission = self.admit(rows)
+        self.last = admission
+        self._caps = {r.request_id: c for r, c in zip(rows, admission.caps)}
+        return admission.caps
+
+    def admit(self, rows: Sequence[RowView]) -> Admission:
+        """The best of the candidates (module doc), each priced as its step would run."""
+        sizes = [self._slots(r) for r in rows]
+        fixed = [r.fixed or r.method == "none" for r in rows]
+        counts = [n if f and r.method != "none" else 0 for r, f, n in zip(rows, fixed, sizes)]
+        if all(fixed):  # nothing to decide
+            return Admission([r.requested for r in rows], sum(counts), float("nan"), float("nan"))
+        free = [non_increasing(self.values(r, n, draw=True)) if not f else [] for r, f, n in zip(rows, fixed, sizes)]
+        step = _Step(self, rows, counts)
+        best = (list(counts), *step.price())
+        order = sorted(((v, i, j) for i, vs in enumerate(free) for j, v in enumerate(vs)), key=lambda t: (-t[0], t[2]))
+        for depth in range(1, max(map(len, free), default=0) + 1):
+            step = _Step(self, rows, counts)  # the most valuable slots no deeper than ``depth``
+            for _, i, j in order:
+                if j < depth:
+                    step.grow(i, j + 1, free[i])
+                    tokens, seconds = step.price()
+                    if tokens * best[2] > best[1] * seconds:
+                        best = (list(step.counts), tokens, seconds)
+        counts, tokens, seconds = best
+        caps = [r.requested if f else (None if r.tree and c >= n else c)
+                for r, f, c, n in zip(rows, fixed, counts, sizes)]
+        return Admission(caps, sum(counts), tokens, seconds)
+
+    def _slots(self, row: RowView) -> int:
+        """Most slots the row may draft: its request's k, its tree's size, or ``max_k``."""
+        if row.method == "none":
+            return 0
+        if row.requested is not None and row.fixed:
+            return row.requested
+        if row.tree:
+            return len(self._shapes.get(row.method, ())) or self.config.max_k
+        return max(self.config.max_k, row.requested or 0)
+
+    def _depth(self, row: RowView, slots: int) -> int:
+        """Levels a drafter runs for the row's first ``slots`` slots."""
+        levels = self._levels.get(row.method) if row.tree else None
+        return levels[min(slots, len(levels)) - 1] if levels else slots
+
+    # -- learning ------------------------------------------------------------------------------
+    def observe(self, step: StepRecord) -> None:
+        """Learn from a step: each row's slots reached and on its accepted path, and its costs."""
+        forget = self.config.forget
+        for r, d, path, parents in zip(step.rows, step.drafted, step.paths, step.parents or [None] * len(step.rows)):
+            if r.method == "none":
+                continue
+            cap = self._caps.get(r.request_id)
+            if r.tree and parents and len(parents) >= len(self._shapes.get(r.method, ())):
+                self._shapes[r.method] = tuple(parents)  # its largest tree, as drafted
+                self._levels[r.method] = self._levels_of(parents)
+            # A chain's slots admitted but not drafted (a drafter with nothing to propose)
+            # count: the slot after its last drafted one was reached, and missed.
+            counted = d if parents else max(d, cap or 0)
+            if counted:
+                reached, hit = _reached(parents or [], counted, path)
+                self._methods[r.method].add(reached, hit, forget, self._step)
+                self._requests[r.request_id].add(reached, hit, forget, self._step)
+                self._request_methods[r.request_id] = r.method
+        self.observe_costs(step)
+
+    def observe_costs(self, step: StepRecord) -> None:
+        """Record what the step's shapes cost (its acceptance aside)."""
+        if step.verify_s is not None:
+            widths = [1 + d for d in step.drafted]
+            self.costs.record_verify(len(step.rows), sum(widths) if self.costs.ragged else max(widths), step.verify_s)
+        levels: dict[str, int] = {}
+        batch: dict[str, int] = defaultdict(int)
+        for r, d, parents in zip(step.rows, step.drafted, step.parents or [None] * len(step.rows)):
+            if r.method != "none" and d:
+                depth = self._levels_of(parents[:d])[-1] if parents else d
+                levels[r.method] = max(levels.get(r.method, 0), 1 if r.block else depth)
+                batch[r.method] += 1
+        if step.propose_s is not None and levels:
+            predicted = {m: self.costs.draft(m, batch[m], lv) for m, lv in levels.items()}
+            total = sum(predicted.values())
+            for m, lv in levels.items():
+                share = predicted[m] / total if total > 0 else 1.0 / len(levels)
+                self.costs.record_draft(m, batch[m], lv, step.propose_s * share)
+
+    def release(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._request_methods.pop(request_id, None)
+        self._caps.pop(request_id, None)
+
+    def start_method(self, method: str, rates: Sequence[float]) -> None:
+        """A new drafter version serves ``method`` (online learning): forget what its old
+        version accepted and start from ``rates`` (per position, as its gate measured them)."""
+        self.priors[method] = [min(max(float(r), 0.0), 1.0) for r in rates]
+        self._methods.pop(method, None)
+
+    def status(self) -> dict:
+        """The cost table and the last decision (for start-up lines, status pages, metrics)."""
+        last = self.last
+        return {"costs": self.costs.table(),
+                "last": None if last is None else {"caps": last.caps, "slots": last.slots,
+                                                   "expected_tokens": round(last.tokens, 3),
+                                                   "predicted_s": last.seconds}}
+
+
+class _Step:
+    """A candidate step, grown slot by slot: its expected tokens and predicted seconds kept
+    current in O(methods) per slot."""
+
+    def __init__(self, policy: VerificationBudget, rows: Sequence[RowView], counts: Sequence[int]):
+        self.policy, self.rows, self.counts = policy, rows, list(counts)
+        self.tokens = float(len(rows)) + sum(sum(policy.values(r, c)) for r, c in zip(rows, counts) if c)
+        widths = [1 + c for c in counts]
+        self.total, self.widest = sum(widths), max(widths)
+        self.levels: dict[str, int] = {}
+        self.drafting: dict[str, int] = defaultdict(int)
+        for r, c in zip(rows, counts):
+            if c:
+                self.drafting[r.method] += 1
+                self._draft(r, c)
+
+    def _draft(self, row: RowView, count: int) -> None:
+        depth = 1 if row.block else self.policy._depth(row, count)
+        self.levels[row.method] = max(self.levels.get(row.method, 0), depth)
+
+    def grow(self, i: int, count: int, values: Sequence[float]) -> None:
+        """Row i now verifies its first ``count`` free slots."""
+        old = self.counts[i]
+        if count <= old:
+            return
+        if not old:
+            self.drafting[self.rows[i].method] += 1
+        self.tokens += sum(values[old:count])
+        self.counts[i] = count
+        self.total += count - old
+        self.widest = max(self.widest, 1 + count)
+        self._draft(self.rows[i], count)
+
+    def price(self) -> tuple[float, float]:
+        """(expected tokens, predicted seconds)."""
+        costs = self.policy.costs
+        seconds = costs.verify(len(self.rows), self.total if costs.ragged else self.widest)
+        seconds += sum(costs.draft(m, self.drafting[m], lv) for m, lv in self.levels.items())
+        return self.tokens, seconds
+
+
+__all__ = ["Admission", "BudgetConfig", "RowView", "StepRecord", "VerificationBudget", "bucket", "non_increasing"]
