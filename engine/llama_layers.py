@@ -83,16 +83,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def run_layer(layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx,
-              packed: torch.Tensor | None = None) -> torch.Tensor:
+def run_layer(layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
     """One decoder layer: hidden [B, q, H] -> [B, q, H]; cos/sin from the decoder's rotary
     embedding; ctx the forward's ``AttentionBatch``. An EAGLE-3 layer reads hidden [B, q, 2H],
-    the pairs [embedding; g].
-
-    packed: [N] indices of the real tokens in the flattened [B * q] batch (rows of different
-    lengths, right-padded): hidden is then [N, H], the real tokens only, and so is the output.
-    Norms and projections run on those N tokens; only attention sees the padded [B, q] view,
-    so a ragged step costs what its tokens cost, not B times its widest row."""
+    the pairs [embedding; g]."""
     (q_w, q_b), (k_w, k_b), (v_w, v_b), (o_w, o_b) = layer.qkvo
     (g_w, g_b), (u_w, u_b), (d_w, d_b) = layer.mlp
     in_w, in_eps, post_w, post_eps = layer.norms
@@ -105,28 +99,17 @@ def run_layer(layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch
         normed = _rms(g, hn_w, hn_eps)
         x = torch.cat([_rms(emb, in_w, in_eps), normed], dim=-1)
         residual = normed if norm_before_residual else g
-    padded = cos.shape[:2]  # (B, q)
-    shape = (*padded, -1, layer.head_dim)
-    q = _unpack(F.linear(x, q_w, q_b), packed, padded).view(shape).transpose(1, 2)
-    k = _unpack(F.linear(x, k_w, k_b), packed, padded).view(shape).transpose(1, 2)
-    v = _unpack(F.linear(x, v_w, v_b), packed, padded).view(shape).transpose(1, 2)
+    shape = (*x.shape[:-1], -1, layer.head_dim)
+    q = F.linear(x, q_w, q_b).view(shape).transpose(1, 2)
+    k = F.linear(x, k_w, k_b).view(shape).transpose(1, 2)
+    v = F.linear(x, v_w, v_b).view(shape).transpose(1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     q = (q * cos) + (_rotate_half(q) * sin)
     k = (k * cos) + (_rotate_half(k) * sin)
     out, _ = cached_attention(layer.attn, q, k, v, None, dropout=0.0, scaling=layer.scaling, specray_batch=ctx)
-    out = out.reshape(*padded, -1)
-    out = (out.reshape(-1, out.shape[-1])[packed] if packed is not None else out).contiguous()
+    out = out.reshape(*x.shape[:-1], -1).contiguous()
     hidden = residual + F.linear(out, o_w, o_b)
     residual = hidden
     x = _rms(hidden, post_w, post_eps)
     x = F.linear(F.silu(F.linear(x, g_w, g_b)) * F.linear(x, u_w, u_b), d_w, d_b)
     return residual + x
-
-
-def _unpack(x: torch.Tensor, packed: torch.Tensor | None, padded: tuple) -> torch.Tensor:
-    """[N, D] real tokens -> [B, q, D] with zeros at the padding (x itself when not packed)."""
-    if packed is None:
-        return x
-    out = x.new_zeros(padded[0] * padded[1], x.shape[-1])
-    out[packed] = x
-    return out.view(*padded, x.shape[-1])

@@ -128,7 +128,7 @@ class LLMEngine:
         # How many nodes each row drafts: static caps when configured, else the verification
         # budget, its estimates starting from the acceptance the loaded weights were measured at.
         length = config.speculation_length or VerificationBudget(
-            BudgetConfig(ragged=self.step_mode == "eager"), measured_priors(config, self.limits.methods))
+            BudgetConfig(), measured_priors(config, self.limits.methods))
         # A step's cost: on a CPU with every proposer in this process, the CPU seconds it
         # takes (which other work on the same cores does not inflate, as it does wall time);
         # wall seconds where a device or another process works for it.

@@ -215,10 +215,7 @@ class ModelRunner:
             for i, e in enumerate(embeds):
                 inputs[i, : e.shape[0]] = e
         taps: dict[int, torch.Tensor] = {}  # {k: [B, q, H]}, filled for ``layers``
-        packed = None
-        if q > 1 and sum(q_lens) < len(q_lens) * q:  # ragged rows: project only their real tokens
-            packed = torch.tensor([i * q + j for i, n in enumerate(q_lens) for j in range(n)], device=self.device)
-        hidden = self._run_decoder(ids, pos_ids, ctx, inputs, layers, taps, packed=packed)  # [B, q, H]
+        hidden = self._run_decoder(ids, pos_ids, ctx, inputs, layers, taps)  # [B, q, H]
         for s, n in zip(slots, q_lens):
             self.lengths[s] += n
 
@@ -276,14 +273,12 @@ class ModelRunner:
         )
         return ctx, ids.to(self.device), pos_ids.to(self.device)
 
-    def _run_decoder(self, ids, pos_ids, ctx, inputs=None, layers=(), taps=None, unroll=True, packed=None) -> torch.Tensor:
+    def _run_decoder(self, ids, pos_ids, ctx, inputs=None, layers=(), taps=None, unroll=True) -> torch.Tensor:
         """Final-norm hidden states [B, q, H]; ``taps[k]`` = [B, q, H] entering layer k, for k in ``layers``.
 
         unroll: Llama layers run unrolled where they can (``engine/llama_layers.py``); a compiled
         forward passes False, as its graph has no module calls to save, and dynamo compiled the
         unrolled layers far more slowly (seen on the demo target).
-        packed: [N] indices of the real tokens in the flattened batch (ragged rows): unrolled
-        layers then run their norms and projections on those tokens only (``run_layer``).
 
         For architectures whose decoder forward is exactly embed -> rotary -> layers ->
         norm, the layers are called directly: transformers' wrapper (mask creation,
@@ -300,19 +295,16 @@ class ModelRunner:
         hidden = dec.embed_tokens(ids) if inputs is None else inputs
         rope = dec.rotary_emb(hidden, position_ids=pos_ids)
         fast = self._unrolled if unroll else None
-        shape = hidden.shape
-        packed = packed if fast is not None else None
-        if packed is not None:
-            hidden = hidden.reshape(-1, shape[-1])[packed]  # [N, H]
         for k, layer in enumerate(dec.layers):
             if k in layers:
-                taps[k] = _padded(hidden, packed, shape)
+                taps[k] = hidden
             if fast is not None:
-                hidden = run_layer(fast[k], hidden, rope[0], rope[1], ctx, packed)
+                hidden = run_layer(fast[k], hidden, rope[0], rope[1], ctx)
             else:
                 hidden = layer(hidden, attention_mask=None, position_embeddings=rope, position_ids=pos_ids,
                                specray_batch=ctx)
-        return dec.norm(_padded(hidden, packed, shape))
+        return dec.norm(hidden)
+
 
     def keep(self, kept: Sequence[tuple[int, int, Sequence[int]]]) -> None:
         """After verification: for each (slot, base, path) keep only the accepted path.
@@ -369,15 +361,6 @@ class ModelRunner:
         from specray.engine.graphs import StaticForward
 
         self.static = StaticForward(self, mode, layers=layers, inputs=inputs, epilogue=epilogue)
-
-
-def _padded(hidden: torch.Tensor, packed: torch.Tensor | None, shape: torch.Size) -> torch.Tensor:
-    """[N, H] packed tokens back to [B, q, H] (zeros at the padding); unpacked as given."""
-    if packed is None:
-        return hidden
-    out = hidden.new_zeros(shape[0] * shape[1], hidden.shape[-1])
-    out[packed] = hidden
-    return out.view(*shape[:2], hidden.shape[-1])
 
 
 def load_model(path: str, dtype: str | torch.dtype = "float32", device: str = "cpu",

@@ -45,7 +45,8 @@ def resources(target) -> dict:
 
 def low_precision_engine(tiny_pair, dtype, max_num_seqs=4):
     target, draft = tiny_pair
-    return LLMEngine(EngineConfig(target="x", dtype=str(dtype).removeprefix("torch."), max_num_seqs=max_num_seqs),
+    return LLMEngine(EngineConfig(target="x", dtype=str(dtype).removeprefix("torch."), max_num_seqs=max_num_seqs,
+                                  profile_costs=False),  # (the budget drafts from the first steps: identity is tested)
                      target_model=copy.deepcopy(target).to(dtype), draft_model=copy.deepcopy(draft).to(dtype),
                      resources=resources(target))
 

@@ -47,6 +47,9 @@ def self_head(target):
 
 
 def eagle_engine(target, head, max_num_seqs=4, **kw):
+    """An engine serving ``head`` under the verification budget, its cost table left to fill from
+    the steps it serves (so a random head drafts in its first steps, and identity is tested)."""
+    kw.setdefault("profile_costs", False)
     return LLMEngine(EngineConfig(target="x", max_num_seqs=max_num_seqs, **kw), target_model=copy.deepcopy(target),
                      resources={"eagle": copy.deepcopy(head)})
 

@@ -26,6 +26,7 @@ def online_engine(target, draft=None, head=None, max_num_seqs=4, heads=None, **k
     """heads: other methods' resources (EAGLE-3, Medusa, ReDrafter), by method."""
     resources = {"eagle": copy.deepcopy(head)} if head is not None else {}
     resources.update({m: copy.deepcopy(h) for m, h in (heads or {}).items()})
+    kw.setdefault("profile_costs", False)  # (the budget drafts from the first steps: captures and swaps are exercised)
     return LLMEngine(EngineConfig(target="x", max_num_seqs=max_num_seqs, online_learning=ONLINE, **kw),
                      target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft) if draft is not None else None,
                      resources=resources)
@@ -101,7 +102,10 @@ def test_greedy_output_is_the_targets_through_swaps(models, other_heads, referen
     assert after == weights
     # every request's steps are counted under the versions that drafted them
     by_version = engine.totals.accepted_by_version
-    assert len(by_version) >= 2 and sum(d for d, _ in by_version.values()) == engine.totals.num_drafts
+    assert sum(d for d, _ in by_version.values()) == engine.totals.num_drafts
+    # (without a length the budget may price a version off: its saved rates here, 0.5 and 0.3, for a
+    # drafter as costly as the target)
+    assert len(by_version) >= (2 if spec else 1)
 
 
 def test_a_swap_rebuilds_the_heads_state_from_the_kept_features(models):
