@@ -323,7 +323,7 @@ def test_the_engine_profiles_its_cost_table_at_start_up(tiny_pair):
     engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4), target_model=copy.deepcopy(tiny_pair[0]),
                        draft_model=copy.deepcopy(tiny_pair[1]))
     table = engine.driver.length_policy.costs.table()
-    assert {"1x1", "1x9", "2x2", "4x4", "4x36"} <= set(table["verify"]), table
+    assert {"1x1", "1x9", "2x1", "4x1", "4x9"} <= set(table["verify"]), table  # (widest row: padded steps)
     assert all(sum(k.startswith(f"{b}x") for k in table["verify"]) >= 3 for b in (1, 2, 4)), table
     assert {"draft@1x1", "draft@1x8", "draft@4x8"} <= set(table["draft"]), table
     assert engine.profile_seconds > 0 and engine.totals.num_drafts == 0
