@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 
 from specray.engine.metrics import SpecMetrics
 from specray.policies.spec_length import SpeculationLengthPolicy
@@ -37,9 +38,7 @@ def warm_up(engine, max_tokens: int = 6) -> float:
 
     start = time.perf_counter()
     methods = [m for m in COMPILED_METHODS if m in engine.limits.methods]
-    policy, taps = engine.driver.length_policy, engine.executor.taps
-    engine.driver.length_policy, engine.executor.taps = SpeculationLengthPolicy(), []
-    try:
+    with unrecorded(engine, SpeculationLengthPolicy()):
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         prompt = [t % engine.limits.vocab_size for t in PROMPT]
         for method in methods:
@@ -53,10 +52,21 @@ def warm_up(engine, max_tokens: int = 6) -> float:
         if methods:  # rows that process their logits (penalties) accept in a graph of their own
             penalized = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, repetition_penalty=1.1)
             engine.generate([prompt], penalized, parse_speculation({"method": "none"}))
-    finally:
-        engine.driver.length_policy, engine.executor.taps = policy, taps
-        engine.scheduler.totals = SpecMetrics()
-        engine.driver.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}
     seconds = time.perf_counter() - start
     log.info("compiled the step for %s in %.1f s", ", ".join(methods), seconds)
     return seconds
+
+
+@contextmanager
+def unrecorded(engine, policy):
+    """Run requests on ``engine`` that leave nothing behind: ``policy`` decides their lengths
+    (the engine's own learns nothing from them), no step tap (online learning's capture) sees
+    them, and the totals and phase times are reset after."""
+    saved, taps = engine.driver.length_policy, engine.executor.taps
+    engine.driver.length_policy, engine.executor.taps = policy, []
+    try:
+        yield
+    finally:
+        engine.driver.length_policy, engine.executor.taps = saved, taps
+        engine.scheduler.totals = SpecMetrics()
+        engine.driver.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}

@@ -37,7 +37,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from specray.policies.costs import StepCosts, bucket
+from specray.policies.costs import StepCosts
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ class VerificationBudget:
         self.priors = {m: [float(r) for r in rates] for m, rates in (priors or {}).items() if rates}
         self.costs = costs or StepCosts(ragged=self.config.ragged)
         self._methods: defaultdict[str, _Counts] = defaultdict(_Counts)
-        self._requests: defaultdict[str, _Counts] = defaultdict(_Counts)
+        self._requests: defaultdict[str, dict[str, _Counts]] = defaultdict(dict)  # method -> request -> counts
         self._shapes: dict[str, tuple[int, ...]] = {}  # tree method -> its nodes' parents, as last drafted whole
         self._levels: dict[str, list[int]] = {}  # tree method -> levels its first n + 1 nodes take
         self._caps: dict[str, int | None] = {}  # request -> the cap it was given this step
@@ -190,7 +190,6 @@ class VerificationBudget:
         self._rng = random.Random(self.config.seed)  # the posterior draws (never a request's generator)
         self._draws: dict = {}  # (method, slot, prior) -> this step's draw
         self._spreads: dict[str, float] = {}  # method -> this step's request-level pseudo-counts
-        self._request_methods: dict[str, str] = {}
 
     def fresh(self) -> "VerificationBudget":
         """A policy with these settings, priors and costs that has learned no acceptance yet."""
@@ -205,7 +204,7 @@ class VerificationBudget:
         sampling, so that a drafter whose estimate is uncertain is tried in proportion to the
         chance that it pays, and one whose estimate is sure is not."""
         pseudo, forget = self.config.pseudo_counts, self.config.forget
-        method, own = self._methods.get(row.method), self._requests.get(row.request_id)
+        method, own = self._methods.get(row.method), self._requests[row.method].get(row.request_id)
         m_age = forget ** (self._step - method.at) if method is not None else 1.0
         r_age = forget ** (self._step - own.at) if own is not None else 1.0
         parents = self._parents(row, slots)
@@ -245,8 +244,8 @@ class VerificationBudget:
         if method in self._spreads:
             return self._spreads[method]
         cap = self.config.pseudo_counts
-        rates = [(c.hits[0] / c.reached[0], c.reached[0]) for rid, c in self._requests.items()
-                 if self._request_methods.get(rid) == method and c.reached and c.reached[0] >= 1]
+        rates = [(c.hits[0] / c.reached[0], c.reached[0]) for c in self._requests[method].values()
+                 if c.reached and c.reached[0] >= 1]
         pseudo = cap
         if len(rates) >= 2:
             mean = sum(r for r, _ in rates) / len(rates)
@@ -291,11 +290,12 @@ class VerificationBudget:
         if all(fixed):  # nothing to decide
             return Admission([r.requested for r in rows], sum(counts), float("nan"), float("nan"))
         free = [non_increasing(self.values(r, n, draw=True)) if not f else [] for r, f, n in zip(rows, fixed, sizes)]
-        step = _Step(self, rows, counts)
+        given = len(rows) + sum(sum(self.values(r, c)) for r, c in zip(rows, counts) if c)  # fixed rows' tokens
+        step = _Step(self, rows, counts, given)
         best = (list(counts), *step.price())
         order = sorted(((v, i, j) for i, vs in enumerate(free) for j, v in enumerate(vs)), key=lambda t: (-t[0], t[2]))
         for depth in range(1, max(map(len, free), default=0) + 1):
-            step = _Step(self, rows, counts)  # the most valuable slots no deeper than ``depth``
+            step = _Step(self, rows, counts, given)  # the most valuable slots no deeper than ``depth``
             for _, i, j in order:
                 if j < depth:
                     step.grow(i, j + 1, free[i])
@@ -339,8 +339,7 @@ class VerificationBudget:
             if counted:
                 reached, hit = _reached(parents or [], counted, path)
                 self._methods[r.method].add(reached, hit, forget, self._step)
-                self._requests[r.request_id].add(reached, hit, forget, self._step)
-                self._request_methods[r.request_id] = r.method
+                self._requests[r.method].setdefault(r.request_id, _Counts()).add(reached, hit, forget, self._step)
         self.observe_costs(step)
 
     def observe_costs(self, step: StepRecord) -> None:
@@ -363,8 +362,8 @@ class VerificationBudget:
                 self.costs.record_draft(m, batch[m], lv, step.propose_s * share)
 
     def release(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
-        self._request_methods.pop(request_id, None)
+        for requests in self._requests.values():
+            requests.pop(request_id, None)
         self._caps.pop(request_id, None)
 
     def start_method(self, method: str, rates: Sequence[float]) -> None:
@@ -374,7 +373,7 @@ class VerificationBudget:
         self._methods.pop(method, None)
 
     def status(self) -> dict:
-        """The cost table and the last decision (for start-up lines, status pages, metrics)."""
+        """The cost table and the last decision."""
         last = self.last
         return {"costs": self.costs.table(),
                 "last": None if last is None else {"caps": last.caps, "slots": last.slots,
@@ -386,9 +385,8 @@ class _Step:
     """A candidate step, grown slot by slot: its expected tokens and predicted seconds kept
     current in O(methods) per slot."""
 
-    def __init__(self, policy: VerificationBudget, rows: Sequence[RowView], counts: Sequence[int]):
-        self.policy, self.rows, self.counts = policy, rows, list(counts)
-        self.tokens = float(len(rows)) + sum(sum(policy.values(r, c)) for r, c in zip(rows, counts) if c)
+    def __init__(self, policy: VerificationBudget, rows: Sequence[RowView], counts: Sequence[int], tokens: float):
+        self.policy, self.rows, self.counts, self.tokens = policy, rows, list(counts), tokens
         widths = [1 + c for c in counts]
         self.total, self.widest = sum(widths), max(widths)
         self.levels: dict[str, int] = {}
@@ -423,4 +421,4 @@ class _Step:
         return self.tokens, seconds
 
 
-__all__ = ["Admission", "BudgetConfig", "RowView", "StepRecord", "VerificationBudget", "bucket", "non_increasing"]
+__all__ = ["Admission", "BudgetConfig", "RowView", "StepRecord", "VerificationBudget", "non_increasing"]

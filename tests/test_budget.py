@@ -289,21 +289,23 @@ def fakes(tiny_pair):
     unregister_method("test_wrong")
 
 
-def test_the_engine_drafts_long_for_a_drafter_that_is_always_right(tiny_pair, fakes):
+def served(tiny_pair, prompts, method: str):
+    """The fakes' prompts served greedily by ``method`` under the budget: the engine's totals,
+    the outputs checked against the target's own continuations first."""
     engine = LLMEngine(EngineConfig(target="x", max_num_seqs=2), target_model=copy.deepcopy(tiny_pair[0]))
-    sampling = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
-    outs = engine.generate(fakes, sampling, SpeculationParams(method="test_oracle"))
-    assert [o.token_ids for o in outs] == [RightDrafter.references[tuple(p)][:150] for p in fakes]
-    m = engine.totals
+    outs = engine.generate(prompts, SamplingParams(max_tokens=150, temperature=0, ignore_eos=True),
+                           SpeculationParams(method=method))
+    assert [o.token_ids for o in outs] == [RightDrafter.references[tuple(p)][:150] for p in prompts]
+    return engine.totals
+
+
+def test_the_engine_drafts_long_for_a_drafter_that_is_always_right(tiny_pair, fakes):
+    m = served(tiny_pair, fakes, "test_oracle")
     assert m.num_draft_tokens / m.num_drafts >= 5 and m.num_accepted_tokens >= 0.9 * m.num_draft_tokens
 
 
 def test_the_engine_stops_drafting_for_a_drafter_that_is_never_right(tiny_pair, fakes):
-    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=2), target_model=copy.deepcopy(tiny_pair[0]))
-    sampling = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)
-    outs = engine.generate(fakes, sampling, SpeculationParams(method="test_wrong"))
-    assert [o.token_ids for o in outs] == [RightDrafter.references[tuple(p)][:150] for p in fakes]
-    m = engine.totals
+    m = served(tiny_pair, fakes, "test_wrong")
     assert m.num_accepted_tokens == 0 and m.num_draft_tokens < m.target_forward_passes  # mostly plain
 
 

@@ -119,3 +119,19 @@ def test_the_check_has_power(models, joint):
     biased = seqs.copy()
     biased[: N // 5, 1:] = biased[: N // 5, :1]  # 20% repeat their first token
     assert min(check(biased, joint)) < 1e-3
+
+
+def test_sampling_under_the_verification_budget_matches_target_distribution(models, joint):
+    """No seed and no length: the budget chooses every row's draft length every step (from past
+    steps and its own draws, never from this step's tokens): rows draft and are cut, and the
+    output still follows the target's distribution."""
+    target, draft = models
+    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=64, profile_costs=False),
+                       target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft))
+    policy, chosen = engine.driver.length_policy, set()
+    caps = policy.caps
+    policy.caps = lambda rows: (lambda c: (chosen.update(c), c)[1])(caps(rows))
+    torch.manual_seed(0)  # unseeded rows draw from torch's global generator
+    outs = engine.generate([PROMPT] * N, SamplingParams(**PARAMS), SpeculationParams(method="draft"))
+    assert len(chosen) >= 2 and max(chosen) > 0 and engine.totals.num_accepted_tokens > 0, chosen
+    assert min(check(np.array([o.token_ids for o in outs]), joint)) > 1e-3
