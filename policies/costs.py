@@ -113,9 +113,6 @@ class StepCosts:
         curve = _nearest(self._draft.get(method, {}), bucket(batch))
         return curve.at(levels) if curve is not None else 0.0
 
-    def measured(self) -> bool:
-        return bool(self._verify)
-
     def table(self) -> dict:
         """Every measured entry's median: {"verify": {"8x5": s}, "draft": {"eagle@8x3": s}}."""
         return {"verify": {f"{b}x{s}": m for b, c in sorted(self._verify.items()) for s, m in c.medians().items()},

@@ -329,3 +329,4 @@ def test_the_engine_profiles_its_cost_table_at_start_up(tiny_pair):
     assert all(sum(k.startswith(f"{b}x") for k in table["verify"]) >= 3 for b in (1, 2, 4)), table
     assert {"draft@1x1", "draft@1x8", "draft@4x8"} <= set(table["draft"]), table
     assert engine.profile_seconds > 0 and engine.totals.num_drafts == 0
+    assert engine.driver.length_policy.status() == {"costs": table, "last": None}
