@@ -10,6 +10,7 @@ limit against the context, and the speculation against what the server has loade
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from pydantic import ValidationError
@@ -65,9 +66,15 @@ class Facts:
             self._grammars = Grammars(self.tokenizer, self.vocab_size, getattr(self.tokenizer, "eos_token_id", None))
         return self._grammars
 
+    @cached_property
+    def special_tokens(self) -> frozenset[str]:
+        """The tokenizer's special tokens (``tools.special_tokens``): read once, not per request."""
+        return tools.special_tokens(self.tokenizer)
 
-def facts_for(config, tokenizer) -> Facts:
-    """Facts of a SpecrayConfig whose target is set (read from its files, no weights loaded)."""
+
+def facts_for(config, tokenizer, tool_parser: str | None = None) -> Facts:
+    """Facts of a SpecrayConfig whose target is set (read from its files, no weights loaded);
+    ``tool_parser``: auto tool choice's (``ServeConfig.auto_tool_parser``), None where it is off."""
     from transformers import AutoConfig
 
     model_config = AutoConfig.from_pretrained(config.target)
@@ -75,7 +82,7 @@ def facts_for(config, tokenizer) -> Facts:
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     limits = Limits(capacity=context, vocab_size=text.vocab_size, methods=config.method_facts())
     return Facts(tokenizer, context, text.vocab_size, limits,
-                 config.default_speculation or best_speculation(limits.methods))
+                 config.default_speculation or best_speculation(limits.methods), tool_parser)
 
 
 def validation_problems(exc: ValidationError, prefix: str = "") -> list[tuple[str | None, str]]:
@@ -268,7 +275,7 @@ def check(req, chat: bool, facts: Facts, default_max_tokens: int, prefix: str = 
         plan = tools.plan_for(req, facts.tool_parser)
     if problems:
         raise RequestError(problems)
-    if plan is not None and plan.keeps_special_tokens(facts.tokenizer):
+    if plan is not None and plan.keeps_special_tokens(facts.special_tokens):
         samplings = [[s.model_copy(update={"skip_special_tokens": False}) for s in row] for row in samplings]
     spec = req.speculation.model_dump() if req.speculation else None
     return Checked(prompts, ids_per_prompt, samplings, spec, prompt_only, plan)

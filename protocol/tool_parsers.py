@@ -59,58 +59,68 @@ class Scan:
 
 
 # -- a JSON call object, read as far as the text goes ----------------------------------------------
+@dataclass
+class Memo:
+    """What scans of a growing text found, by position. A stream's text only grows at its end,
+    so a value that closed stays closed where it closed, a call that finished stays that call,
+    and a value still open resumes where the last scan stopped: a feed reads what it adds and
+    steps over what earlier feeds read, not the whole reply again."""
+
+    values: dict[int, int | tuple[int, int, bool]] = field(default_factory=dict)  # start -> end | (at, depth, quoted)
+    calls: dict[int, tuple[Call, int]] = field(default_factory=dict)  # start -> (finished call, end)
+
+
+Format = Callable[[str, bool, Memo], Scan]
+"""A format: (the text so far, whether it is whole, what scans of its shorter texts found) -> its scan."""
+
+
 def _skip_ws(text: str, i: int) -> int:
     while i < len(text) and text[i] in " \t\r\n":
         i += 1
     return i
 
 
-def _string_end(text: str, i: int) -> int | None:
-    """End (exclusive) of the JSON string starting at text[i] == '"'; None if it is not closed yet."""
-    j = i + 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-        elif text[j] == '"':
-            return j + 1
-        else:
+def _value_end(text: str, i: int, memo: Memo) -> int | None:
+    """End (exclusive) of the JSON value starting at text[i]; None if the text stops inside it."""
+    if text[i] not in '"{[':
+        j = i
+        while j < len(text) and text[j] in LITERAL_CHARS:
             j += 1
+        if j == i:
+            raise Malformed(f"not a JSON value at {text[i:i + 20]!r}")
+        return None if j == len(text) else j
+    state = memo.values.get(i, (i, 0, False))
+    if isinstance(state, int):
+        return state
+    j, depth, quoted = state
+    while j < len(text):
+        c = text[j]
+        if quoted:
+            if c == "\\":
+                j += 1  # the escaped character is skipped with it
+            elif c == '"':
+                quoted = False
+                if depth == 0:
+                    memo.values[i] = j + 1
+                    return j + 1
+        elif c == '"':
+            quoted = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                memo.values[i] = j + 1
+                return j + 1
+        j += 1
+    memo.values[i] = (j, depth, quoted)
     return None
 
 
-def _value_end(text: str, i: int) -> int | None:
-    """End (exclusive) of the JSON value starting at text[i]; None if the text stops inside it."""
-    c = text[i]
-    if c == '"':
-        return _string_end(text, i)
-    if c in "{[":
-        depth, j = 0, i
-        while j < len(text):
-            c = text[j]
-            if c == '"':
-                end = _string_end(text, j)
-                if end is None:
-                    return None
-                j = end
-                continue
-            if c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-        return None
-    j = i
-    while j < len(text) and text[j] in LITERAL_CHARS:
-        j += 1
-    if j == i:
-        raise Malformed(f"not a JSON value at {text[i:i + 20]!r}")
-    return None if j == len(text) else j
-
-
-def _call_object(text: str, i: int) -> tuple[Call, int | None]:
+def _call_object(text: str, i: int, memo: Memo) -> tuple[Call, int | None]:
     """The call object starting at text[i] and its end (None while it is not closed)."""
+    if i in memo.calls:
+        return memo.calls[i]
     if text[i] != "{":
         raise Malformed(f"a call is a JSON object, not {text[i:i + 20]!r}")
     name, args_at, args_end, j = None, None, None, i + 1
@@ -119,13 +129,14 @@ def _call_object(text: str, i: int) -> tuple[Call, int | None]:
         if j >= len(text):
             break
         if text[j] == "}":
-            return _finished(text, i, j + 1, args_at, args_end)
+            memo.calls[i] = _finished(text, i, j + 1, args_at, args_end)
+            return memo.calls[i]
         if text[j] == ",":
             j += 1
             continue
         if text[j] != '"':
             raise Malformed(f"a key is a JSON string, not {text[j:j + 20]!r}")
-        key_end = _string_end(text, j)
+        key_end = _value_end(text, j, memo)
         if key_end is None:
             break
         key = json.loads(text[j:key_end])
@@ -135,7 +146,7 @@ def _call_object(text: str, i: int) -> tuple[Call, int | None]:
         j = _skip_ws(text, j + 1)
         if j >= len(text):
             break
-        end = _value_end(text, j)
+        end = _value_end(text, j, memo)
         if key == "name" and end is not None:
             name = json.loads(text[j:end])
         elif key in ARGUMENT_KEYS:
@@ -180,7 +191,7 @@ def _held(text: str, marker: str) -> str:
     return text.rstrip()
 
 
-def _calls_after(text: str, i: int, separator: str, stop: str | None = None) -> list[Call]:
+def _calls_after(text: str, i: int, memo: Memo, separator: str, stop: str | None = None) -> list[Call]:
     """Call objects from text[i] on, joined by ``separator``, up to ``stop`` (then only whitespace)."""
     calls = []
     while True:
@@ -189,7 +200,7 @@ def _calls_after(text: str, i: int, separator: str, stop: str | None = None) -> 
             return calls
         if stop and not calls and text.startswith(stop, i):
             return _only_space_after(text, i + len(stop), calls)
-        call, end = _call_object(text, i)
+        call, end = _call_object(text, i, memo)
         calls.append(call)
         if end is None:
             return calls
@@ -209,7 +220,7 @@ def _only_space_after(text: str, i: int, calls: list[Call]) -> list[Call]:
     return calls
 
 
-def scan_hermes(text: str, final: bool) -> Scan:
+def scan_hermes(text: str, final: bool, memo: Memo) -> Scan:
     """Each call inside ``<tool_call>...</tool_call>`` (the last one may stay open); text before
     the first is content, text after a call is not read."""
     start = text.find(HERMES_OPEN)
@@ -220,7 +231,7 @@ def scan_hermes(text: str, final: bool) -> Scan:
         i = _skip_ws(text, start + len(HERMES_OPEN))
         if i >= len(text):
             break
-        call, end = _call_object(text, i)
+        call, end = _call_object(text, i, memo)
         scan.calls.append(call)
         if end is None:
             break
@@ -231,31 +242,31 @@ def scan_hermes(text: str, final: bool) -> Scan:
     return scan
 
 
-def scan_llama3_json(text: str, final: bool) -> Scan:
+def scan_llama3_json(text: str, final: bool, memo: Memo) -> Scan:
     """Calls from the first character (or after ``<|python_tag|>``, text before it content),
     separated by ``;``."""
     tag = text.find(PYTHON_TAG)
     if tag >= 0:
-        return Scan(text[:tag].rstrip(), _calls_after(text, tag + len(PYTHON_TAG), ";"))
+        return Scan(text[:tag].rstrip(), _calls_after(text, tag + len(PYTHON_TAG), memo, ";"))
     first = _skip_ws(text, 0)
     if first < len(text) and text[first] == "{":
-        return Scan("", _calls_after(text, first, ";"))
+        return Scan("", _calls_after(text, first, memo, ";"))
     return Scan(text if final else _held(text, PYTHON_TAG))
 
 
-def scan_required(text: str, final: bool) -> Scan:
+def scan_required(text: str, final: bool, memo: Memo) -> Scan:
     """A JSON array of calls."""
     i = _skip_ws(text, 0)
     if i >= len(text):
         return Scan("")
     if text[i] != "[":
         raise Malformed("tool calls are a JSON array")
-    return Scan("", _calls_after(text, i + 1, ",", stop="]"))
+    return Scan("", _calls_after(text, i + 1, memo, ",", stop="]"))
 
 
-def scan_named(name: str) -> Callable[[str, bool], Scan]:
+def scan_named(name: str) -> Format:
     """The whole text is the one call's arguments."""
-    def scan(text: str, final: bool) -> Scan:
+    def scan(text: str, final: bool, memo: Memo) -> Scan:
         body = text.strip()
         if not final:
             return Scan("", [Call(name, text.lstrip().rstrip(), False)])
@@ -269,7 +280,7 @@ def scan_named(name: str) -> Callable[[str, bool], Scan]:
     return scan
 
 
-FORMATS: dict[str, Callable[[str, bool], Scan]] = {
+FORMATS: dict[str, Format] = {
     "hermes": scan_hermes,
     "llama3_json": scan_llama3_json,
     "llama4_json": scan_llama3_json,
@@ -280,9 +291,9 @@ SPECIAL_MARKERS = {"hermes": (HERMES_OPEN, HERMES_CLOSE), "llama3_json": (PYTHON
 """Markers a parser reads: where a tokenizer makes them special tokens, they must stay in the text."""
 
 
-def _scan(fmt, text: str, final: bool) -> Scan:
+def _scan(fmt: Format, text: str, final: bool, memo: Memo) -> Scan:
     try:
-        return fmt(text, final)
+        return fmt(text, final, memo)
     except Malformed:
         return Scan("", [], malformed=True)
 
@@ -297,7 +308,7 @@ class ParsedCalls:
 def parse(fmt, text: str) -> ParsedCalls:
     """A whole reply's content and calls; a call that does not parse, or one left unfinished,
     makes the whole text the content."""
-    scan = _scan(fmt, text, final=True)
+    scan = _scan(fmt, text, True, Memo())
     if scan.malformed or not scan.calls or not all(c.done for c in scan.calls):
         return ParsedCalls(text, [])
     return ParsedCalls(scan.content or None, [(c.name, c.arguments) for c in scan.calls])
@@ -312,13 +323,14 @@ class CallStream:
     """OpenAI's streamed deltas of one choice's reply: content, then per call a first delta with
     its index, id, type and name, then its arguments in pieces.
 
-    ``feed`` takes the reply's text so far (each call a longer one) and returns the deltas that
-    text adds; ``final`` says it is the whole reply. A call is sent once its name is known, in
+    ``feed`` takes the reply's text so far (each call a longer one, the last one's text at its
+    start) and returns the deltas that text adds; ``final`` says it is the whole reply. A call is sent once its name is known, in
     order; a reply whose calls do not parse, with none sent yet, ends as content.
     """
 
-    def __init__(self, fmt):
+    def __init__(self, fmt: Format):
         self.fmt = fmt
+        self.memo = Memo()  # what earlier feeds read: a feed reads only the text it adds
         self.content_sent = 0
         self.sent: list[tuple[str, int]] = []  # per call sent: (id, argument characters sent)
 
@@ -327,7 +339,7 @@ class CallStream:
         return bool(self.sent)
 
     def feed(self, text: str, final: bool) -> list[dict]:
-        scan = _scan(self.fmt, text, final)
+        scan = _scan(self.fmt, text, final, self.memo)
         out = []
         if scan.malformed or (final and not self.sent and not all(c.done for c in scan.calls)):
             if final and not self.sent and len(text) > self.content_sent:

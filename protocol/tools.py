@@ -80,16 +80,23 @@ class ToolPlan:
             return T.scan_named(self.function)
         return T.FORMATS[self.parser]
 
-    def keeps_special_tokens(self, tokenizer) -> bool:
-        """Must the text keep special tokens? Where the tokenizer makes the parser's markers
-        special tokens (Qwen's ``<tool_call>``), skipping them would hide every call."""
-        specials = set(getattr(tokenizer, "all_special_tokens", ()) or ())
-        specials |= {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
-                     if getattr(t, "special", False)}
-        return self.mode == "auto" and bool(specials & set(T.SPECIAL_MARKERS.get(self.parser, ())))
+    def keeps_special_tokens(self, specials: frozenset[str]) -> bool:
+        """Must the text keep special tokens? Where the tokenizer's ``specials``
+        (``special_tokens``) hold the parser's markers (Qwen's ``<tool_call>``), skipping them
+        would hide every call."""
+        return self.mode == "auto" and not specials.isdisjoint(T.SPECIAL_MARKERS.get(self.parser, ()))
 
     def stream(self) -> T.CallStream:
         return T.CallStream(self.format())
+
+
+def special_tokens(tokenizer) -> frozenset[str]:
+    """What decoding with ``skip_special_tokens`` leaves out: the tokenizer's named special tokens
+    and its added tokens marked special."""
+    specials = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    specials |= {t.content for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+                 if getattr(t, "special", False)}
+    return frozenset(specials)
 
 
 def plan_for(req, parser: str | None) -> ToolPlan | None:
