@@ -247,32 +247,34 @@ ACCEPTANCE_KEY = "specray_acceptance"  # policies/checkpoint_files.py reads it (
 def _note_acceptance(draft_config: pathlib.Path, alpha: float) -> None:
     """The draft's measured acceptance in its config.json, as specray's trained heads carry
     theirs: alpha, the chance each draft token is the target's, at every position (the
-    self-tuning speculation length starts from it). Written once, aside and renamed; a pair
-    cached before this key existed gets it on its next load."""
+    self-tuning speculation length starts from it). Written once; a pair cached before this key
+    existed gets it on its next load."""
     raw = json.loads(draft_config.read_text())
     if raw.get(ACCEPTANCE_KEY) == [round(alpha, 3)]:
         return
     raw[ACCEPTANCE_KEY] = [round(alpha, 3)]
-    partial = draft_config.with_name(f".{draft_config.name}.{os.getpid()}.partial")
-    try:
-        partial.write_text(json.dumps(raw, indent=2))
-        partial.replace(draft_config)
-    except OSError as exc:  # a read-only cache: the controller then starts from its own prior
-        log.warning("could not note the draft's acceptance in %s: %s", draft_config, exc)
+    # (a read-only cache: the controller then starts from its own prior)
+    _replace_text(draft_config, json.dumps(raw, indent=2), "note the draft's acceptance")
 
 
 def _current_chat_template(path: pathlib.Path) -> None:
     """The chat template is code (``tokenizer.CHAT_TEMPLATE``), not something training made: a
     pair cached with an older one (before tools rendered) gets this one on its next load; the
-    weights and the tokenizer's vocabulary stay as built. Written aside and renamed."""
+    weights and the tokenizer's vocabulary stay as built."""
     if path.is_file() and path.read_text() == CHAT_TEMPLATE:
         return
+    _replace_text(path, CHAT_TEMPLATE, "update the chat template")  # (a read-only cache keeps its own)
+
+
+def _replace_text(path: pathlib.Path, text: str, what: str) -> None:
+    """A cached pair's file rewritten aside and renamed (a reader never sees half of it); where
+    the cache is read-only, a warning and the file as it was."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        partial.write_text(CHAT_TEMPLATE)
+        partial.write_text(text)
         partial.replace(path)
-    except OSError as exc:  # a read-only cache keeps the template it has
-        log.warning("could not update the chat template in %s: %s", path, exc)
+    except OSError as exc:
+        log.warning("could not %s in %s: %s", what, path, exc)
 
 
 def _log_quality(metrics: dict, where: pathlib.Path | None = None) -> None:

@@ -241,8 +241,7 @@ def _read_job_lines(objects, config: SpecrayConfig) -> tuple[list[JobLine], list
 
 def _read_batch_lines(objects, config: SpecrayConfig, tool_parser: str | None = None):
     """OpenAI's batch format: each body checked as the HTTP server checks its request."""
-    facts = _batch_facts(config)
-    facts.tool_parser = tool_parser
+    facts = _batch_facts(config, tool_parser)
     checked, errors = [], []
     for lineno, obj in objects:
         rec, problems = openai_batch.check_line(obj, facts)
@@ -253,14 +252,15 @@ def _read_batch_lines(objects, config: SpecrayConfig, tool_parser: str | None = 
     return [rec for _, rec in checked], errors
 
 
-def _batch_facts(config: SpecrayConfig) -> openai_batch.Facts:
-    """Tokenizer (chat templates, token counts), context and vocabulary of the job's model."""
+def _batch_facts(config: SpecrayConfig, tool_parser: str | None = None) -> openai_batch.Facts:
+    """Tokenizer (chat templates, token counts), context and vocabulary of the job's model, and
+    auto tool choice's parser."""
     from specray.engine.config import load_tokenizer
     from specray.protocol.checks import facts_for
 
     config = with_demo_pair(config)  # the demo pair when no target is given, as the job runs
     try:
-        return facts_for(config, load_tokenizer(config.tokenizer or config.target))
+        return facts_for(config, load_tokenizer(config.tokenizer or config.target), tool_parser)
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot read the target {config.target}: {exc}") from None
 

@@ -106,8 +106,7 @@ class OpenAIIngress:
         engine = cfg.engine  # resolved by the application builder (entrypoints/app.py)
         self.tokenizer = load_tokenizer(engine.tokenizer or engine.target)
         # What checking a request needs (context, vocabulary, methods), read once, as the engines see it.
-        self.facts = C.facts_for(engine, self.tokenizer)
-        self.facts.tool_parser = cfg.auto_tool_parser()
+        self.facts = C.facts_for(engine, self.tokenizer, cfg.auto_tool_parser())
         self.token_text = P.token_text_of(self.tokenizer)
         self.engine_config = engine
         self.static = static_files()
