@@ -36,7 +36,7 @@ class _Forced:
         return [self.k] * len(rows)
 
     def observe(self, step: StepRecord) -> None:
-        self.budget.observe_costs(step)
+        self.budget.observe_costs(step, profiled=True)
 
     def release(self, request_id: str) -> None:
         pass

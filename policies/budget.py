@@ -10,10 +10,12 @@ of slots with the highest expected tokens per second:
 
     rate(S) = (rows + sum of S's values) / (verify(shape(S)) + sum over methods of draft(depth))
 
-over the candidates "the n most valuable slots no deeper than d" for every n and d: the
-depth bounds what sequential drafters run and what a step mode that pads every row to the
-widest verifies; within it, a mode that verifies only the admitted slots (ragged) pays per
-slot. Each row is cut to its admitted slots (its cap; 0 = plain decoding for that row): a
+over the candidates that can be best under the step mode's costs. Where every row is
+verified as wide as the widest (padded: every step mode today), a step costs its depth d —
+the widest row, the levels sequential drafters run — and every slot up to d comes at no
+further verification cost: the candidates are "every slot up to depth d". Where only the
+admitted slots are verified (ragged), each slot is paid for: the candidates are "the n most
+valuable slots no deeper than d" for every n and d. Each row is cut to its admitted slots (its cap; 0 = plain decoding for that row): a
 confident row keeps its block while a doubtful one in the same batch is trimmed, and a
 drafter that is never right is cut to 0 because its slots add cost and no value.
 
@@ -22,7 +24,7 @@ step is drawn, from the request's past steps — never from a drawn token's prob
 
 >>> b = VerificationBudget()
 >>> rows = [RowView("a", "draft")]
->>> b.costs.record_verify(1, 1, 1.0); b.costs.record_verify(1, 9, 1.8)   # ms: plain step, 8 more tokens
+>>> b.costs.record(1, 1, 1.0, {}, None, profiled=True); b.costs.record(1, 9, 1.8, {}, None, profiled=True)
 >>> for _ in range(50):                      # drafts never accepted
 ...     k = b.caps(rows)[0]
 ...     b.observe(StepRecord(rows, [k], [0], [[0]]))
@@ -37,7 +39,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from specray.policies.costs import StepCosts
+from specray.policies.costs import StepCosts, monotone
 
 
 @dataclass(frozen=True)
@@ -141,23 +143,6 @@ def _reached(parents: Sequence[int], counted: int, path: Sequence[int]) -> tuple
     on = set(path)
     reached = [j for j in range(counted) if (parents[j] if j < len(parents) else j) in on]
     return reached, [j for j in reached if j + 1 in on]
-
-
-def non_increasing(values: Sequence[float]) -> list[float]:
-    """The closest non-increasing sequence with the same total (pool adjacent violators): a
-    row is cut to a prefix, so a later slot worth more than an earlier one is admitted with it.
-
-    >>> non_increasing([0.5, 0.1, 0.3])
-    [0.5, 0.2, 0.2]
-    """
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([v, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] < blocks[-1][0] / blocks[-1][1]:
-            s, n = blocks.pop()
-            blocks[-1][0] += s
-            blocks[-1][1] += n
-    return [s / n for s, n in blocks for _ in range(int(n))]
 
 
 @dataclass(frozen=True)
@@ -289,19 +274,28 @@ class VerificationBudget:
         counts = [n if f and r.method != "none" else 0 for r, f, n in zip(rows, fixed, sizes)]
         if all(fixed):  # nothing to decide
             return Admission([r.requested for r in rows], sum(counts), float("nan"), float("nan"))
-        free = [non_increasing(self.values(r, n, draw=True)) if not f else [] for r, f, n in zip(rows, fixed, sizes)]
+        # a row is cut to a prefix: a later slot worth more than an earlier one comes with it
+        free = [monotone(self.values(r, n, draw=True), increasing=False) if not f else [] for r, f, n in zip(rows, fixed, sizes)]
         given = len(rows) + sum(sum(self.values(r, c)) for r, c in zip(rows, counts) if c)  # fixed rows' tokens
-        step = _Step(self, rows, counts, given)
+        prices: tuple[dict, dict] = ({}, {})  # this step's verify and draft costs, read once per shape
+        step = _Step(self, rows, counts, given, prices)
         best = (list(counts), *step.price())
-        order = sorted(((v, i, j) for i, vs in enumerate(free) for j, v in enumerate(vs)), key=lambda t: (-t[0], t[2]))
-        for depth in range(1, max(map(len, free), default=0) + 1):
-            step = _Step(self, rows, counts, given)  # the most valuable slots no deeper than ``depth``
-            for _, i, j in order:
-                if j < depth:
-                    step.grow(i, j + 1, free[i])
-                    tokens, seconds = step.price()
-                    if tokens * best[2] > best[1] * seconds:
-                        best = (list(step.counts), tokens, seconds)
+        deepest = max(map(len, free), default=0)
+        if self.costs.ragged:  # every slot priced: the most valuable ones no deeper than each depth
+            order = sorted(((v, i, j) for i, vs in enumerate(free) for j, v in enumerate(vs)), key=lambda t: (-t[0], t[2]))
+            for depth in range(1, deepest + 1):
+                step = _Step(self, rows, counts, given, prices)
+                for _, i, j in order:
+                    if j < depth:
+                        step.grow(i, j + 1, free[i])
+                        best = _better(best, step)
+        else:  # padded: a step costs its widest row whatever the others verify, so every slot up to it
+            step = _Step(self, rows, counts, given, prices)
+            for depth in range(1, deepest + 1):
+                for i, vs in enumerate(free):
+                    if depth <= len(vs):
+                        step.grow(i, depth, vs)
+                best = _better(best, step)
         counts, tokens, seconds = best
         caps = [r.requested if f else (None if r.tree and c >= n else c)
                 for r, f, c, n in zip(rows, fixed, counts, sizes)]
@@ -342,24 +336,18 @@ class VerificationBudget:
                 self._requests[r.method].setdefault(r.request_id, _Counts()).add(reached, hit, forget, self._step)
         self.observe_costs(step)
 
-    def observe_costs(self, step: StepRecord) -> None:
-        """Record what the step's shapes cost (its acceptance aside)."""
-        if step.verify_s is not None:
-            widths = [1 + d for d in step.drafted]
-            self.costs.record_verify(len(step.rows), sum(widths) if self.costs.ragged else max(widths), step.verify_s)
-        levels: dict[str, int] = {}
-        batch: dict[str, int] = defaultdict(int)
+    def observe_costs(self, step: StepRecord, profiled: bool = False) -> None:
+        """Record what the step's shapes cost (its acceptance aside); ``profiled``: a step of the
+        start-up profile (it shapes the cost curves; served steps set their level)."""
+        widths = [1 + d for d in step.drafted]
+        drafting: dict[str, tuple[int, int]] = {}
         for r, d, parents in zip(step.rows, step.drafted, step.parents or [None] * len(step.rows)):
             if r.method != "none" and d:
-                depth = self._levels_of(parents[:d])[-1] if parents else d
-                levels[r.method] = max(levels.get(r.method, 0), 1 if r.block else depth)
-                batch[r.method] += 1
-        if step.propose_s is not None and levels:
-            predicted = {m: self.costs.draft(m, batch[m], lv) for m, lv in levels.items()}
-            total = sum(predicted.values())
-            for m, lv in levels.items():
-                share = predicted[m] / total if total > 0 else 1.0 / len(levels)
-                self.costs.record_draft(m, batch[m], lv, step.propose_s * share)
+                depth = 1 if r.block else (self._levels_of(parents[:d])[-1] if parents else d)
+                rows, deepest = drafting.get(r.method, (0, 0))
+                drafting[r.method] = (rows + 1, max(deepest, depth))
+        self.costs.record(len(step.rows), sum(widths) if self.costs.ragged else max(widths), step.verify_s,
+                          drafting, step.propose_s, profiled)
 
     def release(self, request_id: str) -> None:
         for requests in self._requests.values():
@@ -381,12 +369,20 @@ class VerificationBudget:
                                                    "predicted_s": last.seconds}}
 
 
+def _better(best: tuple, step: "_Step") -> tuple:
+    """``best`` or the step, whichever has more expected tokens per second."""
+    tokens, seconds = step.price()
+    return (list(step.counts), tokens, seconds) if tokens * best[2] > best[1] * seconds else best
+
+
 class _Step:
     """A candidate step, grown slot by slot: its expected tokens and predicted seconds kept
     current in O(methods) per slot."""
 
-    def __init__(self, policy: VerificationBudget, rows: Sequence[RowView], counts: Sequence[int], tokens: float):
+    def __init__(self, policy: VerificationBudget, rows: Sequence[RowView], counts: Sequence[int], tokens: float,
+                 prices: tuple[dict, dict]):
         self.policy, self.rows, self.counts, self.tokens = policy, rows, list(counts), tokens
+        self.verify_s, self.draft_s = prices  # shape -> seconds, filled as candidates read them
         widths = [1 + c for c in counts]
         self.total, self.widest = sum(widths), max(widths)
         self.levels: dict[str, int] = {}
@@ -416,9 +412,17 @@ class _Step:
     def price(self) -> tuple[float, float]:
         """(expected tokens, predicted seconds)."""
         costs = self.policy.costs
-        seconds = costs.verify(len(self.rows), self.total if costs.ragged else self.widest)
-        seconds += sum(costs.draft(m, self.drafting[m], lv) for m, lv in self.levels.items())
+        size = self.total if costs.ragged else self.widest
+        seconds = self.verify_s.get(size)
+        if seconds is None:
+            seconds = self.verify_s[size] = costs.verify(len(self.rows), size)
+        for m, lv in self.levels.items():
+            key = (m, self.drafting[m], lv)
+            drafting = self.draft_s.get(key)
+            if drafting is None:
+                drafting = self.draft_s[key] = costs.draft(*key)
+            seconds += drafting
         return self.tokens, seconds
 
 
-__all__ = ["Admission", "BudgetConfig", "RowView", "StepRecord", "VerificationBudget", "non_increasing"]
+__all__ = ["Admission", "BudgetConfig", "RowView", "StepRecord", "VerificationBudget"]

@@ -1,7 +1,7 @@
 """What a speculative step costs, per shape: the verification budget's cost table.
 
-Two kinds of entries, each the median of its recent measurements (so a collector pause or a
-neighbour's burst moves it only when it lasts):
+Two kinds of curves, each built of medians of recent measurements (so a collector pause or a
+neighbour's burst moves them only when it lasts):
 
 * ``verify``: (batch-size bucket, size) -> seconds of the target's forward and acceptance,
   where size is what the step mode runs: the verified tokens of all rows together (ragged) or
@@ -9,22 +9,31 @@ neighbour's burst moves it only when it lasts):
 * ``draft``: (method, batch-size bucket, levels) -> seconds of its drafting; ``levels`` is the
   depth it drafts to (sequential forwards), 1 for a block drafter's single forward.
 
-Entries are measured at start-up (the engine profiles its shapes) and refreshed by every step
-that runs them. A shape never measured is interpolated along size (levels) between the
-measured ones of its bucket, extrapolated from the nearest two beyond them (never falling);
-with a single measurement it is taken as flat — the optimistic reading, so that a step
-measures the shape instead of never trying it. A bucket never measured reads its nearest.
+The engine profiles the curves at start-up: they give the shape of the costs. What serving
+measures sets their *level*: the median, over recent served steps, of a step's seconds over
+what the profiled curves predict for it. Longer contexts, a busier machine or warm caches move
+every shape alike, so one level rescales the whole table — no entry goes stale beside a
+refreshed one, and a drafter switched off is priced at today's level, not at its last step's.
+A curve the profile did not measure (a method it skipped) is built from served steps, each
+size's own median, and no level. A size never measured is interpolated along size (levels) between the measured ones of its
+bucket, extrapolated from the nearest two beyond them (never falling); with a single
+measurement it is taken as flat — the optimistic reading, so that a step measures the shape
+instead of never trying it. A bucket never measured reads its nearest.
 
 >>> c = StepCosts(ragged=True)
->>> c.record_verify(1, 1, 1.0); c.record_verify(1, 5, 2.0)
+>>> c.record(1, 1, 1.0, {}, None, profiled=True); c.record(1, 5, 2.0, {}, None, profiled=True)
 >>> c.verify(1, 3), c.verify(1, 9)
 (1.5, 3.0)
+>>> c.record(1, 1, 2.0, {}, None)       # served steps cost twice the profile: every size does
+>>> c.verify(1, 3), c.verify(1, 9)
+(3.0, 6.0)
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
+from typing import Sequence
 
 
 def profile_widths(max_k: int) -> list[int]:
@@ -40,16 +49,36 @@ def profile_widths(max_k: int) -> list[int]:
     return out
 
 
+def monotone(values: Sequence[float], weights: Sequence[float] | None = None, increasing: bool = True) -> list[float]:
+    """The closest monotone sequence to ``values`` in weighted least squares (pool adjacent
+    violators): a cost that falls as its shape grows is noise, as is a draft value that rises
+    along a row.
+
+    >>> monotone([1.0, 3.0, 2.0]), monotone([0.5, 0.1, 0.3], increasing=False)
+    ([1.0, 2.5, 2.5], [0.5, 0.2, 0.2])
+    """
+    sign = 1.0 if increasing else -1.0
+    blocks: list[list[float]] = []  # [weighted sum, weight, count]
+    for v, w in zip(values, weights or [1.0] * len(values)):
+        blocks.append([sign * v * w, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, weight, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += weight
+            blocks[-1][2] += n
+    return [sign * total / weight for total, weight, n in blocks for _ in range(n)]
+
+
 def bucket(batch: int) -> int:
     """The batch-size bucket a running batch falls in: 1, 2, 4, 8, ..."""
     return 1 << max(batch - 1, 0).bit_length()
 
 
 class _Curve:
-    """Measurements of one bucket along size: the median of each size's recent ones."""
+    """One bucket's costs along size: the median of each size's recent measurements."""
 
-    def __init__(self, window: int):
-        self.window = window
+    def __init__(self, window: int, profiled: bool):
+        self.window, self.profiled = window, profiled
         self.samples: dict[int, deque] = {}
         self._medians: dict[int, float] | None = None
         self._at: dict[int, float] = {}  # predictions since the last measurement
@@ -60,8 +89,11 @@ class _Curve:
         self._at.clear()
 
     def medians(self) -> dict[int, float]:
+        """Each size's median, made non-decreasing along size (weighted by its samples)."""
         if self._medians is None:
-            self._medians = {s: statistics.median(v) for s, v in sorted(self.samples.items())}
+            sizes = sorted(self.samples)
+            fitted = monotone([statistics.median(self.samples[s]) for s in sizes], [len(self.samples[s]) for s in sizes])
+            self._medians = dict(zip(sizes, fitted))
         return self._medians
 
     def at(self, size: int) -> float:
@@ -95,29 +127,64 @@ class StepCosts:
         self.ragged, self.window = ragged, window
         self._verify: dict[int, _Curve] = {}
         self._draft: dict[str, dict[int, _Curve]] = {}  # method -> bucket -> curve
+        self._levels: deque = deque(maxlen=window)  # served steps' seconds / the profile's prediction
+        self.level = 1.0
 
-    def record_verify(self, batch: int, size: int, seconds: float) -> None:
-        self._verify.setdefault(bucket(batch), _Curve(self.window)).add(size, seconds)
+    def record(self, batch: int, size: int, verify_s: float | None, drafting: dict[str, tuple[int, int]],
+               propose_s: float | None, profiled: bool = False) -> None:
+        """A step of ``batch`` rows verifying ``size`` (module doc) in ``verify_s`` seconds, and
+        drafting ``drafting`` (method -> (its rows, levels)) in ``propose_s``; ``profiled``: a
+        step of the start-up profile."""
+        if not profiled:
+            verify = self._verify.get(bucket(batch))
+            drafts = [(self._draft.get(m, {}).get(bucket(b)), lv) for m, (b, lv) in drafting.items()]
+            if verify is not None and verify.profiled and all(c is not None and c.profiled for c, _ in drafts):
+                predicted = verify.at(size) + sum(c.at(lv) for c, lv in drafts)
+                if predicted > 0 and verify_s is not None and (propose_s is not None or not drafts):
+                    self._levels.append((verify_s + (propose_s or 0.0)) / predicted)
+                    self.level = statistics.median(self._levels)
+                return
+        if verify_s is not None:
+            curve = self._curve(self._verify, bucket(batch), profiled)
+            if curve.profiled == profiled:
+                curve.add(size, verify_s)
+        if propose_s is not None and drafting:
+            # the drafting seconds shared out as the curves predict them (evenly where they cannot)
+            curves = {m: (self._curve(self._draft.setdefault(m, {}), bucket(b), profiled), lv)
+                      for m, (b, lv) in drafting.items()}
+            predicted = {m: c.at(lv) if c.samples else 0.0 for m, (c, lv) in curves.items()}
+            total = sum(predicted.values())
+            for m, (c, lv) in curves.items():
+                if c.profiled == profiled:
+                    c.add(lv, propose_s * (predicted[m] / total if total > 0 else 1.0 / len(curves)))
 
-    def record_draft(self, method: str, batch: int, levels: int, seconds: float) -> None:
-        self._draft.setdefault(method, {}).setdefault(bucket(batch), _Curve(self.window)).add(levels, seconds)
+    def _curve(self, curves: dict[int, _Curve], key: int, profiled: bool) -> _Curve:
+        """The curve at ``key``; a profile's measurement replaces one built from served steps."""
+        curve = curves.get(key)
+        if curve is None or (profiled and not curve.profiled):
+            curve = curves[key] = _Curve(self.window, profiled)
+        return curve
 
     def verify(self, batch: int, size: int) -> float:
         """Seconds to verify ``size`` (module doc) in a batch of ``batch`` rows; 1.0 per step of
         unit cost when nothing was measured (only ratios matter then)."""
         curve = _nearest(self._verify, bucket(batch))
-        return curve.at(size) if curve is not None else 1.0
+        return self._scaled(curve, size) if curve is not None else 1.0
 
     def draft(self, method: str, batch: int, levels: int) -> float:
         """Seconds ``method`` drafts ``levels`` deep for ``batch`` rows (0 until measured)."""
         curve = _nearest(self._draft.get(method, {}), bucket(batch))
-        return curve.at(levels) if curve is not None else 0.0
+        return self._scaled(curve, levels) if curve is not None else 0.0
+
+    def _scaled(self, curve: _Curve, size: int) -> float:
+        return curve.at(size) * (self.level if curve.profiled else 1.0)
 
     def table(self) -> dict:
-        """Every measured entry's median: {"verify": {"8x5": s}, "draft": {"eagle@8x3": s}}."""
-        return {"verify": {f"{b}x{s}": m for b, c in sorted(self._verify.items()) for s, m in c.medians().items()},
-                "draft": {f"{m}@{b}x{lv}": s for m, curves in sorted(self._draft.items())
-                          for b, c in sorted(curves.items()) for lv, s in c.medians().items()}}
+        """Every measured entry, at today's level: {"verify": {"8x5": s}, "draft": {"eagle@8x3": s}, "level": x}."""
+        return {"verify": {f"{b}x{s}": self._scaled(c, s) for b, c in sorted(self._verify.items()) for s in c.medians()},
+                "draft": {f"{m}@{b}x{lv}": self._scaled(c, lv) for m, curves in sorted(self._draft.items())
+                          for b, c in sorted(curves.items()) for lv in c.medians()},
+                "level": self.level}
 
 
 def _nearest(curves: dict, key: int):

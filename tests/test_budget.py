@@ -52,10 +52,10 @@ def profile(policy: VerificationBudget, truth: Truth, batch: int, max_k: int = 8
     for b in (1 << i for i in range(top.bit_length())):
         for k in C.profile_widths(max_k):
             size = b * (1 + k) if truth.ragged else 1 + k
-            policy.costs.record_verify(b, size, truth.verify(b, size))
+            policy.costs.record(b, size, truth.verify(b, size), {}, None, profiled=True)
     for b in sorted({1, top}):
         for lv in (1, max_k):
-            policy.costs.record_draft("m", b, lv, truth.draft("m", b, lv))
+            policy.costs.record(b, 1, None, {"m": (b, lv)}, truth.draft("m", b, lv), profiled=True)
 
 
 def survival(rates) -> list[float]:
@@ -229,8 +229,8 @@ def test_start_method_restarts_from_the_new_rates():
 def test_the_cost_table_interpolates_and_is_robust_to_one_slow_step():
     c = StepCosts(ragged=True)
     for s in (1.0, 1.0, 1.0, 50.0):  # a collector pause
-        c.record_verify(4, 4, s)
-    c.record_verify(4, 12, 2.0)
+        c.record(4, 4, s, {}, None)
+    c.record(4, 12, 2.0, {}, None)
     assert c.verify(4, 4) == 1.0 and c.verify(4, 8) == pytest.approx(1.5)
     assert c.verify(4, 20) == pytest.approx(3.0)  # beyond: the nearest two's slope
     assert c.verify(3, 4) == 1.0  # a batch of 3 is in bucket 4
@@ -330,3 +330,14 @@ def test_the_engine_profiles_its_cost_table_at_start_up(tiny_pair):
     assert {"draft@1x1", "draft@1x8", "draft@4x8"} <= set(table["draft"]), table
     assert engine.profile_seconds > 0 and engine.totals.num_drafts == 0
     assert engine.driver.length_policy.status() == {"costs": table, "last": None}
+
+
+def test_served_steps_scale_a_profiled_curve_so_no_entry_goes_stale():
+    """The profile gives the curve's shape; served steps at one size (longer contexts: twice the
+    profile's seconds) move every size alike, and one slow served step moves nothing."""
+    c = StepCosts()
+    for size, s in ((1, 1.0), (2, 1.2), (9, 3.0)):
+        c.record(8, size, s, {}, None, profiled=True)
+    for s in (2.0, 2.0, 2.0, 40.0):
+        c.record(8, 1, s, {}, None)
+    assert (c.verify(8, 1), c.verify(8, 2), c.verify(8, 9)) == pytest.approx((2.0, 2.4, 6.0))
