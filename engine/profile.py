@@ -2,7 +2,7 @@
 
 Before it serves, the engine runs a few steps at each shape it may run — every batch-size
 bucket up to ``max_num_seqs``, rows verifying 1 to ``max_k`` + 1 tokens — and each loaded
-drafter at the smallest and largest bucket, shallow and deep, and records each step's
+drafter at the smallest and largest bucket, 1, 2, 4, ... ``max_k`` levels deep, and records each step's
 seconds in the table: so the budget prices a shape it has not served yet from a measurement,
 not a guess. Each shape runs at least three steps (the table keeps their
 median: a cold shape's first step, a compile or a lazy allocation, does not set its price).
@@ -56,8 +56,8 @@ def profile_costs(engine, budget: VerificationBudget) -> float:
     buckets = [1 << i for i in range(most.bit_length())]  # 1, 2, 4, ... up to max_num_seqs
     plan = [("ngram", b, k) for b in buckets for k in profile_widths(max_k)] if "ngram" in engine.limits.methods else []
     for m in engine.limits.methods:
-        if method_spec(m).checkpoint:  # drafters with weights: forwards of their own, shallow and deep
-            plan += [(m, b, k) for b in sorted({1, buckets[-1]}) for k in (1, max_k)]
+        if method_spec(m).checkpoint:  # drafters with weights: forwards of their own, 1, 2, 4, ... levels
+            plan += [(m, b, k) for b in sorted({1, buckets[-1]}) for k in profile_widths(max_k)[1:]]
     for method, b, k in plan:
         # STEPS steps of k drafts a row, whatever is accepted (the table keeps their median)
         params = SamplingParams(max_tokens=STEPS + k + 1, temperature=0, ignore_eos=True)
