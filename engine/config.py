@@ -90,7 +90,8 @@ class EngineConfig:
         starts (``engine/warmup.py``), not on the first requests.
     profile_costs: measure the verification budget's cost table when the engine starts: a
         few steps at each batch-size bucket and width, and each loaded drafter's forwards
-        (``engine/profile.py``); False: the table fills from served steps alone.
+        (``engine/profile.py``); False: the table fills from served steps alone, as it does
+        under the compiled steps (``compile``, ``graphs``: each new shape compiles a graph).
     paged_kv: keep every model's KV in blocks of ``block_size`` tokens taken from one pool
         per model as sequences grow (default; ``engine/kv_blocks.py``), or False: each of the
         ``max_num_seqs`` rows holds a whole ``max_model_len`` context (the contiguous layout).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
@@ -378,6 +379,19 @@ class ProposerTable:
                 return None
             self._built[method] = spec.build(replace(self.context, resource=self.resources.get(method)))
         return self._built[method]
+
+    @contextmanager
+    def swapped(self, method: str, proposer):
+        """``proposer`` serves ``method`` inside the block (the engine's own start-up profile)."""
+        saved = self._built.get(method)
+        self._built[method] = proposer
+        try:
+            yield
+        finally:
+            if saved is None:
+                self._built.pop(method, None)
+            else:
+                self._built[method] = saved
 
     def forget_prefixes(self) -> None:
         """Every built drafter's cached KV blocks dropped (the engine's prefix cache reset)."""

@@ -148,7 +148,9 @@ class LLMEngine:
         if self.step_mode in COMPILED and config.warm_up and not proposers:  # remote proposers warm up there
             self.warmup_seconds = warm_up(self)
         self.profile_seconds = None  # what measuring the budget's cost table took at start-up
-        if isinstance(length, VerificationBudget) and config.profile_costs and not proposers:
+        # (compiled steps compile a graph per shape: there the table fills from served steps)
+        if isinstance(length, VerificationBudget) and config.profile_costs and not proposers \
+                and self.step_mode not in COMPILED:
             self.profile_seconds = profile_costs(self, length)
 
     def _runner_for(self, model, extra_capacity: int = 0, shift: int = 0, name: str = "draft") -> ModelRunner:

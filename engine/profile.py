@@ -6,24 +6,40 @@ drafter at the smallest and largest bucket, 1, 2, 4, ... ``max_k`` levels deep, 
 seconds in the table: so the budget prices a shape it has not served yet from a measurement,
 not a guess. Each shape runs at least three steps (the table keeps their
 median: a cold shape's first step, a compile or a lazy allocation, does not set its price).
-Prompt lookup over a repeating prompt drafts the verification shapes (it finds its
-continuations in the prompt, and drafting costs it next to nothing); a draft model, a head or a block
-drafter drafts its own shapes. Nothing of it stays: no totals, no acceptance, no taps.
+The verification shapes are drafted as prompt lookup's rows (its proposer swapped for one
+that drafts the row's last token k times: every row drafts exactly k, at no cost, as prompt
+lookup's drafting costs next to nothing); a draft model, a head or a block drafter drafts its
+own shapes. Nothing of it stays: no totals, no acceptance, no taps.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 
 from specray.engine.warmup import PROMPT as TOKENS, unrecorded
+from specray.policies.base import Draft, DraftRow
 from specray.policies.budget import StepRecord, VerificationBudget
 from specray.policies.costs import profile_widths
 
 log = logging.getLogger(__name__)
 
-PROMPT = TOKENS * 3  # token ids every vocabulary has, repeating: prompt lookup drafts from them
+PROMPT = TOKENS * 3  # token ids every vocabulary has
 STEPS = 3  # speculative steps per shape
+
+
+class _Repeat:
+    """Drafts each row's last token ``num_tokens`` times: shapes to verify, at no drafting cost."""
+
+    def propose(self, rows):
+        return Draft([DraftRow([r.token_ids[-1]] * r.num_tokens) for r in rows])
+
+    def commit(self, rows) -> None:
+        pass
+
+    def release(self, slot: int) -> None:
+        pass
 
 
 class _Forced:
@@ -49,7 +65,7 @@ def profile_costs(engine, budget: VerificationBudget) -> float:
 
     start = time.perf_counter()
     max_k, most = budget.config.max_k, engine.config.max_num_seqs
-    fits = engine.capacity - (STEPS + max_k + 1) - max_k - 1  # the prompt, the tokens a row makes, a last draft
+    fits = engine.capacity - STEPS * (max_k + 1) - 1 - max_k  # the prompt, the tokens a row may make, a draft
     if fits < 4:  # a context too short to profile in: the table fills from served steps
         return 0.0
     prompt = [t % engine.limits.vocab_size for t in PROMPT[:fits]]
@@ -59,10 +75,15 @@ def profile_costs(engine, budget: VerificationBudget) -> float:
         if method_spec(m).checkpoint:  # drafters with weights: forwards of their own, 1, 2, 4, ... levels
             plan += [(m, b, k) for b in sorted({1, buckets[-1]}) for k in profile_widths(max_k)[1:]]
     for method, b, k in plan:
-        # STEPS steps of k drafts a row, whatever is accepted (the table keeps their median)
-        params = SamplingParams(max_tokens=STEPS + k + 1, temperature=0, ignore_eos=True)
-        with unrecorded(engine, _Forced(budget, k)):
-            engine.generate([prompt] * b, params, parse_speculation({"method": method}))
+        # the prefill, then STEPS steps of k drafts a row (the table keeps their median)
+        params = SamplingParams(max_tokens=STEPS * (k + 1) + 1, temperature=0, ignore_eos=True)
+        drafter = engine.proposers.swapped("ngram", _Repeat()) if method == "ngram" else nullcontext()
+        with unrecorded(engine, _Forced(budget, k)), drafter:
+            ids = [engine.add_request(prompt, params, parse_speculation({"method": method})) for _ in range(b)]
+            for _ in range(STEPS + 1):
+                engine.step()
+            for i in ids:
+                engine.abort(i)
     seconds = time.perf_counter() - start
     log.info("profiled %d step shapes in %.1f s", len(plan), seconds)
     return seconds
