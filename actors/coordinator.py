@@ -89,6 +89,7 @@ class CoordinatorCore:
         self._tracked: dict[str, _Tracked] = {}
         self.totals = SpecMetrics()
         self.kv: dict = {}  # the engine worker's KV pool (paged): blocks, usage, prefix-cache counts
+        self.budget: dict = {}  # the verification budget's totals: steps decided, rows, slots admitted
         self._loop_task: asyncio.Task | None = None
         self._started = False
         self._start_error: str | None = None
@@ -293,6 +294,11 @@ class CoordinatorCore:
         await self.start()
         return {self.role: self.worker.handle, **await self.worker.handle.proposer_handles.remote()}
 
+    async def speculation(self) -> dict:
+        """The speculation-length policy's state in this replica's engine (``LLMEngine.speculation``)."""
+        await self.start()
+        return await self.worker.handle.speculation.remote()
+
     # -- drafter versions (online learning, actors/learner.py) ----------------------------------
     async def drafters(self, action: str = "status", **args) -> dict:
         """Online learning's operations: ``status``; ``load`` (method, path: a directory in the
@@ -341,6 +347,7 @@ class CoordinatorCore:
                     self._fail(rid, f"internal error: {exc}")
                 continue
             self.kv = batch.get("kv") or self.kv  # the engine worker's KV pool, as of its last step
+            self.budget = batch.get("budget") or self.budget
             for delta in batch["outputs"]:
                 self._deliver(delta)
             for rid, progress in batch["progress"].items():

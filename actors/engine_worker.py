@@ -151,7 +151,8 @@ class EngineWorker(Placed):
             await self._wake.wait()
         deltas, self._outbox = self._outbox, []
         progress = self.engine.progress({d.request_id for d in deltas if not d.finished})
-        out = {"outputs": [d.to_dict() for d in deltas], "progress": progress, "kv": self.engine.executor.kv_stats()}
+        out = {"outputs": [d.to_dict() for d in deltas], "progress": progress, "kv": self.engine.executor.kv_stats(),
+               "budget": getattr(self.engine.driver.length_policy, "totals", None)}
         if self._lost is not None:  # the coordinator replaces this worker and replays its requests
             out["lost"] = self._lost
         return out
@@ -198,6 +199,10 @@ class EngineWorker(Placed):
         async with self._lock:
             self.engine.use_drafter(v)
         return v.version
+
+    def speculation(self) -> dict:
+        """The speculation-length policy's state (``LLMEngine.speculation``)."""
+        return self.engine.speculation()
 
     def drafter_status(self) -> dict:
         if self.engine.versions is None:

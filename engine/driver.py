@@ -108,8 +108,12 @@ class StepDriver:
     async def _speculate(self, batch: list[Request]) -> list[RequestOutput]:
         start, cost = time.perf_counter(), self.clock()
         views = [S.row_view(r) for r in batch]
-        plan = S.plan_proposals(batch, self.capacity, self.length_policy.caps(views))
+        context = sum(r.num_tokens for r in batch) / len(batch)
+        plan = S.plan_proposals(batch, self.capacity, self.length_policy.caps(views, context))
         drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
+        if any(getattr(d, "confidence", None) for d in drafts) and hasattr(self.length_policy, "trim"):
+            sizes = self.length_policy.trim(views, [d.size for d in drafts], [getattr(d, "confidence", None) for d in drafts])
+            drafts = [d.cut(n) for d, n in zip(drafts, sizes)]
         failed = dict(self.executor.failed_rows()) if hasattr(self.executor, "failed_rows") else {}
         failed = {batch[i].slot: exc for i, exc in failed.items()}
         batch, drafts, views, ended = self._make_room(batch, drafts, views)
@@ -130,7 +134,7 @@ class StepDriver:
             self.length_policy.observe(StepRecord(
                 views, [d.size for d in verified.drafts], verified.result.num_accepted, verified.result.paths,
                 [None if d.is_chain else d.structure.parents.numpy()[1:].tolist() for d in verified.drafts],
-                propose_s=drafted_at - cost, verify_s=self.clock() - drafted_at))
+                propose_s=drafted_at - cost, verify_s=self.clock() - drafted_at, context=context))
         return ended + self._fail_after(outputs, failed)
 
     def _make_room(self, batch: list[Request], drafts: list[DraftRow], views: list):

@@ -251,6 +251,16 @@ class LLMEngine:
                 "running": len(self.scheduler.running), "kv": self.executor.kv_stats(),
                 "preemptions": self.scheduler.preemptions}
 
+    def speculation(self) -> dict:
+        """The speculation-length policy's state: the verification budget's cost table,
+        calibrations, last decision and totals (``VerificationBudget.status``), or the
+        static caps' settings."""
+        policy = self.driver.length_policy
+        if isinstance(policy, VerificationBudget):
+            return {"policy": "budget", "profile_s": self.profile_seconds, **policy.status()}
+        return {"policy": "static", "disable_above_batch": policy.disable_above_batch,
+                "batch_k_caps": [list(c) for c in policy.batch_k_caps]}
+
     def describe(self) -> dict:
         """Which driver, executor and proposer classes this engine runs (tests, operations)."""
         name = lambda obj: f"{type(obj).__module__}.{type(obj).__qualname__}"  # noqa: E731

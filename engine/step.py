@@ -53,7 +53,7 @@ def _row_view(r: Request) -> RowView:
     # generator serves depends on the drafts, so a length chosen from timings would make the
     # same seed give different text.
     fixed = fixed or (r.sampling.seed is not None and not r.sampling.greedy)
-    return RowView(r.request_id, r.method, options.budget, fixed, tree, spec.block)
+    return RowView(r.request_id, r.method, options.budget, fixed, tree, spec.block, spec.confidence)
 
 
 def plan_proposals(batch: Sequence[Request], capacity: int, sizes: Sequence[int | None] | None = None) -> ProposalPlan:

@@ -19,6 +19,11 @@ valuable slots no deeper than d" for every n and d. Each row is cut to its admit
 confident row keeps its block while a doubtful one in the same batch is trimmed, and a
 drafter that is never right is cut to 0 because its slots add cost and no value.
 
+A drafter that states its confidence in each slot (``RowView.confident``: DSpark's
+confidence head) drafts its whole block once its row is admitted at all (one forward,
+whatever it drafts); ``trim`` then values that row's slots by their stated confidences,
+calibrated online per method against what verification accepted, and cuts it after drafting.
+
 Exact by construction: only drafts are cut, and a cap is chosen before any token of the
 step is drawn, from the request's past steps — never from a drawn token's probability.
 
@@ -47,7 +52,8 @@ class RowView:
     """What the policy knows of a row: its request and method; ``fixed``: the request set its
     speculation size itself (``num_speculative_tokens``, a tree, a seed), which then stands
     (``requested``: that k, None for a tree's own size); ``tree``: the method drafts trees;
-    ``block``: it drafts its whole length in one forward."""
+    ``block``: it drafts its whole length in one forward; ``confident``: its drafts carry
+    per-slot acceptance estimates (``trim``)."""
 
     request_id: str
     method: str
@@ -55,6 +61,7 @@ class RowView:
     fixed: bool = False
     tree: bool = False
     block: bool = False
+    confident: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,7 @@ class StepRecord:
     paths:     per row, the node indices on its accepted path (0 = the root, drafts from 1)
     parents:   per row, each draft node's parent (0 = the root; node i + 1 is draft i); None: a chain
     propose_s / verify_s: the step's seconds drafting and verifying (None: not measured)
+    context:   the rows' mean tokens (prompt and output) as the step began
     """
 
     rows: Sequence[RowView]
@@ -75,6 +83,7 @@ class StepRecord:
     parents: Sequence[Sequence[int] | None] | None = None
     propose_s: float | None = None
     verify_s: float | None = None
+    context: float | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +147,34 @@ class _Counts:
         return j < len(self.reached) and self.reached[j] > 0
 
 
+CONFIDENCE_BINS = 10
+"""Bins of a drafter's stated confidence, each calibrated against measured acceptance."""
+
+
+class _Calibration:
+    """Per method: what its drafts' stated confidences turned out to be worth. Per bin of
+    confidence, the slots reached and on the path (``_Counts`` over bins); a slot's rate is
+    its bin's acceptance shrunk towards the stated confidence itself, so an uncalibrated head
+    is trusted at first and corrected as its slots are verified."""
+
+    def __init__(self):
+        self.counts = _Counts()
+
+    @staticmethod
+    def bin(confidence: float) -> int:
+        return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
+
+    def add(self, confidences: Sequence[float], reached: Sequence[int], hit: Sequence[int], forget: float,
+            now: int) -> None:
+        bins = lambda slots: [self.bin(confidences[j]) for j in slots if j < len(confidences)]  # noqa: E731
+        self.counts.add(bins(reached), bins(hit), forget, now)
+
+    def rate(self, confidence: float, pseudo: float, age: float) -> float:
+        """P(slot on the path | its parent is), given the drafter's confidence in it."""
+        c = min(max(float(confidence), 0.0), 1.0)
+        return self.counts.rate(self.bin(c), c, pseudo, age)
+
+
 def _reached(parents: Sequence[int], counted: int, path: Sequence[int]) -> tuple[list[int], list[int]]:
     """Slots (0-based: node j + 1) reached (their parent on the path) and on the path."""
     on = set(path)
@@ -171,10 +208,14 @@ class VerificationBudget:
         self._levels: dict[str, list[int]] = {}  # tree method -> levels its first n + 1 nodes take
         self._caps: dict[str, int | None] = {}  # request -> the cap it was given this step
         self.last: Admission | None = None
+        self.totals = {"steps": 0, "rows": 0, "slots": 0}  # steps decided, their rows and admitted slots
         self._step = 0
         self._rng = random.Random(self.config.seed)  # the posterior draws (never a request's generator)
         self._draws: dict = {}  # (method, slot, prior) -> this step's draw
         self._spreads: dict[str, float] = {}  # method -> this step's request-level pseudo-counts
+        self._context: float | None = None  # this step's mean tokens a row
+        self._calibrations: defaultdict[str, _Calibration] = defaultdict(_Calibration)
+        self._stated: dict[str, list[float]] = {}  # request -> its draft's confidences this step
 
     def fresh(self) -> "VerificationBudget":
         """A policy with these settings, priors and costs that has learned no acceptance yet."""
@@ -221,6 +262,17 @@ class VerificationBudget:
             out.append(rate * (out[p - 1] if p > 0 else 1.0))
         return out
 
+    def stated_values(self, row: RowView, confidences: Sequence[float]) -> list[float]:
+        """P(slot j on the accepted path) for a chain whose drafter stated these per-slot
+        confidences: the product of their calibrated rates."""
+        calibration = self._calibrations[row.method]
+        age = self.config.forget ** (self._step - calibration.counts.at)
+        out, value = [], 1.0
+        for c in confidences:
+            value *= calibration.rate(c, self.config.pseudo_counts, age)
+            out.append(value)
+        return out
+
     def _spread(self, method: str) -> float:
         """Pseudo-counts of the method's estimate in each request's: ``pseudo_counts`` where its
         requests accept alike, fewer the more they differ — method of moments on the requests'
@@ -257,25 +309,59 @@ class VerificationBudget:
         return levels
 
     # -- deciding ------------------------------------------------------------------------------
-    def caps(self, rows: Sequence[RowView]) -> list[int | None]:
-        """Per row: the most draft nodes it may take this step (None: its tree's own size)."""
+    def caps(self, rows: Sequence[RowView], context: float | None = None) -> list[int | None]:
+        """Per row: the most draft nodes it may take this step (None: its tree's own size),
+        priced at ``context`` tokens a row (their mean).
+        A ``confident`` row admitted at all drafts its whole length (one forward whatever
+        it drafts); ``trim`` cuts it once its confidences are known."""
         self._step += 1
         self._draws.clear()
         self._spreads.clear()
+        self._stated.clear()
+        self._context = context
         admission = self.admit(rows)
         self.last = admission
-        self._caps = {r.request_id: c for r, c in zip(rows, admission.caps)}
-        return admission.caps
+        caps = [self._slots(r) if r.confident and not r.fixed and c else c for r, c in zip(rows, admission.caps)]
+        self._caps = {r.request_id: c for r, c in zip(rows, caps)}
+        self.totals["steps"] += 1
+        self.totals["rows"] += len(rows)
+        self.totals["slots"] += admission.slots
+        return caps
 
-    def admit(self, rows: Sequence[RowView]) -> Admission:
-        """The best of the candidates (module doc), each priced as its step would run."""
+    def trim(self, rows: Sequence[RowView], drafted: Sequence[int],
+             confidences: Sequence[Sequence[float] | None]) -> list[int]:
+        """After drafting: per row, the slots it verifies. A row's slots are valued by its
+        draft's ``confidences`` (per slot, P(accepted | its parent is) as the drafter states
+        it, calibrated online per method) where it has them, else as ``caps`` valued them;
+        no row verifies more than it ``drafted``. Only what is known before a slot's token
+        is drawn may enter its confidence (the module doc's exactness)."""
+        admission = self.admit(rows, confidences, drafted)
+        self.totals["slots"] += admission.slots - self.last.slots if self.last is not None else 0
+        self.last = admission
+        out = []
+        for r, d, c, cap in zip(rows, drafted, confidences, admission.caps):
+            n = d if cap is None else min(d, cap)
+            if c and not r.fixed:
+                self._stated[r.request_id] = [float(x) for x in c[:n]]
+                self._caps[r.request_id] = n
+            out.append(n)
+        return out
+
+    def admit(self, rows: Sequence[RowView], confidences: Sequence[Sequence[float] | None] | None = None,
+              drafted: Sequence[int] | None = None) -> Admission:
+        """The best of the candidates (module doc), each priced as its step would run;
+        ``confidences``/``drafted`` as ``trim`` takes them."""
         sizes = [self._slots(r) for r in rows]
+        if drafted is not None:
+            sizes = [min(n, d) for n, d in zip(sizes, drafted)]
         fixed = [r.fixed or r.method == "none" for r in rows]
         counts = [n if f and r.method != "none" else 0 for r, f, n in zip(rows, fixed, sizes)]
         if all(fixed):  # nothing to decide
             return Admission([r.requested for r in rows], sum(counts), float("nan"), float("nan"))
+        stated = confidences or [None] * len(rows)
         # a row is cut to a prefix: a later slot worth more than an earlier one comes with it
-        free = [monotone(self.values(r, n, draw=True), increasing=False) if not f else [] for r, f, n in zip(rows, fixed, sizes)]
+        free = [[] if f else monotone(self.stated_values(r, c[:n]) if c else self.values(r, n, draw=True), increasing=False)
+                for r, f, n, c in zip(rows, fixed, sizes, stated)]
         given = len(rows) + sum(sum(self.values(r, c)) for r, c in zip(rows, counts) if c)  # fixed rows' tokens
         prices: tuple[dict, dict] = ({}, {})  # this step's verify and draft costs, read once per shape
         step = _Step(self, rows, counts, given, prices)
@@ -334,6 +420,9 @@ class VerificationBudget:
                 reached, hit = _reached(parents or [], counted, path)
                 self._methods[r.method].add(reached, hit, forget, self._step)
                 self._requests[r.method].setdefault(r.request_id, _Counts()).add(reached, hit, forget, self._step)
+                stated = self._stated.pop(r.request_id, None)
+                if stated:
+                    self._calibrations[r.method].add(stated, reached, hit, forget, self._step)
         self.observe_costs(step)
 
     def observe_costs(self, step: StepRecord, profiled: bool = False) -> None:
@@ -347,26 +436,32 @@ class VerificationBudget:
                 rows, deepest = drafting.get(r.method, (0, 0))
                 drafting[r.method] = (rows + 1, max(deepest, depth))
         self.costs.record(len(step.rows), sum(widths) if self.costs.ragged else max(widths), step.verify_s,
-                          drafting, step.propose_s, profiled)
+                          drafting, step.propose_s, profiled, step.context)
 
     def release(self, request_id: str) -> None:
         for requests in self._requests.values():
             requests.pop(request_id, None)
         self._caps.pop(request_id, None)
+        self._stated.pop(request_id, None)
 
     def start_method(self, method: str, rates: Sequence[float]) -> None:
         """A new drafter version serves ``method`` (online learning): forget what its old
         version accepted and start from ``rates`` (per position, as its gate measured them)."""
         self.priors[method] = [min(max(float(r), 0.0), 1.0) for r in rates]
         self._methods.pop(method, None)
+        self._calibrations.pop(method, None)
 
     def status(self) -> dict:
-        """The cost table and the last decision."""
+        """The cost table, the confidence calibrations, the last decision and the totals
+        (steps decided, their rows, the slots admitted)."""
         last = self.last
-        return {"costs": self.costs.table(),
-                "last": None if last is None else {"caps": last.caps, "slots": last.slots,
-                                                   "expected_tokens": round(last.tokens, 3),
-                                                   "predicted_s": last.seconds}}
+        calibration = {m: [(round((b + 0.5) / CONFIDENCE_BINS, 2), round(c.hits[b] / c.reached[b], 3), round(c.reached[b], 1))
+                           for b in range(len(c.reached)) if c.reached[b] >= 1]
+                       for m, c in ((m, cal.counts) for m, cal in self._calibrations.items())}
+        return {"costs": self.costs.table(), "calibration": calibration, "totals": dict(self.totals),
+                "last": None if last is None else {"caps": last.caps, "slots": last.slots,  # (NaN: all fixed)
+                                                   "expected_tokens": None if last.tokens != last.tokens else round(last.tokens, 3),
+                                                   "predicted_s": None if last.seconds != last.seconds else last.seconds}}
 
 
 def _better(best: tuple, step: "_Step") -> tuple:
@@ -415,12 +510,12 @@ class _Step:
         size = self.total if costs.ragged else self.widest
         seconds = self.verify_s.get(size)
         if seconds is None:
-            seconds = self.verify_s[size] = costs.verify(len(self.rows), size)
+            seconds = self.verify_s[size] = costs.verify(len(self.rows), size, self.policy._context)
         for m, lv in self.levels.items():
             key = (m, self.drafting[m], lv)
             drafting = self.draft_s.get(key)
             if drafting is None:
-                drafting = self.draft_s[key] = costs.draft(*key)
+                drafting = self.draft_s[key] = costs.draft(*key, self.policy._context)
             seconds += drafting
         return self.tokens, seconds
 

@@ -9,6 +9,12 @@ neighbour's burst moves them only when it lasts):
 * ``draft``: (method, batch-size bucket, levels) -> seconds of its drafting; ``levels`` is the
   depth it drafts to (sequential forwards), 1 for a block drafter's single forward.
 
+Each curve is kept at every context length the profile ran (tokens per row): attention and the
+KV cache grow with the context while the rest of a forward grows with the tokens verified, so
+the *shape* along size changes with it (on the demo pair at batch 32, verifying 5 tokens a row
+costs 3x one at 24 tokens of context, 1.8x at 200). A step is priced at its rows' mean context,
+linearly between the two nearest profiled ones (beyond them, along the nearest two).
+
 The engine profiles the curves at start-up: they give the shape of the costs. What serving
 measures sets their *level*: the median, over recent served steps, of a step's seconds over
 what the profiled curves predict for it. Longer contexts, a busier machine or warm caches move
@@ -27,6 +33,10 @@ instead of never trying it. A bucket never measured reads its nearest.
 >>> c.record(1, 1, 2.0, {}, None)       # served steps cost twice the profile: every size does
 >>> c.verify(1, 3), c.verify(1, 9)
 (3.0, 6.0)
+>>> c = StepCosts(ragged=True)
+>>> c.record(1, 1, 1.0, {}, None, profiled=True, context=100); c.record(1, 1, 3.0, {}, None, profiled=True, context=300)
+>>> c.verify(1, 1, context=200), c.verify(1, 1, context=500)
+(2.0, 5.0)
 """
 
 from __future__ import annotations
@@ -120,6 +130,33 @@ class _Curve:
         return max(known[a] + slope * (size - a), 0.0)
 
 
+class _Surface:
+    """One bucket's curves, one per profiled context length (module doc); curves built from
+    served steps have none (their steps' contexts vary: key 0)."""
+
+    def __init__(self, window: int, profiled: bool):
+        self.window, self.profiled = window, profiled
+        self.curves: dict[int, _Curve] = {}
+
+    def curve(self, context: int) -> _Curve:
+        key = context if self.profiled else 0
+        if key not in self.curves:
+            self.curves[key] = _Curve(self.window, self.profiled)
+        return self.curves[key]
+
+    def at(self, size: int, context: float | None) -> float:
+        contexts = sorted(c for c, curve in self.curves.items() if curve.samples)
+        if not contexts:
+            return 0.0
+        if context is None or len(contexts) == 1:
+            return self.curves[contexts[0]].at(size)
+        below = [c for c in contexts if c <= context]
+        above = [c for c in contexts if c > context]
+        a, b = (below[-1], above[0]) if below and above else (contexts[-2], contexts[-1]) if below else contexts[:2]
+        ya, yb = self.curves[a].at(size), self.curves[b].at(size)
+        return max(ya + max((yb - ya) / (b - a), 0.0) * (context - a), 0.0)
+
+
 class StepCosts:
     """The cost table (module doc)."""
 
@@ -131,60 +168,71 @@ class StepCosts:
         self.level = 1.0
 
     def record(self, batch: int, size: int, verify_s: float | None, drafting: dict[str, tuple[int, int]],
-               propose_s: float | None, profiled: bool = False) -> None:
+               propose_s: float | None, profiled: bool = False, context: float | None = None) -> None:
         """A step of ``batch`` rows verifying ``size`` (module doc) in ``verify_s`` seconds, and
         drafting ``drafting`` (method -> (its rows, levels)) in ``propose_s``; ``profiled``: a
-        step of the start-up profile."""
+        step of the start-up profile; ``context``: its rows' mean tokens (the profile's own
+        context length when ``profiled``)."""
+        ctx = int(context or 0)
         if not profiled:
             verify = self._verify.get(bucket(batch))
             drafts = [(self._draft.get(m, {}).get(bucket(b)), lv) for m, (b, lv) in drafting.items()]
             if verify is not None and verify.profiled and all(c is not None and c.profiled for c, _ in drafts):
-                predicted = verify.at(size) + sum(c.at(lv) for c, lv in drafts)
+                predicted = verify.at(size, context) + sum(c.at(lv, context) for c, lv in drafts)
                 if predicted > 0 and verify_s is not None and (propose_s is not None or not drafts):
                     self._levels.append((verify_s + (propose_s or 0.0)) / predicted)
                     self.level = statistics.median(self._levels)
                 return
         if verify_s is not None:
-            curve = self._curve(self._verify, bucket(batch), profiled)
-            if curve.profiled == profiled:
-                curve.add(size, verify_s)
+            surface = self._surface(self._verify, bucket(batch), profiled)
+            if surface.profiled == profiled:
+                surface.curve(ctx).add(size, verify_s)
         if propose_s is not None and drafting:
             # the drafting seconds shared out as the curves predict them (evenly where they cannot)
-            curves = {m: (self._curve(self._draft.setdefault(m, {}), bucket(b), profiled), lv)
-                      for m, (b, lv) in drafting.items()}
-            predicted = {m: c.at(lv) if c.samples else 0.0 for m, (c, lv) in curves.items()}
+            surfaces = {m: (self._surface(self._draft.setdefault(m, {}), bucket(b), profiled), lv)
+                        for m, (b, lv) in drafting.items()}
+            predicted = {m: c.at(lv, context) for m, (c, lv) in surfaces.items()}
             total = sum(predicted.values())
-            for m, (c, lv) in curves.items():
+            for m, (c, lv) in surfaces.items():
                 if c.profiled == profiled:
-                    c.add(lv, propose_s * (predicted[m] / total if total > 0 else 1.0 / len(curves)))
+                    c.curve(ctx).add(lv, propose_s * (predicted[m] / total if total > 0 else 1.0 / len(surfaces)))
 
-    def _curve(self, curves: dict[int, _Curve], key: int, profiled: bool) -> _Curve:
-        """The curve at ``key``; a profile's measurement replaces one built from served steps."""
-        curve = curves.get(key)
-        if curve is None or (profiled and not curve.profiled):
-            curve = curves[key] = _Curve(self.window, profiled)
-        return curve
+    def _surface(self, surfaces: dict[int, _Surface], key: int, profiled: bool) -> _Surface:
+        """The bucket's surface; a profile's measurement replaces one built from served steps."""
+        surface = surfaces.get(key)
+        if surface is None or (profiled and not surface.profiled):
+            surface = surfaces[key] = _Surface(self.window, profiled)
+        return surface
 
-    def verify(self, batch: int, size: int) -> float:
-        """Seconds to verify ``size`` (module doc) in a batch of ``batch`` rows; 1.0 per step of
-        unit cost when nothing was measured (only ratios matter then)."""
-        curve = _nearest(self._verify, bucket(batch))
-        return self._scaled(curve, size) if curve is not None else 1.0
+    def verify(self, batch: int, size: int, context: float | None = None) -> float:
+        """Seconds to verify ``size`` (module doc) in a batch of ``batch`` rows of ``context``
+        tokens each on average (None: the shortest profiled); 1.0 per step of unit cost when
+        nothing was measured (only ratios matter then)."""
+        surface = _nearest(self._verify, bucket(batch))
+        return self._scaled(surface, size, context) if surface is not None else 1.0
 
-    def draft(self, method: str, batch: int, levels: int) -> float:
+    def draft(self, method: str, batch: int, levels: int, context: float | None = None) -> float:
         """Seconds ``method`` drafts ``levels`` deep for ``batch`` rows (0 until measured)."""
-        curve = _nearest(self._draft.get(method, {}), bucket(batch))
-        return self._scaled(curve, levels) if curve is not None else 0.0
+        surface = _nearest(self._draft.get(method, {}), bucket(batch))
+        return self._scaled(surface, levels, context) if surface is not None else 0.0
 
-    def _scaled(self, curve: _Curve, size: int) -> float:
-        return curve.at(size) * (self.level if curve.profiled else 1.0)
+    def _scaled(self, surface: _Surface, size: int, context: float | None) -> float:
+        return surface.at(size, context) * (self.level if surface.profiled else 1.0)
 
     def table(self) -> dict:
-        """Every measured entry, at today's level: {"verify": {"8x5": s}, "draft": {"eagle@8x3": s}, "level": x}."""
-        return {"verify": {f"{b}x{s}": self._scaled(c, s) for b, c in sorted(self._verify.items()) for s in c.medians()},
-                "draft": {f"{m}@{b}x{lv}": self._scaled(c, lv) for m, curves in sorted(self._draft.items())
-                          for b, c in sorted(curves.items()) for lv in c.medians()},
-                "level": self.level}
+        """Every measured entry, at today's level: {"verify": {"8x5@24": s}, "draft":
+        {"eagle@8x3@24": s}, "level": x} (@ the profiled context; served curves have none)."""
+        def entries(name: str, surface: _Surface) -> dict:
+            return {f"{name}x{s}" + (f"@{ctx}" if surface.profiled else ""): c.at(s) * (self.level if surface.profiled else 1.0)
+                    for ctx, c in sorted(surface.curves.items()) for s in c.medians()}
+
+        out: dict = {"verify": {}, "draft": {}, "level": self.level}
+        for b, surface in sorted(self._verify.items()):
+            out["verify"].update(entries(str(b), surface))
+        for m, surfaces in sorted(self._draft.items()):
+            for b, surface in sorted(surfaces.items()):
+                out["draft"].update(entries(f"{m}@{b}", surface))
+        return out
 
 
 def _nearest(curves: dict, key: int):

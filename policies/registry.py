@@ -124,6 +124,9 @@ class MethodSpec:
     needs_features: bool = False
     drafts_trees: bool = False
     block: bool = False
+    # Its drafts carry per-slot acceptance estimates (``DraftRow.confidence``): the budget lets
+    # it draft its whole block and cuts each row after drafting, by those estimates.
+    confidence: bool = False
     placement: Literal["worker", "target"] = "target"
     checkpoint: str | None = None
     requirement: str = ""  # what a user must configure, for the "not available" error

@@ -111,7 +111,7 @@ class EngineDeployment:
                     self.metrics.finished(out, sizes[index], generated[index])
                     unfinished -= 1
                     self._inflight -= 1
-                self.metrics.load(*self._load(), self.core.kv)
+                self.metrics.load(*self._load(), self.core.kv, self.core.budget)
                 yield {**out, "index": index}
         finally:
             self._inflight -= unfinished
@@ -138,6 +138,11 @@ class EngineDeployment:
             if not isinstance(exc, Exception):
                 raise
             outputs.put_nowait(exc)  # re-raised in the request's own task
+
+    async def speculation(self) -> dict:
+        """The verification budget's state in this replica (``CoordinatorCore.speculation``)."""
+        await asyncio.shield(_detached(self.core.start()))
+        return await self.core.speculation()
 
     async def drafters(self, action: str, args: dict) -> dict:
         """Online learning's operations (``CoordinatorCore.drafters``)."""

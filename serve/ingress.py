@@ -176,6 +176,12 @@ class OpenAIIngress:
 
         return await self._guard(request, listing)
 
+    # The speculation-length policy (docs/speculation-length.md): the verification budget's cost
+    # table, calibrations, last decision and totals, in the replica that answers.
+    @app.get("/v1/speculation")
+    async def speculation(self, request: Request):
+        return await self._guard(request, lambda: self.engine.speculation.remote())
+
     # Online learning (docs/online-learning.md): drafter versions, loads, the learning switch.
     @app.get("/v1/drafters")
     async def drafters_status(self, request: Request):

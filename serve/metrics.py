@@ -44,6 +44,12 @@ class EngineMetrics:
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", tags)
         self.preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted (KV freed, recomputed later).", tags)
         self._prefix_seen = (0, 0)  # the pool's prefix-cache totals at the last reading
+        # The verification budget: steps it decided and the draft slots it admitted (their
+        # ratio: slots verified per step; a falling one is the budget cutting drafts).
+        self.budget_steps = Counter(PREFIX + "spec_decode_budget_steps", "Steps the verification budget decided.", tags)
+        self.budget_slots = Counter(PREFIX + "spec_decode_budget_admitted_slots",
+                                    "Draft slots the verification budget admitted.", tags)
+        self._budget_seen = (0, 0)
         self.grammar_compile = Histogram(PREFIX + "structured_output_compile_seconds",
                                          "Time compiling a request's grammar (0 when cached).", LATENCY_BUCKETS, tags)
         self.grammar_mask = Counter(PREFIX + "structured_output_mask_seconds",
@@ -83,9 +89,19 @@ class EngineMetrics:
         if prompt_tokens:
             self.prompt_tokens.inc(prompt_tokens, t)
 
-    def load(self, waiting: int, running: int, kv: dict | None = None) -> None:
+    def load(self, waiting: int, running: int, kv: dict | None = None, budget: dict | None = None) -> None:
         self.queue.set(waiting, self.tags)
         self.running.set(running, self.tags)
+        if budget:  # totals since start: add what is new (a replaced worker starts from 0)
+            seen = self._budget_seen
+            steps, slots = budget["steps"], budget["slots"]
+            if steps < seen[0]:
+                seen = (0, 0)
+            if steps > seen[0]:
+                self.budget_steps.inc(steps - seen[0], self.tags)
+            if slots > seen[1]:
+                self.budget_slots.inc(slots - seen[1], self.tags)
+            self._budget_seen = (steps, slots)
         if kv:
             self.kv_usage.set(kv["usage"], self.tags)
             # The pool's counts are totals since start: add what is new since the last reading.

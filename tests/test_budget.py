@@ -37,11 +37,11 @@ class Truth:
     def __init__(self, ragged: bool, gpu: bool, level: float = 0.08):
         self.ragged, self.gpu, self.level = ragged, gpu, level
 
-    def verify(self, batch: int, size: int) -> float:
+    def verify(self, batch: int, size: int, context=None) -> float:
         tokens = size if self.ragged else batch * size
         return max(1.0, 0.01 * tokens) if self.gpu else 1.0 + 0.06 * tokens
 
-    def draft(self, method: str, batch: int, levels: int) -> float:
+    def draft(self, method: str, batch: int, levels: int, context=None) -> float:
         return self.level * levels * (1 + 0.02 * batch)
 
 
@@ -147,22 +147,32 @@ def test_the_admission_is_the_best_set_of_caps():
 
 
 # -- behaviour ---------------------------------------------------------------------------------
-def learned(rates: dict[str, float], steps: int = 60, ragged: bool = True, truth: Truth | None = None, seed: int = 0):
-    """A policy after ``steps`` steps of rows whose every position is accepted with its rate."""
-    rng = random.Random(seed)
-    truth = truth or Truth(ragged, gpu=False)
-    policy = VerificationBudget(BudgetConfig(ragged=ragged))
-    rows = [RowView(r, "m") for r in rates]
-    profile(policy, truth, len(rows))
+def simulate(policy, rows, rates: dict[str, float], steps: int, rng, stated: dict[str, float] | None = None):
+    """``steps`` steps of rows whose every position is accepted with its rate; ``stated``:
+    block rows draft 8 slots stating that confidence in each, and are trimmed by it."""
+    sizes = []
     for _ in range(steps):
-        caps = policy.caps(rows)
+        sizes = policy.caps(rows)
+        if stated is not None:
+            drafted = [8 if c else 0 for c in sizes]
+            sizes = policy.trim(rows, drafted, [[stated[r.request_id]] * d for r, d in zip(rows, drafted)])
         acc = []
-        for r, c in zip(rows, caps):
+        for r, c in zip(rows, sizes):
             n = 0
             while n < c and rng.random() < rates[r.request_id]:
                 n += 1
             acc.append(n)
-        policy.observe(StepRecord(rows, caps, acc, [list(range(a + 1)) for a in acc]))
+        policy.observe(StepRecord(rows, sizes, acc, [list(range(a + 1)) for a in acc]))
+    return sizes
+
+
+def learned(rates: dict[str, float], steps: int = 60, ragged: bool = True, truth: Truth | None = None, seed: int = 0):
+    """A policy after ``steps`` steps of rows whose every position is accepted with its rate."""
+    truth = truth or Truth(ragged, gpu=False)
+    policy = VerificationBudget(BudgetConfig(ragged=ragged))
+    rows = [RowView(r, "m") for r in rates]
+    profile(policy, truth, len(rows))
+    simulate(policy, rows, rates, steps, random.Random(seed))
     return policy, rows
 
 
@@ -224,6 +234,31 @@ def test_start_method_restarts_from_the_new_rates():
     policy.start_method("m", [0.9, 0.5])
     fresh = RowView("new", "m")
     assert policy.values(fresh, 3) == pytest.approx([0.9, 0.45, 0.225])
+
+
+def test_stated_confidences_cut_a_block_row_after_drafting():
+    """A confident drafter drafts its whole block once admitted, and each row is cut by the
+    confidences its draft states: a sure row keeps its block, a doubtful one is trimmed."""
+    truth = Truth(ragged=True, gpu=False)
+    policy = VerificationBudget(BudgetConfig(ragged=True))
+    profile(policy, truth, 2)
+    rows = [RowView("sure", "m", block=True, confident=True), RowView("unsure", "m", block=True, confident=True)]
+    assert policy.caps(rows) == [8, 8]  # admitted at the prior: the whole block is drafted
+    sure, unsure = policy.trim(rows, [8, 8], [[0.97] * 8, [0.15] * 8])
+    assert sure >= 6 and unsure <= 1, (sure, unsure)
+    assert policy.trim(rows, [3, 8], [[0.97] * 3, [0.97] * 8])[0] <= 3  # never more than drafted
+
+
+def test_an_overconfident_head_is_calibrated_by_what_verification_accepts():
+    truth = Truth(ragged=True, gpu=False)
+    policy = VerificationBudget(BudgetConfig(ragged=True))
+    profile(policy, truth, 1)
+    rows = [RowView("a", "m", block=True, confident=True)]
+    first = policy.trim(rows, [8], [[0.9] * 8])[0]
+    last = simulate(policy, rows, {"a": 0.1}, 80, random.Random(0), stated={"a": 0.9})[0]
+    assert first >= 6 and last <= 1, (first, last)
+    stated, measured, _ = policy.status()["calibration"]["m"][0]
+    assert stated == 0.95 and measured < 0.3
 
 
 def test_the_cost_table_interpolates_and_is_robust_to_one_slow_step():
@@ -319,17 +354,21 @@ def test_the_engine_honours_an_explicit_k(tiny_pair, fakes):
 
 
 def test_the_engine_profiles_its_cost_table_at_start_up(tiny_pair):
-    """Every batch-size bucket at several widths (up to 0, 1, 2, 4, 8 drafts a row: prompt lookup
-    drafts what its pool holds) and the draft model's levels are measured before the first
-    request, and nothing of the profile stays in the totals."""
+    """Every batch-size bucket at several widths (0, 1, 2, 4, 8 drafts a row) and the draft
+    model's levels are measured at a short and a long context before the first request, and
+    nothing of the profile stays in the totals."""
     engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4), target_model=copy.deepcopy(tiny_pair[0]),
                        draft_model=copy.deepcopy(tiny_pair[1]))
     table = engine.driver.length_policy.costs.table()
-    assert {"1x1", "1x9", "2x1", "4x1", "4x9"} <= set(table["verify"]), table  # (widest row: padded steps)
-    assert all(sum(k.startswith(f"{b}x") for k in table["verify"]) >= 3 for b in (1, 2, 4)), table
-    assert {"draft@1x1", "draft@1x8", "draft@4x8"} <= set(table["draft"]), table
+    contexts = {k.split("@")[-1] for k in table["verify"]}
+    assert len(contexts) == 2, table
+    shapes = {k.split("@")[0] for k in table["verify"]}
+    assert {"1x1", "1x9", "2x1", "4x1", "4x9"} <= shapes, table  # (widest row: padded steps)
+    assert all(sum(k.startswith(f"{b}x") for k in shapes) >= 3 for b in (1, 2, 4)), table
+    assert {f"draft@{s}@{c}" for s in ("1x1", "1x8", "4x8") for c in contexts} <= set(table["draft"]), table
     assert engine.profile_seconds > 0 and engine.totals.num_drafts == 0
-    assert engine.driver.length_policy.status() == {"costs": table, "last": None}
+    assert engine.driver.length_policy.status() == {"costs": table, "calibration": {}, "last": None,
+                                                    "totals": {"steps": 0, "rows": 0, "slots": 0}}
 
 
 def test_served_steps_scale_a_profiled_curve_so_no_entry_goes_stale():
@@ -341,3 +380,18 @@ def test_served_steps_scale_a_profiled_curve_so_no_entry_goes_stale():
     for s in (2.0, 2.0, 2.0, 40.0):
         c.record(8, 1, s, {}, None)
     assert (c.verify(8, 1), c.verify(8, 2), c.verify(8, 9)) == pytest.approx((2.0, 2.4, 6.0))
+
+
+def test_a_step_is_priced_at_its_context_between_the_profiled_ones():
+    """Attention grows with the context and the rest of a forward with the tokens verified: at
+    a long context a wider step costs relatively less, and a served step at a long context
+    is priced there (it does not read as a slower machine)."""
+    c = StepCosts()
+    for size, short, long in ((1, 1.0, 3.0), (5, 3.0, 4.0)):
+        c.record(32, size, short, {}, None, profiled=True, context=24)
+        c.record(32, size, long, {}, None, profiled=True, context=224)
+    assert c.verify(32, 5, context=24) / c.verify(32, 1, context=24) == pytest.approx(3.0)
+    assert c.verify(32, 5, context=124) / c.verify(32, 1, context=124) == pytest.approx(3.5 / 2.0)
+    for _ in range(3):
+        c.record(32, 1, 3.0, {}, None, context=224)
+    assert c.level == pytest.approx(1.0)

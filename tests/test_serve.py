@@ -586,7 +586,7 @@ def test_metrics_match_responses(guarded_url):
         text = httpx.get(f"{guarded_url}/metrics", timeout=30).text
         sums = metric_sums(text, GUARDED)
         sums = {n: v - before.get(n, 0) for n, v in sums.items()}
-        if all(sums.get(n, 0) == v for n, v in names.items()):
+        if all(sums.get(n, 0) == v for n, v in names.items()) and sums.get("ray_specray_spec_decode_budget_steps", 0) > 0:
             break
         assert time.monotonic() < deadline, (names, {n: sums.get(n) for n in names})
         time.sleep(1)
@@ -1056,6 +1056,16 @@ def test_chat_logprobs_streamed_and_not(main_url, target_model):
     assert [(e["token"], round(e["logprob"], 5)) for e in streamed] == \
         [(e["token"], round(e["logprob"], 5)) for e in content]
     assert_openai_error(httpx.post(url, json={**body, "logprobs": False}, timeout=60), 400, "top_logprobs")
+
+
+def test_the_verification_budget_is_shown_over_http(main_url):
+    """GET /v1/speculation: the replica's cost table (profiled at start-up), its last decision
+    and how many slots it admitted over how many steps."""
+    body = {"model": MAIN, "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0}
+    assert httpx.post(f"{main_url}/v1/completions", json=body, timeout=120).status_code == 200
+    status = httpx.get(f"{main_url}/v1/speculation", timeout=60).json()
+    assert status["policy"] == "budget" and status["totals"]["steps"] > 0, status
+    assert status["costs"]["verify"] and status["last"] is not None, status
 
 
 def test_client_errors_are_one_line_in_the_log(main_url):
