@@ -25,14 +25,15 @@ def empty_prefix_cache(engine) -> None:
 
 def side_by_side(sides: Sequence[tuple], prompts: Sequence[str], sampling: Sequence) -> list[dict]:
     """Run ``prompts`` through every side, ``(engine, speculation, length_policy)``, steps
-    interleaved by progress; ``sampling``: each prompt's parameters. Per side: CPU ``seconds``
+    interleaved by progress; ``sampling`` and each side's ``speculation``: each prompt's
+    parameters. Per side: CPU ``seconds``
     of its steps, generated ``tokens``, and the token ``ids`` of each prompt's completion, in
     prompt order. Each side starts from an empty prefix cache (the prompts may have run before)."""
     runs = []
     for engine, speculation, policy in sides:
         empty_prefix_cache(engine)
         engine.driver.length_policy = policy
-        ids = [engine.add_request(p, s, speculation) for p, s in zip(prompts, sampling, strict=True)]
+        ids = [engine.add_request(p, s, spec) for p, s, spec in zip(prompts, sampling, speculation, strict=True)]
         runs.append({"engine": engine, "ids": ids, "made": {}, "done": {}, "seconds": 0.0})
     live = list(runs)
     while live:

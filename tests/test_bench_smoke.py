@@ -86,15 +86,14 @@ def test_quantization_benchmark(tmp_path):
 @pytest.mark.slow
 def test_selftune_benchmark(tmp_path):
     """bench.selftune runs (the draft model only: no heads to train) and writes its table,
-    every config's output token-identical to plain decoding (it asserts that itself)."""
+    the mixed batch included, every config's output token-identical to plain decoding (it
+    asserts that itself)."""
     from specray.bench import selftune
 
-    selftune.main(["--methods", "draft", "--prompts", "2", "--max-tokens", "16", "--batch", "2", "--repeats", "1",
-                   "--caps", "1", "--out", str(tmp_path)])
-    report = json.loads((tmp_path / "selftune.json").read_text())
-    (row,) = report["one_shot"]
-    assert row["method"] == "draft" and row["default_tpf"] > 1 and row["explicit_tpf"] > 1
-    assert [r["method"] for r in report["batch"]] == ["draft"] and (tmp_path / "selftune.png").stat().st_size > 0
-    batch = report["batch"][0]
-    assert batch["caps_x_plain"]["1"] > 0 and batch["fresh_x_plain"] > 0 and report["plain_beside_plain"]["x_plain"] > 0
-    assert "cap 1" in (tmp_path / "selftune.txt").read_text()
+    selftune.main(["--methods", "draft", "--batches", "2", "--rounds", "1", "--max-tokens", "8", "--queue", "1",
+                   "--mixed", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "selftune.json").read_text())["rows"]
+    assert [r["method"].split()[0] for r in rows] == ["draft", "mixed"]
+    assert set(rows[0]["sweep"]) == {'{"num_speculative_tokens": %d}' % k for k in (1, 2, 4, 8)}
+    assert all(r["default"]["median"] > 0 and r["fixed"]["median"] > 0 for r in rows)
+    assert (tmp_path / "selftune.png").stat().st_size > 0 and "plain beside plain" in (tmp_path / "selftune.txt").read_text()
