@@ -189,6 +189,22 @@ def test_the_readme_stays_a_manual():
     assert "pip install torch==2.13.0 && pip install -e . && specray serve --once" in text
 
 
+def test_no_code_names_a_commit():
+    """History is git's: no Python file carries a commit id (a 7-40 hex token that begins a commit)."""
+    import re
+    import shutil
+    import subprocess
+
+    root = README.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    commits = subprocess.run(["git", "rev-list", "--all"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    tokens = {(f, t) for f in files for t in re.findall(r"\b[0-9a-f]{7,40}\b", (root / f).read_text(errors="replace"))}
+    named = sorted((f, t) for f, t in tokens if any(c.startswith(t) for c in commits))
+    assert not named, named
+
+
 @pytest.mark.slow
 def test_the_in_process_snippet_runs_as_written(capsys):
     code = block_with(README, "python", "LLMEngine(")
