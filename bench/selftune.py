@@ -16,9 +16,10 @@ ignored (a server under load: the batch stays full until the queue drains, reque
    (the measurement's own spread), each beside a plain decoding engine (``bench/paired.py``:
    steps interleaved, CPU seconds; the engines swap sides every round).
 
-``--mixed``: half the requests easy for their drafter (prompt lookup on a prompt that repeats a
-text twice: the target goes on repeating it), half hard (the draft model on held-out text) —
-two methods in one batch; the default against each single fixed k for every row and plain.
+``--mixed``: half the requests easy for their drafter (suffix decoding on
+prompts served before: suffix decoding's global tree holds their answers), half hard (the draft
+model on held-out text) — two methods in one batch; the default against each single fixed k for
+every row and plain.
 
 Goals (issue: verification budgets): the default >= 0.95x the chosen fixed setting and >= 1.0x
 plain at every batch size; on the mixed batch >= 1.1x the best single fixed setting where the
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds of the comparison (medians and spreads)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--queue", type=int, default=2, metavar="X", help="X times the batch size of prompts per run")
-    p.add_argument("--mixed", action="store_true", help="also the mixed batch (prompt lookup on easy rows, the draft model on hard ones)")
+    p.add_argument("--mixed", action="store_true", help="also the mixed batch (suffix decoding on easy rows, the draft model on hard ones)")
     p.add_argument("--recipe", choices=("readme", "quick"), default="quick",
                    help="how heads are trained (training/recipes.py), cached beside the demo pair")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
@@ -93,7 +94,7 @@ def _run(args, command: str) -> int:
     methods = [m for m in args.methods.split(",") if m]
     results, lines, ok = [], [], True
     for batch in (int(b) for b in args.batches.split(",") if b):
-        engines = _engines(args, pair, batch, methods + (["ngram"] if args.mixed else []))
+        engines = _engines(args, pair, batch, methods)
         prompts = held_out_prompts(batch * args.queue, pair.tokenizer)
         sampling = [SamplingParams(max_tokens=max(1, round(args.max_tokens * LENGTHS[i % len(LENGTHS)])),
                                    temperature=0, ignore_eos=True) for i in range(len(prompts))]
@@ -180,24 +181,25 @@ def _method(bench: _Paired, method: str, rounds: int, n: int) -> dict:
 
 
 def _mixed(bench: _Paired, pair, batch: int, args) -> dict:
-    """Half the rows prompt lookup on a text given twice (easy), half the draft model on
-    held-out text (hard); the default against each single k for every row."""
-    from specray.demo import held_out_prompts
+    """Half the rows suffix decoding on prompts served before (its global tree holds their
+    answers: easy), half the draft model on held-out text (hard); the default against each
+    single k for every row."""
     from specray.engine import SpeculationParams
 
-    texts = held_out_prompts(len(bench.prompts), pair.tokenizer, min_tokens=16, max_tokens=64, seed=1)
-    prompts = [t + "\n" + t if i % 2 == 0 else p for i, (t, p) in enumerate(zip(texts, bench.prompts))]
-    method = ["ngram" if i % 2 == 0 else "draft" for i in range(len(prompts))]
-    mixed = _Paired(bench.engines, prompts, bench.sampling)
+    method = ["suffix" if i % 2 == 0 else "draft" for i in range(len(bench.prompts))]
+    mixed = _Paired(bench.engines, bench.prompts, bench.sampling)
+    for _ in bench.engines:  # each engine serves the prompts once: suffix's tree learns their answers
+        mixed.once([SpeculationParams(method=m) for m in method])
     sweep = {k: round(mixed.once([SpeculationParams(method=m, num_speculative_tokens=k) for m in method]), 3)
              for k in (1, 2, 4, 8)}
     best = max(sweep, key=sweep.get)
     default = [SpeculationParams(method=m) for m in method]
     kept = [b.fresh() for b in bench.budgets]
-    mixed.once(default, lambda e: kept[e])
+    for e in range(len(bench.engines)):
+        mixed.once(default, lambda side, e=e: kept[side])
     d = mixed.rounds(args.rounds, lambda r: default, policy=lambda e: kept[e])
     f = mixed.rounds(args.rounds, lambda r: [SpeculationParams(method=m, num_speculative_tokens=best) for m in method])
-    return {"method": "mixed (ngram easy + draft hard)", "batch": batch, "sweep": sweep, "chosen": f"k={best}",
+    return {"method": "mixed (suffix easy + draft hard)", "batch": batch, "sweep": sweep, "chosen": f"k={best}",
             "default": _summary(d), "fixed": _summary(f),
             "default_x_fixed": round(statistics.median(d) / statistics.median(f), 3), "ragged": False}
 
