@@ -11,9 +11,10 @@ of slots with the highest expected tokens per second:
     rate(S) = (rows + sum of S's values) / (verify(shape(S)) + sum over methods of draft(depth))
 
 over the candidates that can be best under the step mode's costs. Where every row is
-verified as wide as the widest (padded: every step mode today), a step costs its depth d —
-the widest row, the levels sequential drafters run — and every slot up to d comes at no
-further verification cost: the candidates are "every slot up to depth d". Where only the
+verified as wide as the widest (padded: every step mode today), a step costs its widest row
+and each method's drafting its deepest row's levels, so a row cut shorter than the other rows
+of its method saves nothing: the candidates are a depth per method, every slot up to it (a free
+drafter that is always right keeps its length beside a costly doubtful one trimmed). Where the
 admitted slots are verified (ragged), each slot is paid for: the candidates are "the n most
 valuable slots no deeper than d" for every n and d. Each row is cut to its admitted slots (its cap; 0 = plain decoding for that row): a
 confident row keeps its block while a doubtful one in the same batch is trimmed, and a
@@ -375,17 +376,60 @@ class VerificationBudget:
                     if j < depth:
                         step.grow(i, j + 1, free[i])
                         best = _better(best, step)
-        else:  # padded: a step costs its widest row whatever the others verify, so every slot up to it
-            step = _Step(self, rows, counts, given, prices)
-            for depth in range(1, deepest + 1):
-                for i, vs in enumerate(free):
-                    if depth <= len(vs):
-                        step.grow(i, depth, vs)
-                best = _better(best, step)
+        else:
+            best = self._padded(rows, free, counts, given, prices, best)
         counts, tokens, seconds = best
         caps = [r.requested if f else (None if r.tree and c >= n else c)
                 for r, f, c, n in zip(rows, fixed, counts, sizes)]
         return Admission(caps, sum(counts), tokens, seconds)
+
+    def _padded(self, rows, free, counts, given: float, prices: tuple[dict, dict], best: tuple) -> tuple:
+        """Padded steps: a step verifies every row as wide as the widest, and a method drafts as
+        deep as its deepest row, so a row cut shorter than its method's others saves nothing:
+        the candidates are a depth per method (every slot up to it, for each of its rows). For
+        each widest depth D the best depths no deeper than D are found exactly by Dinkelbach's
+        method: the rate (given + sum of gains) / (verify(D) + sum of drafting) is best where,
+        at that rate r, every method's depth maximises its own gain - r * drafting."""
+        base = _Step(self, rows, counts, given, prices)  # the fixed rows alone
+        methods = sorted({rows[i].method for i, vs in enumerate(free) if vs})
+        members = {m: [i for i, vs in enumerate(free) if vs and rows[i].method == m] for m in methods}
+        deepest = {m: max(len(free[i]) for i in idx) for m, idx in members.items()}
+        gain, cost = {}, {}
+        for m, idx in members.items():  # per depth d: the method's expected tokens and drafting seconds
+            gain[m] = [sum(sum(free[i][:d]) for i in idx) for d in range(deepest[m] + 1)]
+            cost[m] = [self._draft_price(m, base.drafting.get(m, 0) + (len(idx) if d else 0), max(
+                base.levels.get(m, 0), max((1 if rows[i].block else self._depth(rows[i], min(d, len(free[i])))
+                                            for i in idx), default=0) if d else 0), prices)
+                       for d in range(deepest[m] + 1)]
+        fixed_only = sum(self._draft_price(m, base.drafting[m], lv, prices) for m, lv in base.levels.items()
+                         if m not in gain)
+        rate = best[1] / best[2]
+        for depth in range(1, max(deepest.values(), default=0) + 1):
+            widest = max(base.widest, 1 + depth)
+            if widest not in prices[0]:
+                prices[0][widest] = self.costs.verify(len(rows), widest, self._context)
+            verify = prices[0][widest] + fixed_only
+            while True:  # Dinkelbach: the depths best at the best rate so far; stop when none is better
+                depths = {m: max(range(min(depth, deepest[m]) + 1), key=lambda d, m=m: gain[m][d] - rate * cost[m][d])
+                          for m in methods}
+                tokens = given + sum(gain[m][d] for m, d in depths.items())
+                seconds = verify + sum(cost[m][d] for m, d in depths.items())
+                if tokens * best[2] <= best[1] * seconds:
+                    break
+                caps = list(counts)
+                for m, idx in members.items():
+                    for i in idx:
+                        caps[i] = min(depths[m], len(free[i]))
+                best, rate = (caps, tokens, seconds), tokens / seconds
+        return best
+
+    def _draft_price(self, method: str, rows: int, levels: int, prices: tuple[dict, dict]) -> float:
+        if not rows or not levels:
+            return 0.0
+        key = (method, rows, levels)
+        if key not in prices[1]:
+            prices[1][key] = self.costs.draft(*key, self._context)
+        return prices[1][key]
 
     def _slots(self, row: RowView) -> int:
         """Most slots the row may draft: its request's k, its tree's size, or ``max_k``."""

@@ -146,6 +146,32 @@ def test_the_admission_is_the_best_set_of_caps():
     assert chosen[0] / chosen[1] == pytest.approx(best[0] / best[1], rel=1e-3)
 
 
+def test_padded_steps_give_each_method_its_own_depth():
+    """Padded (every row as wide as the widest): a free drafter that is always right (suffix on
+    re-asked text) keeps its whole length beside a costly doubtful one (a draft model) trimmed
+    shallow in the same step — and the caps are the best of every cap vector."""
+    class Costs(Truth):
+        def draft(self, method, batch, levels, context=None):
+            return 0.0 if method == "free" else 0.4 * levels
+
+    truth = Costs(ragged=False, gpu=False)
+    rates = {"a": [0.97] * 4, "b": [0.97] * 4, "c": [0.4] * 4, "d": [0.4] * 4}
+    rows = [RowView("a", "free"), RowView("b", "free"), RowView("c", "m"), RowView("d", "m")]
+    oracle = Oracle(truth, rates, max_k=4)
+
+    def rate(caps) -> float:
+        tokens = sum(1 + sum(survival(rates[r.request_id][:c])) for r, c in zip(rows, caps))
+        seconds = truth.verify(4, 1 + max(caps))
+        for m in ("free", "m"):
+            deep = max((c for r, c in zip(rows, caps) if r.method == m), default=0)
+            seconds += truth.draft(m, 2, deep) if deep else 0.0
+        return tokens / seconds
+
+    caps = oracle.caps(rows)
+    assert caps[:2] == [4, 4] and max(caps[2:]) <= 1, caps
+    assert rate(caps) == pytest.approx(max(rate(c) for c in itertools.product(range(5), repeat=4)), rel=1e-6)
+
+
 # -- behaviour ---------------------------------------------------------------------------------
 def simulate(policy, rows, rates: dict[str, float], steps: int, rng, stated: dict[str, float] | None = None):
     """``steps`` steps of rows whose every position is accepted with its rate; ``stated``:
