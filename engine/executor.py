@@ -241,7 +241,7 @@ class LocalExecutor:
                 d = drafts[i]
                 probs = None if reqs[i].sampling.greedy or not part.carries_probs(n) else part.device_probs[n][: d.size]
                 tree = TokenTree.from_parents(trees[n][: d.size]) if n in trees else d.tree
-                out[i] = DraftRow(tokens[n][: d.size], tree, probs, d.extra)
+                out[i] = DraftRow(tokens[n][: d.size], tree, probs, d.extra, d.confidence)
         self._device_parts = {}
         return out
 

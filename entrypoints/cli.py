@@ -3,7 +3,7 @@
     specray serve [--target DIR] [--once PROMPT]  # OpenAI-compatible HTTP on Ray Serve (vLLM's flags)
     specray generate --prompt "def fib(n):"       # one completion in this process
     specray jobs --input in.jsonl --output out.jsonl   # a batch file (local Ray unless --address)
-    specray train draft|pard|medusa|eagle|eagle3|dflash|redrafter --out DIR
+    specray train draft|pard|medusa|eagle|eagle3|dflash|dspark|redrafter --out DIR
     specray bench speed|load|actors|trees|block|lookahead|penalties|selftune
     specray env                                   # versions, devices, dtype, attention kernel
     specray demo-models                           # build or find the demo pair

@@ -5,5 +5,5 @@ Importing the package registers every method (``policies.registry``), so
 """
 
 from specray.policies import (  # noqa: F401  (registration)
-    dflash, draft_model, eagle, eagle3, lookahead, medusa, pard, prompt_lookup, redrafter, registry, suffix,
+    dflash, draft_model, dspark, eagle, eagle3, lookahead, medusa, pard, prompt_lookup, redrafter, registry, suffix,
 )

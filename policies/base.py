@@ -96,12 +96,17 @@ class DraftRow:
     probs:  [n, V] the distribution each node was sampled from, or None for deterministic
             proposals (one-hot q, still exact for rejection sampling)
     extra:  nodes verified alongside but never accepted (None for most methods)
+    confidence: [n] the drafter's own estimate, per node of a chain, of the probability that
+            node j is accepted given that node j - 1 was (node 1: given the root); computed
+            before node j's token was drawn, from what precedes it, so a verification budget
+            may cut the chain by it and stay exact (DSpark's confidence head); None: no estimate
     """
 
     tokens: list[int]
     tree: TokenTree | None = None
     probs: torch.Tensor | None = None
     extra: ExtraNodes | None = None
+    confidence: tuple[float, ...] | None = None
 
     @property
     def size(self) -> int:
@@ -120,13 +125,14 @@ class DraftRow:
         """This draft with ``tokens`` (and ``tree`` where given) read back from the device:
         ``dataclasses.replace`` without its field lookups (a device step builds one per row
         drafted there), every other field kept."""
-        return DraftRow(tokens, self.tree if tree is None else tree, self.probs, self.extra)
+        return DraftRow(tokens, self.tree if tree is None else tree, self.probs, self.extra, self.confidence)
 
     def cut(self, n: int) -> "DraftRow":
         """A chain's first ``n`` nodes (trees are cut by their proposer, which knows its order)."""
         if self.tree is not None or n >= len(self.tokens):
             return self
-        return DraftRow(self.tokens[:n], None, self.probs[:n] if self.probs is not None else None, self.extra)
+        return DraftRow(self.tokens[:n], None, self.probs[:n] if self.probs is not None else None, self.extra,
+                        self.confidence[:n] if self.confidence is not None else None)
 
 
 EMPTY = DraftRow([])

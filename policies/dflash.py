@@ -170,6 +170,9 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = tuple(int(k) for k in target_layer_ids)
         self.mask_token_id, self.block_size, self.causal = int(mask_token_id), int(block_size), bool(causal)
         self.mask_embedding: torch.Tensor | None = None  # a trained override of the mask token's embedding
+        # the block position of the first draft: 1 (position j >= 1 predicts its own token);
+        # 0 where the root's position drafts the next token too (DSpark's sample_from_anchor)
+        self.first_draft = 1
         self._target = ()  # (embed_tokens, lm_head) of the target: bound, not parameters
 
     @property
@@ -384,8 +387,15 @@ class DFlashProposer:
 
     def _draft(self, rows: Sequence[ProposalRow]):
         """(k per row, tokens [n, k_max], q [n, k_max, V] of sampled rows or None)."""
-        size = self.drafter.block_size
-        ks = [min(r.num_tokens, size - 1) for r in rows]
+        ks, out = self._run_block(rows)
+        tokens, probs = draw_block(rows, ks, out.logits[:, : max(ks)])
+        return ks, tokens, probs
+
+    def _run_block(self, rows: Sequence[ProposalRow]):
+        """(k per row, the runner's output at the draft positions: logits [n, block - first, V],
+        hidden [n, block - first, H]) for each row's pending context and block."""
+        size, first = self.drafter.block_size, self.drafter.first_draft
+        ks = [min(r.num_tokens, size - first) for r in rows]
         contexts = []
         for r in rows:
             taps = self._pending.pop(r.slot, None)
@@ -398,19 +408,23 @@ class DFlashProposer:
             contexts.append(self.drafter.context(torch.cat(taps).to(self.runner.dtype)))  # [c, H]
         behind = [i for i, c in enumerate(contexts) if len(c) > CATCH_UP_THRESHOLD]
         if behind:  # a new prompt: its context alone first, so it does not pad every other row
-            self._forward([rows[i].slot for i in behind], [contexts[i][:-1] for i in behind], None)
+            self._run([rows[i].slot for i in behind], [contexts[i][:-1] for i in behind], None)
             for i in behind:
                 contexts[i] = contexts[i][-1:]
         roots = torch.tensor([r.token_ids[-1] for r in rows], device=self.runner.device)
         block = torch.full((len(rows), size), self.drafter.mask_token_id, device=self.runner.device)
         block[:, 0] = roots
-        logits = self._forward([r.slot for r in rows], contexts, self.drafter.noise(block).to(self.runner.dtype))
-        tokens, probs = draw_block(rows, ks, logits[:, : max(ks)])
-        return ks, tokens, probs
+        return ks, self._run([r.slot for r in rows], contexts, self.drafter.noise(block).to(self.runner.dtype))
 
     def _forward(self, slots: list[int], contexts: list[torch.Tensor], blocks: torch.Tensor | None):
+        """The draft positions' logits [n, block - first, V] of ``_run`` (None without blocks)."""
+        out = self._run(slots, contexts, blocks)
+        return out.logits if out is not None else None
+
+    def _run(self, slots: list[int], contexts: list[torch.Tensor], blocks: torch.Tensor | None):
         """One runner forward of each row's new context columns (kept) then its block (rolled
-        back); returns the block positions' logits [n, block - 1, V] (None without blocks)."""
+        back); returns the runner's output at the draft positions (block positions ``first_draft``
+        .. block - 1), or None without blocks."""
         size = 0 if blocks is None else blocks.shape[1]
         lengths = [len(c) + size for c in contexts]
         q = max(lengths)
@@ -429,8 +443,9 @@ class DFlashProposer:
         embeds = list(contexts) if blocks is None else [torch.cat([c, b]) for c, b in zip(contexts, blocks)]
         base = [self.runner.lengths[s] for s in slots]
         at = None
-        if blocks is not None:  # block positions 1 .. size - 1: the drafts
-            at = torch.tensor([[len(c) + j for j in range(1, size)] for c in contexts], dtype=torch.long)
+        if blocks is not None:  # block positions first_draft .. size - 1: the drafts
+            first = self.drafter.first_draft
+            at = torch.tensor([[len(c) + j for j in range(first, size)] for c in contexts], dtype=torch.long)
         self.drafter.columns.context = (is_ctx | ~in_row).to(device, non_blocking=True)[..., None]
         try:
             out = self.runner.forward(slots, [[0] * n for n in lengths], at, layout=(mask, offsets), embeds=embeds)
@@ -438,7 +453,7 @@ class DFlashProposer:
             self.drafter.columns.context = None
         for s, b, c in zip(slots, base, contexts):
             self.runner.set_length(s, b + len(c))  # the context is kept, the block never
-        return out.logits if blocks is not None else None
+        return out if blocks is not None else None
 
 
 # -- the spec -----------------------------------------------------------------------------------------------

@@ -154,7 +154,7 @@ def test_help_names_every_method_with_its_default(capsys):
         main(["generate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "SPEC_" not in text and "--num-speculative-tokens N" in text
-    assert "dflash, draft, ngram, pard: Draft tokens per step (k) (default: self-tuning)" in text
+    assert "dflash, draft, dspark, ngram, pard: Draft tokens per step (k) (default: self-tuning)" in text
     acceptance = text[text.index("--acceptance {exact,typical} "):text.index("--posterior-threshold X ", text.index(
         "--acceptance {exact,typical} "))]
     assert all(m in acceptance.split(":")[0] for m in ("eagle", "medusa", "redrafter"))  # every tree method
@@ -189,7 +189,7 @@ def test_train_and_bench_help_list_what_they_run(capsys):
     assert "--input FILE" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("method", ["draft", "medusa", "eagle", "eagle3", "redrafter", "pard", "dflash"])
+@pytest.mark.parametrize("method", ["draft", "medusa", "eagle", "eagle3", "redrafter", "pard", "dflash", "dspark"])
 def test_train_help_shows_every_default(method, capsys):
     """`specray train METHOD --help`: each option that has a default names it (its value as
     the recipe would use it), one with none says what happens instead."""
@@ -205,7 +205,7 @@ def test_train_help_shows_every_default(method, capsys):
             continue  # required, help, a switch (no value: off unless given)
         assert "default" in block, block
     steps = {"draft": 300, "medusa": 1500, "eagle": 1200, "eagle3": 1200, "redrafter": 1000, "pard": 600,
-             "dflash": 800}[method]
+             "dflash": 800, "dspark": 800}[method]
     assert f"--steps STEPS optimizer steps (default: {steps})" in text
     assert "(default: 0)" in text  # a zero default is shown too (--seed)
 

@@ -189,12 +189,11 @@ def train_dflash(target: str, out: str, tokenizer: str | None = None, steps: int
 EVAL_SPECS = {"block": {}, "k=4": {"num_speculative_tokens": 4}}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = recipe_parser("specray train dflash", __doc__)
-    add_common_args(p, steps=800, lr=3e-3)
+def add_block_args(p) -> None:
+    """The block drafters' options (DFlash's and DSpark's recipes)."""
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--anchors", type=int, default=32, help="random anchors (blocks) per sequence")
-    p.add_argument("--block", type=int, default=8, help="block size: drafts block - 1 tokens per forward")
+    p.add_argument("--block", type=int, default=8, help="block size")
     p.add_argument("--draft-layers", type=int, default=2, help="the drafter's layers")
     p.add_argument("--layers", default=None, help="target layers whose outputs it reads, e.g. 1,9 "
                                                    "(default: one per draft layer over 1 .. L - 3)")
@@ -205,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init", choices=("target", "random"), default="target",
                    help="the drafter's layers start from the target's or at random")
     p.add_argument("--mask-token", type=int, default=None, help="the mask token id (default: the tokenizer's pad)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = recipe_parser("specray train dflash", __doc__)
+    add_common_args(p, steps=800, lr=3e-3)
+    add_block_args(p)
 
     def train(a, target, tokenizer):
         layers = tuple(int(k) for k in a.layers.split(",")) if a.layers else None
