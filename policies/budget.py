@@ -410,8 +410,11 @@ class VerificationBudget:
                 prices[0][widest] = self.costs.verify(len(rows), widest, self._context)
             verify = prices[0][widest] + fixed_only
             while True:  # Dinkelbach: the depths best at the best rate so far; stop when none is better
-                depths = {m: max(range(min(depth, deepest[m]) + 1), key=lambda d, m=m: gain[m][d] - rate * cost[m][d])
-                          for m in methods}
+                if len(methods) == 1:  # one method: shallower than the widest is dominated
+                    depths = {methods[0]: min(depth, deepest[methods[0]])}
+                else:
+                    depths = {m: max(range(min(depth, deepest[m]) + 1), key=lambda d, m=m: gain[m][d] - rate * cost[m][d])
+                              for m in methods}
                 tokens = given + sum(gain[m][d] for m, d in depths.items())
                 seconds = verify + sum(cost[m][d] for m, d in depths.items())
                 if tokens * best[2] <= best[1] * seconds:

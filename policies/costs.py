@@ -41,6 +41,7 @@ instead of never trying it. A bucket never measured reads its nearest.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections import deque
 from typing import Sequence
@@ -142,17 +143,19 @@ class _Surface:
         key = context if self.profiled else 0
         if key not in self.curves:
             self.curves[key] = _Curve(self.window, self.profiled)
+            self.contexts = sorted(self.curves)
         return self.curves[key]
 
+    contexts: list[int] = []  # the curves' contexts, ascending (each curve has samples once made)
+
     def at(self, size: int, context: float | None) -> float:
-        contexts = sorted(c for c, curve in self.curves.items() if curve.samples)
+        contexts = self.contexts
         if not contexts:
             return 0.0
         if context is None or len(contexts) == 1:
             return self.curves[contexts[0]].at(size)
-        below = [c for c in contexts if c <= context]
-        above = [c for c in contexts if c > context]
-        a, b = (below[-1], above[0]) if below and above else (contexts[-2], contexts[-1]) if below else contexts[:2]
+        i = min(max(bisect.bisect_right(contexts, context), 1), len(contexts) - 1)  # the pair around it, or nearest
+        a, b = contexts[i - 1], contexts[i]
         ya, yb = self.curves[a].at(size), self.curves[b].at(size)
         return max(ya + max((yb - ya) / (b - a), 0.0) * (context - a), 0.0)
 
