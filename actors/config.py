@@ -71,6 +71,10 @@ class SpecrayConfig(BaseModel):
         "instead of gpu_memory_utilization's share. Default: max_num_seqs contexts on CPU, sized from GPU memory.")
     enable_prefix_caching: bool = Field(
         True, description="Requests that start with a cached prefix reuse its KV blocks and prefill only the rest.")
+    grammar_drafter: bool = Field(
+        True, description="Structured outputs: the tokens a request's grammar forces (a schema's keys, quotes and "
+        "punctuation) are drafted for free and verified like any draft (lossless; docs/structured-outputs.md); "
+        "false: constrained requests draft with their method alone.")
     default_speculation: Speculation | None = Field(
         None, description="Speculation for requests that give none; default: the best method loaded (draft, "
         "then EAGLE/ReDrafter/Medusa heads, then prompt lookup) under the self-tuning speculation length.")
@@ -130,6 +134,7 @@ class SpecrayConfig(BaseModel):
             num_kv_blocks=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
+            grammar_drafter=self.grammar_drafter,
             quantization=self.quantization,
             draft_quantization=self.draft_quantization,
             fp8_kernel=self.fp8_kernel,

@@ -105,6 +105,9 @@ class EngineConfig:
         published in FP8 loads in FP8 either way.
     draft_quantization: the same for the draft model (vLLM: ``--speculative-config``'s
         ``quantization``); heads (Medusa, EAGLE, ReDrafter) stay in the compute dtype.
+    grammar_drafter: structured outputs: the tokens a row's grammar forces (a schema's keys and
+        punctuation) are drafted for free and verified like any draft (``engine/grammar.py``;
+        lossless); False: constrained rows draft with their method alone.
     fp8_kernel: how FP8 layers multiply: ``dequantize`` (default; weight-only W8A16, any device)
         or ``scaled_mm`` (W8A8 with ``torch._scaled_mm``; CUDA compute capability >= 8.9 only).
     """
@@ -134,6 +137,7 @@ class EngineConfig:
     fp8_kernel: str = "dequantize"
     tensor_parallel_size: int = 1
     draft_tensor_parallel_size: int = 1
+    grammar_drafter: bool = True
 
     def __post_init__(self):
         from specray.engine.quantization import check_kernel, check_method

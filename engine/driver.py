@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Callable, Mapping, Protocol, Sequence
 
 from specray.engine import step as S
@@ -18,8 +19,10 @@ from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
 from specray.engine.accept import TargetScores, Verified, sampled_rows
 from specray.engine.collectives import GroupLostError
+from specray.engine.grammar import ForcedRow, forced_drafts
 from specray.kernels.sampling import sample
 from specray.policies.base import Draft, DraftRow
+from specray.policies.registry import PLAIN
 from specray.policies.budget import StepRecord, VerificationBudget
 from specray.policies.spec_length import SpeculationLengthPolicy
 
@@ -69,7 +72,7 @@ class StepDriver:
 
     def __init__(self, scheduler: Scheduler, executor: Executor, capacity: int, tokenizer=None,
                  length_policy: SpeculationLengthPolicy | VerificationBudget | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, grammar_drafter: bool = True):
         self.scheduler, self.executor = scheduler, executor
         self.capacity, self.tokenizer = capacity, tokenizer
         # What a step's cost is measured in (the length policy learns from it): wall seconds,
@@ -77,6 +80,8 @@ class StepDriver:
         self.clock = clock
         # How many nodes each row drafts: the verification budget (default), or static caps.
         self.length_policy = length_policy if length_policy is not None else VerificationBudget()
+        # Structured outputs: the tokens a row's grammar forces are its draft (engine/grammar.py).
+        self.grammar_drafter = grammar_drafter
         # Seconds spent waiting for drafts and verifying, and steps (benchmarks read them).
         self.phase_seconds = {"propose": 0.0, "verify": 0.0, "steps": 0}
 
@@ -109,11 +114,17 @@ class StepDriver:
         start, cost = time.perf_counter(), self.clock()
         views = [S.row_view(r) for r in batch]
         context = sum(r.num_tokens for r in batch) / len(batch)
-        plan = S.plan_proposals(batch, self.capacity, self.length_policy.caps(views, context))
+        caps = self.length_policy.caps(views, context)
+        forced = forced_drafts(batch, self.capacity) if self.grammar_drafter else None
+        if forced is not None and any(forced):  # those rows' methods draft nothing this step
+            caps = [0 if f else c for f, c in zip(forced, caps)]
+        plan = S.plan_proposals(batch, self.capacity, caps)
         drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
         if any(getattr(d, "confidence", None) for d in drafts) and hasattr(self.length_policy, "trim"):
             sizes = self.length_policy.trim(views, [d.size for d in drafts], [getattr(d, "confidence", None) for d in drafts])
             drafts = [d.cut(n) for d, n in zip(drafts, sizes)]
+        if forced is not None and any(forced):
+            drafts = [f or d for f, d in zip(forced, drafts)]
         failed = dict(self.executor.failed_rows()) if hasattr(self.executor, "failed_rows") else {}
         failed = {batch[i].slot: exc for i, exc in failed.items()}
         batch, drafts, views, ended = self._make_room(batch, drafts, views)
@@ -132,7 +143,8 @@ class StepDriver:
             self.phase_seconds["steps"] += 1
             outputs = self._apply(S.commit_step(batch, verified, self.capacity, self.tokenizer))
             self.length_policy.observe(StepRecord(
-                views, [d.size for d in verified.drafts], verified.result.num_accepted, verified.result.paths,
+                _method_views(views, verified.drafts), [d.size for d in verified.drafts], verified.result.num_accepted,
+                verified.result.paths,
                 [None if d.is_chain else d.structure.parents.numpy()[1:].tolist() for d in verified.drafts],
                 propose_s=drafted_at - cost, verify_s=self.clock() - drafted_at, context=context))
         return ended + self._fail_after(outputs, failed)
@@ -227,6 +239,15 @@ class StepDriver:
         if self.scheduler.release(r):
             self.executor.release([r.slot])
             self.length_policy.release(r.request_id)
+
+
+def _method_views(views: list, drafts: Sequence[DraftRow]) -> list:
+    """The rows as the speculation-length policy learns from them: a row that verified its
+    grammar's forced tokens drafted nothing of its method's (seen as plain decoding: its
+    width still counts in the step's cost, its acceptance not in the method's)."""
+    if not any(isinstance(d, ForcedRow) for d in drafts):
+        return views
+    return [replace(v, method=PLAIN) if isinstance(d, ForcedRow) else v for v, d in zip(views, drafts)]
 
 
 def first_tokens(reqs: Sequence[Request], scores: TargetScores) -> list[int]:

@@ -14,6 +14,12 @@ node, never one for the whole tree; a node whose own token the grammar refuses i
 accepted (the masked target gives it no mass), so what is below it is left unmasked. Only
 the tokens a step keeps advance the matcher (``RowGrammar.advance``).
 
+The grammar is also a drafter (``forced_drafts``): where every continuation the grammar allows
+starts with the same bytes (a schema's keys, quotes and punctuation, the rest of a ``choice``
+after its first distinct token), those bytes tokenised as the tokenizer writes them are a
+deterministic draft, verified like any other (``docs/structured-outputs.md``, "The grammar
+as a drafter").
+
 The grammar's end is the request's end: where the grammar may end, the request's stop
 tokens are allowed (the tokenizer's EOS stands for them in the matcher); where it must, only
 they are. A request without stop tokens (``ignore_eos``) finishes with 'stop' where the
@@ -28,12 +34,18 @@ from typing import Sequence
 
 import torch
 
+from specray.policies.base import DraftRow
+
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """JSON as ``json.dumps`` writes it: one space after ``,`` and ``:``, no other whitespace.
 A grammar that allows any whitespace lets a model (or a draft) emit it without end."""
 
 ANY_OBJECT = {"type": "object"}
 CACHED_GRAMMARS = 256  # checked grammars kept per tokenizer
+FORCED_MAX = 16
+"""Most forced tokens a row drafts in one step: a JSON key with its quotes and separators is a
+handful of tokens; a longer forced literal is drafted over several steps rather than widening
+a padded verification for every row of the batch at once."""
 
 
 class GrammarError(ValueError):
@@ -260,6 +272,23 @@ class RowGrammar:
             self.matcher.rollback(len(tokens))
         return int(can)
 
+    def forced(self, limit: int) -> list[int]:
+        """At most ``limit`` tokens the grammar forces from here: llguidance's fast-forward
+        tokens (the bytes every allowed continuation starts with, tokenised canonically; it
+        leaves out a last token that the next bytes could still extend), cut before any token
+        the matcher refuses or that is no model token (the stand-in EOS among them). The
+        matcher stays put."""
+        if self.ended or limit <= 0 or self.matcher.is_stopped():
+            return []
+        tokens = self.matcher.compute_ff_tokens()[:limit]
+        if not tokens:
+            return []
+        n = self.matcher.validate_tokens(tokens)
+        kept = 0
+        while kept < n and tokens[kept] < self.vocab and tokens[kept] != self.eos_id:
+            kept += 1
+        return tokens[:kept]
+
     def advance(self, token: int) -> bool:
         """A kept token: the matcher consumes it (a stop token ends the request: nothing to
         consume). False when the grammar refuses it."""
@@ -272,3 +301,26 @@ class RowGrammar:
         if self.matcher.is_stopped() and not self.stops:
             self.ended = True
         return True
+
+
+# -- the grammar as a drafter ----------------------------------------------------------------------
+class ForcedRow(DraftRow):
+    """A chain of tokens a row's grammar forces, drafted without a model: deterministic (one-hot
+    q, no ``probs``), verified like any draft. Its own type so that metrics count it apart from
+    the method's drafts and the speculation-length policy does not learn the method's
+    acceptance from it."""
+
+
+def forced_drafts(batch: Sequence, capacity: int, limit: int = FORCED_MAX) -> list[ForcedRow | None]:
+    """Per batch row, the tokens its grammar forces from its committed state (at most
+    ``limit``, and no more nodes than the row may accept: max_tokens and the context), or None
+    where nothing is forced or the row is free. batch: running ``Request``s."""
+    out: list[ForcedRow | None] = [None] * len(batch)
+    for i, r in enumerate(batch):
+        if r.grammar is None:
+            continue
+        room = min(limit, r.remaining - 1, capacity - r.num_tokens)
+        tokens = r.grammar.forced(room)
+        if tokens:
+            out[i] = ForcedRow(tokens)
+    return out

@@ -134,7 +134,8 @@ class LLMEngine:
         # wall seconds where a device or another process works for it.
         cpu_bound = self.target.device.type == "cpu" and not proposers
         self.driver = StepDriver(self.scheduler, self.executor, self.capacity, tokenizer, length,
-                                 clock=cpu_clock() if cpu_bound else time.perf_counter)
+                                 clock=cpu_clock() if cpu_bound else time.perf_counter,
+                                 grammar_drafter=config.grammar_drafter)
         self.capture = self.versions = None
         if config.online_learning is not None:  # online learning: capture, versioned drafters
             self.versions = DrafterVersions(self.proposers, list(self.limits.methods), self.driver.length_policy)

@@ -2,12 +2,19 @@
 
 A *draft* is one step in which a proposer offered at least one token for a request;
 *accepted per position* counts, for each draft position i, how often it was accepted;
-the *mean accepted length* is 1 + accepted / drafts (the bonus token included).
+the *mean accepted length* is 1 + accepted / drafts (the bonus token included). Tokens a
+grammar forces (``engine/grammar.py``: ``ForcedRow``) are drafts too: they count in every
+total, and apart in ``grammar_forced_tokens`` / ``grammar_forced_accepted``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+
+
+GRAMMAR_FIELDS = ("grammar_compile_s", "grammar_mask_s", "grammar_cut_tokens", "grammar_forced_tokens",
+                  "grammar_forced_accepted")
+"""Structured outputs' counters: None for a free request (``to_dict``), summed by ``merge``."""
 
 
 @dataclass
@@ -31,10 +38,18 @@ class SpecMetrics:
     grammar_compile_s: float | None = None
     grammar_mask_s: float | None = None
     grammar_cut_tokens: int | None = None  # deterministic draft tokens the grammar refused (cut before verifying)
+    # Tokens the grammar forced, drafted without a model (the grammar drafter), and how many
+    # of them the target accepted.
+    grammar_forced_tokens: int | None = None
+    grammar_forced_accepted: int | None = None
 
-    def record_draft(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def record_draft(self, num_draft_tokens: int, num_accepted: int, forced: bool = False) -> None:
+        """A verified draft; ``forced``: the grammar's (the drafter version gets no credit)."""
         if num_draft_tokens <= 0:
             return
+        if forced:
+            self.grammar_forced_tokens = (self.grammar_forced_tokens or 0) + num_draft_tokens
+            self.grammar_forced_accepted = (self.grammar_forced_accepted or 0) + num_accepted
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
@@ -42,7 +57,7 @@ class SpecMetrics:
             self.accepted_per_pos.extend([0] * (num_draft_tokens - len(self.accepted_per_pos)))
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
-        if self.drafter_version is not None:
+        if self.drafter_version is not None and not forced:
             counts = self.accepted_by_version.setdefault(self.drafter_version, [0, 0])
             counts[0] += 1
             counts[1] += num_accepted
@@ -72,9 +87,9 @@ class SpecMetrics:
             counts = self.accepted_by_version.setdefault(version, [0, 0])
             counts[0] += drafts
             counts[1] += accepted
-        for name in ("grammar_compile_s", "grammar_mask_s", "grammar_cut_tokens"):
+        for name in GRAMMAR_FIELDS:
             if getattr(other, name) is not None:
-                setattr(self, name, (getattr(self, name) or 0.0) + getattr(other, name))
+                setattr(self, name, (getattr(self, name) or 0) + getattr(other, name))
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpecMetrics":
@@ -95,7 +110,9 @@ class SpecMetrics:
         }
         if self.grammar_compile_s is not None or self.grammar_mask_s is not None:  # a structured output's
             out.update(grammar_compile_s=self.grammar_compile_s, grammar_mask_s=self.grammar_mask_s,
-                       grammar_cut_tokens=self.grammar_cut_tokens or 0)
+                       grammar_cut_tokens=self.grammar_cut_tokens or 0,
+                       grammar_forced_tokens=self.grammar_forced_tokens or 0,
+                       grammar_forced_accepted=self.grammar_forced_accepted or 0)
         else:
-            out.update(grammar_compile_s=None, grammar_mask_s=None, grammar_cut_tokens=None)
+            out.update(dict.fromkeys(GRAMMAR_FIELDS))
         return out

@@ -23,6 +23,7 @@ import torch
 from specray.engine.request import Request, RequestOutput, speculation_event
 from specray.engine import logprobs as L
 from specray.engine.accept import TargetScores, Verified
+from specray.engine.grammar import ForcedRow
 from specray.policies.base import EMPTY, CommitRow, DeviceDraft, Draft, DraftRow, PrefillRow, ProposalRow, SamplingView
 from specray.policies.budget import RowView
 from specray.policies.registry import PLAIN, method_spec
@@ -193,7 +194,7 @@ def commit_step(batch: Sequence[Request], verified: Verified, capacity: int, tok
         if r.method != PLAIN:  # also when it drafted nothing: feature methods track every step
             commit.proposer_rows.setdefault(r.method, []).append(
                 (i, CommitRow(r.slot, result.emitted[i], path, extra_best=verified.extra_best[i])))
-        r.metrics.record_draft(d.size, n)
+        r.metrics.record_draft(d.size, n, forced=isinstance(d, ForcedRow))
         r.metrics.target_forward_passes += 1
         kept = r.append(result.emitted[i], capacity, tokenizer, verified.logprobs[i] if verified.logprobs else None)
         line, rejected = main_line(d, path)

@@ -41,6 +41,8 @@ BENCHMARKS = {
     "tensor_parallel": "a tensor-parallel target against TP 1: ms/step and the control plane's share (--layout: "
                        "what each rank holds)",
     "grammar": "structured outputs' grammar backends: llguidance vs xgrammar, compile and mask time per token",
+    "structured": "structured outputs on a JSON-schema and tool-call workload: constrained vs free plain decoding, "
+                  "each method with and without the grammar drafter",
 }
 
 

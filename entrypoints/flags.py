@@ -115,6 +115,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="the KV pool's size in blocks, whatever memory says")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="requests starting with a cached prefix reuse its KV blocks (default: on)")
+    g.add_argument("--grammar-drafter", action=argparse.BooleanOptionalAction, default=None,
+                   help="structured outputs: draft the tokens a request's grammar forces (a schema's keys, quotes "
+                        "and punctuation) for free, verified like any draft (lossless; default: on)")
     g.add_argument("--paged-kv", action=argparse.BooleanOptionalAction, default=None,
                    help="KV in blocks from a pool, with prefix caching and preemption (default: on); "
                         "--no-paged-kv: each sequence holds a whole --max-model-len context")
@@ -180,7 +183,8 @@ def config_data(args: argparse.Namespace, file_data: dict) -> dict:
             "tensor_parallel_size",
             "speculative_config", "served_model_name", "host", "port", "api_key", "num_replicas", "online_learning",
             "max_sequences_per_request", "max_waiting_sequences", "graceful_shutdown_s", "block_size",
-            "kv_cache_memory_bytes", "num_gpu_blocks_override", "enable_prefix_caching", "paged_kv", "quantization",
+            "kv_cache_memory_bytes", "num_gpu_blocks_override", "enable_prefix_caching", "paged_kv", "grammar_drafter",
+            "quantization",
             "draft_quantization", "fp8_kernel", "enable_auto_tool_choice", "tool_call_parser", *checkpoint_keys())
     flags = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     if getattr(args, "enforce_eager", None):

@@ -42,6 +42,7 @@ FLAT_KEYS: dict[str, tuple[str, ...]] = {
     "num_gpu_blocks_override": ("engine", "num_gpu_blocks_override"),
     "kv_cache_memory_bytes": ("engine", "kv_cache_memory_bytes"),
     "enable_prefix_caching": ("engine", "enable_prefix_caching"),
+    "grammar_drafter": ("engine", "grammar_drafter"),
     "quantization": ("engine", "quantization"),
     "draft_quantization": ("engine", "draft_quantization"),
     "fp8_kernel": ("engine", "fp8_kernel"),

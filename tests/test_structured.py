@@ -111,7 +111,9 @@ def test_greedy_constrained_speculation_is_the_constrained_target(engine_for, ti
 
 # -- sampled: the constrained target's distribution ----------------------------------------------
 SMALL = "abcdefgh"  # an 8-token vocabulary: every continuation can be enumerated
-SAMPLED_REGEX = "(a[a-d]|b[e-h]|[c-h][ab])[a-c]+"  # what may follow depends on the path
+# What may follow depends on the path, and on some paths the grammar forces tokens (after b and
+# a free one: g; after c: d, e, f), which the grammar drafter drafts.
+SAMPLED_REGEX = "(a[a-d]|b[e-h]g|cdef|[d-h][ab])[a-c]+"
 NEW, N = 4, 3000
 SAMPLED = dict(max_tokens=NEW, temperature=0.9, top_k=6, top_p=0.95, ignore_eos=True)
 
@@ -192,9 +194,10 @@ def small_samples(small, method: str):
     params = [SamplingParams(seed=i, structured_outputs={"regex": SAMPLED_REGEX}, **SAMPLED) for i in range(N)]
     spec = SpeculationParams(**TREE) if method == "eagle" else SpeculationParams(method=method, num_speculative_tokens=3)
     outs = engine.generate([PROMPT_SMALL] * N, params, spec)
+    t = engine.totals
     if method != "none":
-        t = engine.totals
         assert t.num_drafts > N // 4 and 0 < t.num_accepted_tokens < t.num_draft_tokens
+    assert 0 < t.grammar_forced_accepted <= t.grammar_forced_tokens  # the grammar drafted what it forces
     return np.array([o.token_ids for o in outs])
 
 
@@ -203,7 +206,10 @@ def test_sampled_constrained_speculation_follows_the_constrained_target(small, s
     """Chi-square of each position's marginal and the first two tokens' joint against the exact
     constrained distribution. The draft model (a chain) and EAGLE's tree of sampled nodes draw
     from their own unconstrained q: a drafted token the grammar refuses is a rejection, its
-    replacement drawn from max(0, p' - q) (a tree's siblings from the updated residual)."""
+    replacement drawn from max(0, p' - q) (a tree's siblings from the updated residual). Where
+    the grammar forces tokens they are the row's draft instead (the grammar drafter): a
+    deterministic draft (q one-hot), accepted with probability p'(token), 1 where the grammar
+    allows nothing else."""
     from tests.test_sampling_e2e import check
 
     seqs = small_samples(small, method)
@@ -213,6 +219,45 @@ def test_sampled_constrained_speculation_follows_the_constrained_target(small, s
         biased = seqs.copy()
         biased[: N // 5, 1:] = biased[: N // 5, :1]
         assert min(check(biased, small_joint)) < 1e-3
+
+
+# -- the grammar as a drafter -------------------------------------------------------------------
+FORCING = "name[a-z]{2,5}kind(alpha|beta|gamma)(x[0-9]{1,2})+end"  # literal runs between free spans
+
+
+@pytest.mark.parametrize("step", ["eager", "static"])
+def test_forced_tokens_drafted_for_free_keep_the_constrained_output(tiny_pair, char_tokenizer, step):
+    """The grammar drafter on and off, plain decoding, prompt lookup and a draft model (chains)
+    and EAGLE (a tree), constrained and free rows in one batch: each row is the constrained
+    target's (or plain greedy) token for token either way. With it on the forced tokens are
+    drafted, counted apart (drafted, accepted: a forced token is the masked target's only
+    choice, or the tokenizer's spelling of the forced text) and fewer target forwards run."""
+    from tests.conftest import hf_greedy
+    from tests.test_eagle import self_head
+
+    target, draft = tiny_pair
+    constraints = [{"regex": FORCING}, {"choice": CHOICES}, None, {"regex": REGEX}]
+    params = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, structured_outputs=c) for c in constraints]
+    refs = [constrained_greedy(target, char_tokenizer, p, c, 24) if c else hf_greedy(target, p, 24)
+            for p, c in zip(PROMPTS, constraints)]
+    forwards = {}
+    for on in (True, False):
+        engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4, step=step, grammar_drafter=on, profile_costs=False),
+                           target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft),
+                           tokenizer=char_tokenizer, resources={"eagle": self_head(target)})
+        for spec in ({"method": "none"}, {"method": "ngram", "num_speculative_tokens": 3},
+                     {"method": "draft", "num_speculative_tokens": 3}, {"method": "eagle"}):
+            outs = engine.generate(PROMPTS, params, SpeculationParams(**spec))
+            assert [o.token_ids for o in outs] == refs, (on, spec)
+            forced = [o.metrics["grammar_forced_tokens"] for o in outs]
+            accepted = [o.metrics["grammar_forced_accepted"] for o in outs]
+            assert forced[2] is None and accepted[2] is None  # the free row
+            if on:
+                assert forced[0] > 0 and forced[1] > 0 and all(0 < a <= f for a, f in zip(accepted, forced) if f)
+            else:
+                assert forced == [0, 0, None, 0] and accepted == [0, 0, None, 0]
+            forwards[on, spec["method"]] = outs[0].metrics["target_forward_passes"]
+    assert forwards[True, "none"] < forwards[False, "none"], forwards
 
 
 # -- every method ------------------------------------------------------------------------------
