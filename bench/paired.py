@@ -24,16 +24,18 @@ def empty_prefix_cache(engine) -> None:
 
 
 def side_by_side(sides: Sequence[tuple], prompts: Sequence[str], sampling: Sequence) -> list[dict]:
-    """Run ``prompts`` through every side, ``(engine, speculation, length_policy)``, steps
-    interleaved by progress; ``sampling`` and each side's ``speculation``: each prompt's
-    parameters. Per side: CPU ``seconds``
-    of its steps, generated ``tokens``, and the token ``ids`` of each prompt's completion, in
-    prompt order. Each side starts from an empty prefix cache (the prompts may have run before)."""
+    """Run ``prompts`` through every side, ``(engine, speculation, length_policy[, sampling])``,
+    steps interleaved by progress; ``sampling`` (or the side's own) and each side's
+    ``speculation``: each prompt's parameters. Per side: CPU ``seconds`` of its steps, generated
+    ``tokens``, target ``forwards`` (prefills included), the grammar drafter's ``forced`` and
+    ``forced_accepted`` tokens, and the token ``ids`` of each prompt's completion, in prompt
+    order. Each side starts from an empty prefix cache (the prompts may have run before)."""
     runs = []
-    for engine, speculation, policy in sides:
+    for engine, speculation, policy, *own in sides:
         empty_prefix_cache(engine)
         engine.driver.length_policy = policy
-        ids = [engine.add_request(p, s, spec) for p, s, spec in zip(prompts, sampling, speculation, strict=True)]
+        params = own[0] if own else sampling
+        ids = [engine.add_request(p, s, spec) for p, s, spec in zip(prompts, params, speculation, strict=True)]
         runs.append({"engine": engine, "ids": ids, "made": {}, "done": {}, "seconds": 0.0})
     live = list(runs)
     while live:
@@ -48,4 +50,10 @@ def side_by_side(sides: Sequence[tuple], prompts: Sequence[str], sampling: Seque
         if len(run["done"]) == len(run["ids"]):
             live.remove(run)
     return [{"seconds": r["seconds"], "tokens": sum(len(r["done"][i].token_ids) for i in r["ids"]),
+             "forwards": _total(r, "target_forward_passes"), "forced": _total(r, "grammar_forced_tokens"),
+             "forced_accepted": _total(r, "grammar_forced_accepted"),
              "ids": [r["done"][i].token_ids for i in r["ids"]]} for r in runs]
+
+
+def _total(run: dict, name: str) -> int:
+    return sum(run["done"][i].metrics.get(name) or 0 for i in run["ids"])
