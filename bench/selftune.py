@@ -5,8 +5,8 @@
 
 What a user gets who names a method and no length (``{"method": "draft"}``: the budget chooses
 per request and step, ``docs/speculation-length.md``) against the best fixed setting of the same
-weights and against plain decoding, at each batch size. Per batch size B, ``--queue`` x B
-held-out prompts of five lengths (0.5x to 1.5x ``--max-tokens``) go through B slots, greedy, EOS
+weights and against plain decoding, at each batch size. Per batch size B, ``--queue`` x
+max(B, 8) held-out prompts of five lengths (0.5x to 1.5x ``--max-tokens``) go through B slots, greedy, EOS
 ignored (a server under load: the batch stays full until the queue drains, requests ending apart).
 
 1. **Sweep** (chosen beforehand, apart from the comparison): each fixed setting in ``SWEEP``
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32", help="batch sizes (slots), comma-separated")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the comparison (medians and spreads)")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--queue", type=int, default=2, metavar="X", help="X times the batch size of prompts per run")
+    p.add_argument("--queue", type=int, default=2, metavar="X", help="X times the batch size (at least 8) of prompts per run")
     p.add_argument("--mixed", action="store_true", help="also the mixed batch (suffix decoding on easy rows, the draft model on hard ones)")
     p.add_argument("--recipe", choices=("readme", "quick"), default="quick",
                    help="how heads are trained (training/recipes.py), cached beside the demo pair")
@@ -95,7 +95,7 @@ def _run(args, command: str) -> int:
     results, lines, ok = [], [], True
     for batch in (int(b) for b in args.batches.split(",") if b):
         engines = _engines(args, pair, batch, methods)
-        prompts = held_out_prompts(batch * args.queue, pair.tokenizer)
+        prompts = held_out_prompts(args.queue * max(batch, 8), pair.tokenizer)
         sampling = [SamplingParams(max_tokens=max(1, round(args.max_tokens * LENGTHS[i % len(LENGTHS)])),
                                    temperature=0, ignore_eos=True) for i in range(len(prompts))]
         bench = _Paired(engines, prompts, sampling)
@@ -206,7 +206,7 @@ def _mixed(bench: _Paired, pair, batch: int, args) -> dict:
 
 def _table(rows: list[dict], args) -> list[str]:
     lines = [f"the verification budget (default) vs the best fixed setting (a sweep beforehand) vs plain decoding, "
-             f"demo pair, greedy; per batch B, {args.queue}B prompts of {min(LENGTHS) * args.max_tokens:.0f}-"
+             f"demo pair, greedy; per batch B, {args.queue} x max(B, 8) prompts of {min(LENGTHS) * args.max_tokens:.0f}-"
              f"{max(LENGTHS) * args.max_tokens:.0f} tokens; x plain = plain's CPU s / the config's, side by side; "
              f"medians of {args.rounds} rounds [min-max]",
              f"{'batch':>5s} {'method':32s} {'chosen fixed':34s} {'default x plain':>22s} {'fixed x plain':>22s} "
