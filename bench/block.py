@@ -1,10 +1,10 @@
-"""Block drafters on the demo pair: PARD against the draft model, each at its best k, and DFlash
+"""Block drafters on the demo pair: PARD against the draft model, each at its best k, DFlash
 against EAGLE (EAGLE-1 trees), EAGLE-2 (dynamic trees) and EAGLE-3, each at its best setting,
-at batch 1 and 8.
+and DSpark against DFlash, at batch 1 and 8.
 
-    specray train pard --out PARD; specray train dflash --out DFLASH
+    specray train pard --out PARD; specray train dflash --out DFLASH; specray train dspark --out DSPARK
     specray train eagle --out EAGLE; specray train eagle3 --out EAGLE3     (the EAGLE family, optional)
-    python -m specray.bench.block --pard PARD --dflash DFLASH --eagle EAGLE --eagle3 EAGLE3 [--batch 1,8]
+    python -m specray.bench.block --pard PARD --dflash DFLASH --dspark DSPARK --eagle EAGLE --eagle3 EAGLE3 [--batch 1,8]
 
 Every config runs greedy on held-out prompts as one continuous batch of the batch size, configs
 interleaved and repeated, each keeping its fastest run (``bench/trees.py``'s ``measure``). Speed
@@ -14,8 +14,10 @@ family's sweep (draft and PARD over k, DFlash over k, EAGLE-1 over trees, EAGLE-
 tree sizes, EAGLE-3 over both) gives its best setting (most tokens/s); the summary compares
 PARD's best with the draft model's (goal: >= 1.15x tokens/s at batch 1) and DFlash's with the
 EAGLE family's (goal: accepted length >= 1.2x the best of EAGLE, EAGLE-2 and EAGLE-3 at their
-best settings; also given against the longest accepted length any EAGLE setting reached).
-Writes block.txt/json/csv/png to --out.
+best settings; also given against the longest accepted length any EAGLE setting reached), and
+DSpark's with DFlash's (goal: accepted length >= 1.1x). With DSpark, batch 1 also reports its
+per-position acceptance with and without its Markov head and its confidence head's calibration
+(``bench/calibration.py``; dspark-slots.png). Writes block.txt/json/csv/png to --out.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ import pathlib
 import sys
 import time
 
-from specray.bench import announce, demo_options
+from specray.bench import announce, calibration, demo_options
 from specray.bench.trees import measure
 
-PARD_GOAL, DFLASH_GOAL = 1.15, 1.2
+PARD_GOAL, DFLASH_GOAL, DSPARK_GOAL = 1.15, 1.2, 1.1
 
 
 def configs(args, engine) -> dict[str, tuple[str, object]]:
@@ -49,6 +51,10 @@ def configs(args, engine) -> dict[str, tuple[str, object]]:
         block = engine.limits.methods["dflash"]["block_size"]
         for k in sorted({min(k, block - 1) for k in args.dflash_k}):
             out[f"dflash k={k}"] = ("DFlash", S(method="dflash", num_speculative_tokens=k))
+    if args.dspark:
+        most = engine.limits.methods["dspark"]["max_tokens"]
+        for k in sorted({min(k, most) for k in args.dflash_k}):
+            out[f"dspark k={k}"] = ("DSpark", S(method="dspark", num_speculative_tokens=k))
     for method, name in (("eagle", "EAGLE"), ("eagle3", "EAGLE-3")):
         if not getattr(args, method):
             continue
@@ -68,18 +74,30 @@ def best_of(rows: list[dict], family: str, batch: int, by: str = "tokens_per_s")
     return max(sel, key=lambda r: r[by]) if sel else None
 
 
+def versus(rows: list[dict], batch: int, mine: str, other: str, by: str, goal: float | None, goals: dict) -> str | None:
+    """One family's best against another's at a batch size, compared ``by`` a row's key (its
+    ratio recorded in ``goals``); None unless both ran."""
+    a, b = best_of(rows, mine, batch), best_of(rows, other, batch)
+    if not (a and b):
+        return None
+    ratio = a[by] / b[by]
+    goals[f"{mine.lower()}_over_{other.split()[0].lower()}_batch{batch}"] = round(ratio, 3)
+    what = "tok/s" if by == "tokens_per_s" else "acc.len"
+    verdict = f" (goal >= {goal}x: {'met' if ratio >= goal else 'missed'})" if goal else ""
+    return (f"batch {batch}: {mine} best {a['config']} {a['tokens_per_s']:.1f} tok/s, acc.len "
+            f"{a['mean_accepted_length']:.2f} | {other} best {b['config']} {b['tokens_per_s']:.1f} tok/s, acc.len "
+            f"{b['mean_accepted_length']:.2f} | {mine}/{other.split()[0]} {ratio:.2f}x {what}{verdict}"
+            + (f", {a['tokens_per_s'] / b['tokens_per_s']:.2f}x tok/s" if by != "tokens_per_s" else ""))
+
+
 def summary(rows: list[dict]) -> tuple[list[str], dict]:
     lines, goals = [""], {}
     for batch in sorted({r["batch"] for r in rows}):
-        draft, pard = best_of(rows, "draft model", batch), best_of(rows, "PARD", batch)
-        if draft and pard:
-            ratio = pard["tokens_per_s"] / draft["tokens_per_s"]
-            goals[f"pard_over_draft_batch{batch}"] = round(ratio, 3)
-            lines.append(f"batch {batch}: PARD best {pard['config']} {pard['tokens_per_s']:.1f} tok/s, acc.len "
-                         f"{pard['mean_accepted_length']:.2f} | draft model best {draft['config']} "
-                         f"{draft['tokens_per_s']:.1f} tok/s, acc.len {draft['mean_accepted_length']:.2f} | "
-                         f"PARD/draft {ratio:.2f}x tok/s"
-                         + (f" (goal >= {PARD_GOAL}x: {'met' if ratio >= PARD_GOAL else 'missed'})" if batch == 1 else ""))
+        for mine, other, by, goal in (("PARD", "draft model", "tokens_per_s", PARD_GOAL if batch == 1 else None),
+                                      ("DSpark", "DFlash", "mean_accepted_length", DSPARK_GOAL)):
+            line = versus(rows, batch, mine, other, by, goal, goals)
+            if line:
+                lines.append(line)
         dflash = best_of(rows, "DFlash", batch)
         family = [best_of(rows, f, batch) for f in ("EAGLE", "EAGLE-2", "EAGLE-3")]
         family = [r for r in family if r]
@@ -108,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dflash", default=None, help="DFlash drafter dir (specray train dflash --out ...)")
     p.add_argument("--eagle", default=None, help="EAGLE head dir (specray train eagle --out ...)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 head dir (specray train eagle3 --out ...)")
+    p.add_argument("--dspark", default=None, help="DSpark drafter dir (specray train dspark --out ...): also its "
+                                                  "per-position acceptance with and without its Markov head and "
+                                                  "its confidence head's calibration")
     p.add_argument("--draft-k", type=lambda s: [int(k) for k in s.split(",")], default=[2, 3, 4, 5, 6])
     p.add_argument("--pard-k", type=lambda s: [int(k) for k in s.split(",")], default=[2, 3, 4, 5, 6, 7])
     p.add_argument("--dflash-k", type=lambda s: [int(k) for k in s.split(",")], default=[3, 5, 7, 11, 15])
@@ -127,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     pair = load_or_build_demo_pair()
     checkpoints = {k: v for k, v in (("pard", args.pard), ("dflash", args.dflash), ("eagle", args.eagle),
-                                     ("eagle3", args.eagle3)) if v}
+                                     ("eagle3", args.eagle3), ("dspark", args.dspark)) if v}
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    rows = []
+    rows, slots = [], None
     for batch in [int(b) for b in args.batch.split(",")]:
         engine = LLMEngine(EngineConfig(target=pair.target, draft=pair.draft, tokenizer=pair.tokenizer,
                                         checkpoints=checkpoints, max_num_seqs=batch))
@@ -139,7 +160,16 @@ def main(argv: list[str] | None = None) -> int:
         measured = measure(engine, {n: s for n, (_, s) in named.items()}, prompts, sampling, args.repeats, batch,
                            clock)
         rows += [{"family": named[r["config"]][0], **r} for r in measured]
+        if args.dspark and batch == 1:  # per position and calibration: the longest block, greedy
+            k = max(s.num_speculative_tokens for family, s in named.values() if family == "DSpark")
+            slots = calibration.measure_slots(engine, prompts, sampling,
+                                              named[f"dspark k={k}"][1])
     lines, goals = summary(rows)
+    if slots is not None:
+        lines += calibration.lines(slots)
+        goals["dspark_slots"] = slots
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+        calibration.plot(slots, pathlib.Path(args.out) / "dspark-slots.png")
     _report(rows, lines, goals, pathlib.Path(args.out), command, args.clock)
     return 0 if all(r["mismatches_vs_plain"] == 0 for r in rows) else 1
 

@@ -90,10 +90,14 @@ def engine_with(target, checkpoint: str | None = None, drafter=None, max_num_seq
 # -- greedy: lossless ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("step", ["eager", "static"])
 def test_greedy_dspark_from_the_layout_equals_hf_generate_batch_8(tiny_pair, references, published, step):
+    """Paged KV with prefix caching (the default): the second run's prompts start from cached
+    blocks, the drafter's context of them included, and still equal HF's."""
     engine = engine_with(tiny_pair[0], published[0], step=step)
-    outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method="dspark", num_speculative_tokens=5))
-    assert [o.token_ids for o in outs] == references
+    for _ in range(2):
+        outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method="dspark", num_speculative_tokens=5))
+        assert [o.token_ids for o in outs] == references
     assert engine.totals.num_drafts > 0 and engine.totals.num_draft_tokens > 4 * engine.totals.num_drafts
+    assert sum(o.metrics["num_cached_tokens"] for o in outs) > 0
 
 
 @pytest.mark.parametrize("kind,anchor,vocab", [("vanilla", False, None), ("rnn", True, 32)],
@@ -254,6 +258,22 @@ def test_other_drafters_weights_are_one_line_naming_the_flag(tiny_pair, tiny_tok
         assert "not a DSpark drafter" in err[0] and holds in err[0], err
 
 
+def test_dspark_from_the_command_line(tiny_pair, tiny_tok, published, capsys):
+    """``specray generate --dspark DIR`` in process (HTTP, jobs and actors read the same registry
+    entry as every method: tests/test_serve.py, tests/test_jobs.py)."""
+    from specray.entrypoints.cli import main
+    from tests.conftest import ALPHABET
+
+    common = ["generate", "--prompt", "dbdbfjcg", "--target", tiny_tok["target"], "--tokenizer",
+              tiny_tok["tokenizer"], "--max-tokens", "12", "--json"]
+    want = hf_greedy(tiny_pair[0], [ALPHABET.index(c) for c in "dbdbfjcg"], 12)
+    assert main([*common, "--method", "dspark", "--dspark", published[0], "--num-speculative-tokens", "5"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want and got["method"] == "dspark" and got["metrics"]["num_drafts"] > 0
+    assert main([*common, "--method", "dspark", "--num-speculative-tokens", "6", "--dspark", published[0]]) == 2
+    assert "6 exceeds the 5 tokens a DSpark block of 5 drafts" in capsys.readouterr().err
+
+
 # -- training ---------------------------------------------------------------------------------------------
 def test_training_writes_the_layout_that_serves(tmp_path):
     """A short run on a tiny 4-layer target: the loss falls, the report holds per-slot acceptance
@@ -277,3 +297,19 @@ def test_training_writes_the_layout_that_serves(tmp_path):
                        target_model=copy.deepcopy(target))
     outs = engine.generate(ragged_prompts(2), GREEDY, SpeculationParams(method="dspark"))
     assert [o.token_ids for o in outs] == [hf_greedy(target, p, GREEDY.max_tokens) for p in ragged_prompts(2)]
+
+
+def test_the_benchs_slot_counts():
+    """bench/calibration.py: a slot is reached when the ones before it were accepted; its estimate
+    averages over the rows that reached it, and the reliability bins count every reached slot."""
+    from types import SimpleNamespace
+
+    from specray.bench.calibration import SlotLog
+
+    log = SlotLog(SimpleNamespace(propose=None, propose_on_device=None, commit=None))
+    log.rows = [((0.9, 0.5, 0.2), 3, 3), ((0.7, 0.3, 0.1), 3, 0), ((0.8, 0.6, 0.4), 3, 1)]
+    assert log.per_position() == [
+        {"position": 1, "reached": 3, "measured": 0.667, "predicted": 0.8},
+        {"position": 2, "reached": 2, "measured": 0.5, "predicted": 0.55},
+        {"position": 3, "reached": 1, "measured": 1.0, "predicted": 0.2}]
+    assert sum(b["slots"] for b in log.reliability()) == 6
