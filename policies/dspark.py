@@ -462,4 +462,5 @@ register_method(MethodSpec(
     feature_layers=lambda drafter: drafter.layer_ids,
     inspect=_inspect,
     block=True,
+    confidence=True,
 ))

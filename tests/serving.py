@@ -104,6 +104,7 @@ def server(ray_session):
 def tiny_methods(tiny_tok, tiny_pair, tmp_path_factory) -> dict:
     """The tiny pair with its tokenizer and random weights of every method for its target."""
     from tests.test_dflash import random_drafter as random_dflash
+    from tests.test_dspark import random_dspark
     from tests.test_eagle import random_head
     from tests.test_eagle3 import random_head3
     from tests.test_medusa import random_heads
@@ -118,8 +119,9 @@ def tiny_methods(tiny_tok, tiny_pair, tmp_path_factory) -> dict:
     random_drafter().save(root / "redrafter")
     pard_model(draft).save_pretrained(root / "pard")
     random_dflash(target).save(root / "dflash", num_target_layers=2)
+    random_dspark(target).save(root / "dspark", num_target_layers=2)
     return {**tiny_tok, "medusa": str(root / "medusa"),
-            "checkpoints": {m: str(root / m) for m in ("eagle", "eagle3", "redrafter", "pard", "dflash")}}
+            "checkpoints": {m: str(root / m) for m in ("eagle", "eagle3", "redrafter", "pard", "dflash", "dspark")}}
 
 
 @pytest.fixture(scope="session")

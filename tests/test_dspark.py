@@ -100,6 +100,13 @@ def test_greedy_dspark_from_the_layout_equals_hf_generate_batch_8(tiny_pair, ref
     assert sum(o.metrics["num_cached_tokens"] for o in outs) > 0
 
 
+def test_greedy_dspark_under_the_verification_budget(tiny_pair, references, published):
+    """No k: the budget cuts each row's block after drafting by its confidences; still HF's tokens."""
+    engine = engine_with(tiny_pair[0], published[0], speculation_length=None, profile_costs=False)
+    outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method="dspark"))
+    assert [o.token_ids for o in outs] == references and engine.totals.num_drafts > 0
+
+
 @pytest.mark.parametrize("kind,anchor,vocab", [("vanilla", False, None), ("rnn", True, 32)],
                          ids=["vanilla, block - 1 drafts", "rnn, reduced draft vocabulary"])
 def test_greedy_dspark_batch_1_every_variant(tiny_pair, references, kind, anchor, vocab):

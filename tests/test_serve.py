@@ -192,11 +192,12 @@ def test_feature_drafters_over_http(main_url, target_model, spec, bad, words):
 
 
 def test_block_drafters_over_http(main_url, target_model):
-    """PARD (vLLM's spelling) and DFlash draft over HTTP; their bad options are 400s."""
+    """PARD (vLLM's spelling), DFlash and DSpark draft over HTTP; their bad options are 400s."""
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
     body = {"model": MAIN, "prompt": prompt, "max_tokens": 20, "temperature": 0}
     for spec, method in (({"method": "draft_model", "parallel_drafting": True, "num_speculative_tokens": 4}, "pard"),
-                         ({"method": "dflash", "num_speculative_tokens": 5}, "dflash")):
+                         ({"method": "dflash", "num_speculative_tokens": 5}, "dflash"),
+                         ({"method": "dspark", "num_speculative_tokens": 5}, "dspark")):
         r = httpx.post(f"{main_url}/v1/completions", json={**body, "speculation": spec}, timeout=60).json()
         assert r["choices"][0]["text"] == greedy_text(target_model, prompt, 20), spec
         assert r["speculation_metrics"][0]["method"] == method and r["speculation_metrics"][0]["num_drafts"] > 0
