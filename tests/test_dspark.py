@@ -88,10 +88,11 @@ def engine_with(target, checkpoint: str | None = None, drafter=None, max_num_seq
 
 
 # -- greedy: lossless ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("step", ["eager", "static"])
+@pytest.mark.parametrize("step", ["eager", "compile"])
 def test_greedy_dspark_from_the_layout_equals_hf_generate_batch_8(tiny_pair, references, published, step):
     """Paged KV with prefix caching (the default): the second run's prompts start from cached
-    blocks, the drafter's context of them included, and still equal HF's."""
+    blocks, the drafter's context of them included, and still equal HF's. (compile: the target's
+    fixed-shape step compiled, the drafts kept on the device; static runs in the sampling test.)"""
     engine = engine_with(tiny_pair[0], published[0], step=step)
     for _ in range(2):
         outs = engine.generate(ragged_prompts(8), GREEDY, SpeculationParams(method="dspark", num_speculative_tokens=5))
