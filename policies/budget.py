@@ -40,6 +40,7 @@ step is drawn, from the request's past steps — never from a drawn token's prob
 
 from __future__ import annotations
 
+import math
 import random
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -135,14 +136,16 @@ class _Counts:
     def rate(self, j: int, prior: float, pseudo: float, age: float, rng: random.Random | None = None) -> float:
         """P(slot j on the path | its parent is): its counts weighing ``age`` (forget ** steps
         since ``at``), shrunk towards ``prior`` — the posterior mean, or with ``rng`` a draw
-        from the posterior, Beta(hits + pseudo * prior, misses + pseudo * (1 - prior))."""
+        from the posterior, Beta(hits + pseudo * prior, misses + pseudo * (1 - prior)), taken
+        as the normal of its mean and variance, clipped to [0, 1]."""
         hits, reached = (age * self.hits[j], age * self.reached[j]) if j < len(self.reached) else (0.0, 0.0)
         a, b = hits + pseudo * prior, reached - hits + pseudo * (1.0 - prior)
         if a + b <= 0:  # no counts and no weight on the prior
             return prior
         if rng is None or a <= 0 or b <= 0:
             return a / (a + b)
-        return rng.betavariate(a, b)
+        n = a + b  # a normal of the Beta's moments: a tenth of a Beta draw's cost, on every slot of every row
+        return min(max(rng.gauss(a / n, math.sqrt(a * b / (n * n * (n + 1)))), 0.0), 1.0)
 
     def seen(self, j: int) -> bool:
         return j < len(self.reached) and self.reached[j] > 0
