@@ -19,7 +19,7 @@ from specray.engine.request import Request, RequestOutput
 from specray.engine.scheduler import Scheduler
 from specray.engine.accept import TargetScores, Verified, sampled_rows
 from specray.engine.collectives import GroupLostError
-from specray.engine.grammar import ForcedRow, forced_drafts
+from specray.engine.grammar import ForcedRow, forced_drafts, with_forced
 from specray.kernels.sampling import sample
 from specray.policies.base import Draft, DraftRow
 from specray.policies.registry import PLAIN
@@ -62,6 +62,8 @@ class Executor(Protocol):
     def release(self, slots: Sequence[int]) -> None:
         """These slots' requests are gone."""
 
+    # Optional: drafts_on_device(method) -> bool: the method's drafts stay on the device until
+    # the verification (rows whose grammar forces tokens then draft only those).
     # Paged KV (optional: executors without them run unpaged):
     #   fits() -> None | (Request -> bool): admission by the target's free blocks
     #   reserve(reqs, drafts) -> [batch rows the pool could not give room to verify]
@@ -116,15 +118,17 @@ class StepDriver:
         context = sum(r.num_tokens for r in batch) / len(batch)
         caps = self.length_policy.caps(views, context)
         forced = forced_drafts(batch, self.capacity) if self.grammar_drafter else None
-        if forced is not None and any(forced):  # those rows' methods draft nothing this step
-            caps = [0 if f else c for f, c in zip(forced, caps)]
+        if forced is not None and any(forced):  # rows whose method would draft on the device draft nothing else
+            on_device = getattr(self.executor, "drafts_on_device", lambda method: False)
+            caps = [0 if f and on_device(r.method) else c for r, f, c in zip(batch, forced, caps)]
         plan = S.plan_proposals(batch, self.capacity, caps)
-        drafts = S.merge_drafts(batch, plan, await self.executor.propose(plan))
+        parts = await self.executor.propose(plan)
+        drafts = S.merge_drafts(batch, plan, parts)
         if any(getattr(d, "confidence", None) for d in drafts) and hasattr(self.length_policy, "trim"):
             sizes = self.length_policy.trim(views, [d.size for d in drafts], [getattr(d, "confidence", None) for d in drafts])
             drafts = [d.cut(n) for d, n in zip(drafts, sizes)]
         if forced is not None and any(forced):
-            drafts = [f or d for f, d in zip(forced, drafts)]
+            drafts = with_forced(drafts, forced, S.device_rows(plan, parts))
         failed = dict(self.executor.failed_rows()) if hasattr(self.executor, "failed_rows") else {}
         failed = {batch[i].slot: exc for i, exc in failed.items()}
         batch, drafts, views, ended = self._make_room(batch, drafts, views)

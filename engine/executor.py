@@ -116,6 +116,11 @@ class LocalExecutor:
     def failed_rows(self):
         return self._failed
 
+    def drafts_on_device(self, method: str) -> bool:
+        """Whether ``method``'s proposer drafts on the device this step mode (its tokens stay there
+        until the verification's read-back)."""
+        return self._device_step and hasattr(self.proposers.get(method), "propose_on_device")
+
     async def verify(self, reqs, drafts):
         for r in reqs:
             self._live[r.slot] = r

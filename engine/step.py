@@ -111,6 +111,11 @@ def merge_drafts(batch: Sequence[Request], plan: ProposalPlan, parts: Mapping[st
     return drafts
 
 
+def device_rows(plan: ProposalPlan, parts: Mapping[str, Draft | None]) -> set[int]:
+    """Batch rows whose draft was made on the device (its tokens are read back after verifying)."""
+    return {i for method, part in parts.items() if isinstance(part, DeviceDraft) for i in plan.rows[method][0]}
+
+
 def _grammar_cut(r: Request, row: DraftRow) -> DraftRow:
     """A chain drafted deterministically (or verified greedily) up to its first token the
     grammar refuses: that node could never be accepted (the masked target gives it no mass,

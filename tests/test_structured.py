@@ -260,6 +260,25 @@ def test_forced_tokens_drafted_for_free_keep_the_constrained_output(tiny_pair, c
     assert forwards[True, "none"] < forwards[False, "none"], forwards
 
 
+def test_a_methods_draft_is_kept_only_where_it_drafts_the_forced_tokens_and_more():
+    """The forced tokens [5, 6] against each row's method draft: a deterministic chain or tree
+    through them with a node below is kept; one that diverges, stops at them or carries draft
+    probabilities (sampled: never chosen by its tokens) gives way to them; a row drafted on the
+    device keeps its own."""
+    from specray.engine.grammar import ForcedRow, with_forced
+    from specray.kernels.tree import TokenTree
+    from specray.policies.base import EMPTY, DraftRow
+
+    f = ForcedRow([5, 6])
+    tree = DraftRow([5, 9, 6, 7], TokenTree.from_parents([0, 0, 1, 3]))  # 5 -> 6 -> 7 beside 9
+    rows = [DraftRow([5, 6, 7]), DraftRow([5, 8, 7]), DraftRow([5, 6]), DraftRow([5, 6, 7], probs=torch.rand(3, 8)),
+            tree, DraftRow([5, 9, 6], TokenTree.from_parents([0, 0, 1])), EMPTY, DraftRow([1, 2, 3]), EMPTY]
+    forced = [f] * 8 + [None]
+    out = with_forced(rows, forced, on_device={7})
+    assert [o is r for o, r in zip(out, rows)] == [True, False, False, False, True, False, False, True, True]
+    assert all(isinstance(out[i], ForcedRow) for i in (1, 2, 3, 5, 6))
+
+
 # -- every method ------------------------------------------------------------------------------
 EVERY = [
     {"method": "draft", "num_speculative_tokens": 4},
