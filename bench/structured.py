@@ -20,9 +20,9 @@ Configurations, each its own engine with B slots for B in ``--batches``:
 
 All configurations of a batch size run side by side (``bench/paired.py``: steps interleaved by
 progress, CPU seconds of each engine's own steps), ``--rounds`` times; tokens/s are medians over
-the rounds, tokens per target forward (generated tokens over target forwards, prefill included)
-are the same every round (greedy). Every constrained configuration's tokens are checked against
-plain constrained decoding's (lossless).
+the rounds, tokens per target forward are generated tokens over target forwards (prefills included), summed
+over the rounds. Each round serves new prompts (held-out code in the chat prompts). Every
+constrained configuration's tokens are checked against plain constrained decoding's (lossless).
 
 Goals (issue 56): constrained plain (drafter off) >= 0.9x unconstrained plain's tokens/s at
 batch 8; the best constrained speculation >= 1.5x constrained plain at batch 1; the grammar
@@ -150,6 +150,9 @@ def configs(methods: list[str]) -> list[tuple[str, str, bool, bool]]:
 
 
 def _batch(args, batch: int) -> list[dict]:
+    """Every configuration at ``batch`` slots, side by side, ``--rounds`` times; each round serves
+    new prompts (suffix decoding's global tree keeps what earlier rounds generated: the same
+    prompts again would be answered from memory)."""
     from transformers import AutoTokenizer
 
     from specray.demo import load_or_build_demo_pair
@@ -157,38 +160,40 @@ def _batch(args, batch: int) -> list[dict]:
 
     pair = load_or_build_demo_pair()
     tokenizer = AutoTokenizer.from_pretrained(pair.tokenizer)
-    prompts, constraints = workload(batch * args.prompts_per_row, tokenizer)
     sides = configs([m for m in args.methods.split(",") if m])
     engines = [LLMEngine(EngineConfig(target=pair.target, draft=pair.draft, tokenizer=pair.tokenizer, max_num_seqs=batch,
                                       max_model_len=1024, grammar_drafter=drafter, profile_costs=False))
                for _, _, _, drafter in sides]
     length = {"num_speculative_tokens": args.k} if args.k else {}
-    runs = []
-    for _, method, constrained, _ in sides:
-        sampling = [SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=not constrained,
-                                   structured_outputs=c if constrained else None) for c in constraints]
-        spec = SpeculationParams(method=method, **(length if method != "none" else {}))
-        runs.append((sampling, [spec] * len(prompts)))
-    seconds = [[] for _ in sides]
-    results: dict[int, dict] = {}
+    n = batch * args.prompts_per_row
+    prompts, constraints = workload(n * args.rounds, tokenizer)
+    totals = [{"tokens": 0, "forwards": 0, "forced": 0, "forced_accepted": 0, "rates": []} for _ in sides]
     for r in range(args.rounds):
+        these = slice(r * n, (r + 1) * n)
+        runs = []
+        for _, method, constrained, _ in sides:
+            sampling = [SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=not constrained,
+                                       structured_outputs=c if constrained else None) for c in constraints[these]]
+            spec = SpeculationParams(method=method, **(length if method != "none" else {}))
+            runs.append((sampling, [spec] * n))
         order = list(range(len(sides)))
         order = order[r % len(order):] + order[: r % len(order)]  # who steps first turns each round
-        results = _round(engines, runs, order, prompts)
-        for i, res in results.items():
-            seconds[i].append(res["seconds"])
-    reference = results[1]["ids"]  # plain constrained decoding
+        results = _round(engines, runs, order, prompts[these])
+        for i, (name, _, constrained, _) in enumerate(sides):
+            res = results[i]
+            if constrained and res["ids"] != results[1]["ids"]:  # side 1: plain constrained decoding
+                raise AssertionError(f"batch {batch}, {name}: output differs from plain constrained decoding")
+            for key in ("tokens", "forwards", "forced", "forced_accepted"):
+                totals[i][key] += res[key]
+            totals[i]["rates"].append(res["tokens"] / res["seconds"])
     rows = []
-    for i, (name, method, constrained, drafter) in enumerate(sides):
-        res = results[i]
-        if constrained and res["ids"] != reference:
-            raise AssertionError(f"batch {batch}, {name}: output differs from plain constrained decoding")
-        rates = [res["tokens"] / s for s in seconds[i]]
+    for (name, method, constrained, drafter), t in zip(sides, totals):
         rows.append({"batch": batch, "config": name, "method": method, "constrained": constrained,
-                     "grammar_drafter": drafter, "tokens": res["tokens"], "forwards": res["forwards"],
-                     "tokens_per_forward": round(res["tokens"] / res["forwards"], 3),
-                     "tokens_per_s": round(statistics.median(rates), 1), "rounds": [round(x, 1) for x in rates],
-                     "forced_tokens": res["forced"], "forced_accepted": res["forced_accepted"]})
+                     "grammar_drafter": drafter, "tokens": t["tokens"], "forwards": t["forwards"],
+                     "tokens_per_forward": round(t["tokens"] / t["forwards"], 3),
+                     "tokens_per_s": round(statistics.median(t["rates"]), 1),
+                     "rounds": [round(x, 1) for x in t["rates"]],
+                     "forced_tokens": t["forced"], "forced_accepted": t["forced_accepted"]})
     return rows
 
 
