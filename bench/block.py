@@ -15,7 +15,8 @@ tree sizes, EAGLE-3 over both) gives its best setting (most tokens/s); the summa
 PARD's best with the draft model's (goal: >= 1.15x tokens/s at batch 1) and DFlash's with the
 EAGLE family's (goal: accepted length >= 1.2x the best of EAGLE, EAGLE-2 and EAGLE-3 at their
 best settings; also given against the longest accepted length any EAGLE setting reached), and
-DSpark's with DFlash's (goal: accepted length >= 1.1x). With DSpark, batch 1 also reports its
+DSpark's with DFlash's (goal: accepted length >= 1.1x; with ``--budget`` also both with no k,
+the verification budget choosing). With DSpark, batch 1 also reports its
 per-position acceptance with and without its Markov head and its confidence head's calibration
 (``bench/calibration.py``; dspark-slots.png). Writes block.txt/json/csv/png to --out.
 """
@@ -33,6 +34,7 @@ from specray.bench import announce, calibration, demo_options
 from specray.bench.trees import measure
 
 PARD_GOAL, DFLASH_GOAL, DSPARK_GOAL = 1.15, 1.2, 1.1
+BUDGET_GOALS = (1.1, 1.0)  # DSpark under the budget: over DFlash under it, over plain (tok/s)
 
 
 def configs(args, engine) -> dict[str, tuple[str, object]]:
@@ -55,6 +57,10 @@ def configs(args, engine) -> dict[str, tuple[str, object]]:
         most = engine.limits.methods["dspark"]["max_tokens"]
         for k in sorted({min(k, most) for k in args.dflash_k}):
             out[f"dspark k={k}"] = ("DSpark", S(method="dspark", num_speculative_tokens=k))
+    if args.budget:  # no k: the verification budget sizes every row's draft each step
+        for method, name in (("dflash", "DFlash"), ("dspark", "DSpark")):
+            if getattr(args, method):
+                out[f"{method} budget"] = (f"{name}+budget", S(method=method))
     for method, name in (("eagle", "EAGLE"), ("eagle3", "EAGLE-3")):
         if not getattr(args, method):
             continue
@@ -94,7 +100,9 @@ def summary(rows: list[dict]) -> tuple[list[str], dict]:
     lines, goals = [""], {}
     for batch in sorted({r["batch"] for r in rows}):
         for mine, other, by, goal in (("PARD", "draft model", "tokens_per_s", PARD_GOAL if batch == 1 else None),
-                                      ("DSpark", "DFlash", "mean_accepted_length", DSPARK_GOAL)):
+                                      ("DSpark", "DFlash", "mean_accepted_length", DSPARK_GOAL),
+                                      ("DSpark+budget", "DFlash+budget", "tokens_per_s", BUDGET_GOALS[0]),
+                                      ("DSpark+budget", "plain", "tokens_per_s", BUDGET_GOALS[1])):
             line = versus(rows, batch, mine, other, by, goal, goals)
             if line:
                 lines.append(line)
@@ -129,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dspark", default=None, help="DSpark drafter dir (specray train dspark --out ...): also its "
                                                   "per-position acceptance with and without its Markov head and "
                                                   "its confidence head's calibration")
+    p.add_argument("--budget", action="store_true", help="also DFlash and DSpark with no k (the verification "
+                                                         "budget chooses; goals for DSpark: >= 1.1x DFlash's "
+                                                         "tok/s under it, >= 1.0x plain)")
     p.add_argument("--draft-k", type=lambda s: [int(k) for k in s.split(",")], default=[2, 3, 4, 5, 6])
     p.add_argument("--pard-k", type=lambda s: [int(k) for k in s.split(",")], default=[2, 3, 4, 5, 6, 7])
     p.add_argument("--dflash-k", type=lambda s: [int(k) for k in s.split(",")], default=[3, 5, 7, 11, 15])

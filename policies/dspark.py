@@ -250,8 +250,8 @@ class DSparkDrafter(DFlashDrafter):
         for shipped in ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight"):
             state.pop(shipped, None)  # the target's
         if options["draft_vocab_size"] == layer["vocab_size"]:
-            state.pop("lm_head.weight", None)  # a full-vocabulary head is the target's
-            state.pop("d2t", None), state.pop("t2d", None)
+            for shared in ("lm_head.weight", "d2t", "t2d"):  # a full-vocabulary head is the target's
+                state.pop(shared, None)
         elif "d2t" not in state:
             raise ValueError(f"{weights}: a draft vocabulary of {options['draft_vocab_size']} < "
                              f"{layer['vocab_size']} needs d2t")
@@ -284,6 +284,9 @@ def drafter_options(raw: dict, cfg_file) -> tuple[dict, dict]:
         raise ValueError(f"{cfg_file}: its transformer_layer_config lacks {missing}")
     if "sliding_attention" in (layer.get("layer_types") or []) or layer.get("use_sliding_window"):
         raise ValueError(f"{cfg_file}: a sliding-window DSpark drafter: specray serves full-attention ones")
+    if raw.get("target_hidden_size") not in (None, layer["hidden_size"]):
+        raise ValueError(f"{cfg_file}: target_hidden_size {raw['target_hidden_size']} differs from the drafter's "
+                         f"{layer['hidden_size']}: specray serves drafters as wide as their target")
     if raw.get("projector_type", "dflash") != "dflash":
         raise ValueError(f"{cfg_file}: projector_type {raw['projector_type']!r}: specray serves 'dflash'")
     nested = raw.get("dflash_config") or {}

@@ -240,6 +240,7 @@ def test_bad_drafter_files_are_refused_before_anything_starts(tiny_pair, tiny_to
     assert "confidence_head.proj" in problems(drop="confidence_head")
     assert "1..1" in problems(lambda c: c.update(aux_hidden_state_layer_ids=[0, 1]))
     assert "hidden size" in problems(lambda c: c["transformer_layer_config"].update(hidden_size=48))
+    assert "target_hidden_size" in problems(lambda c: c.update(target_hidden_size=64))
     assert "mask token" in problems(lambda c: c.update(mask_token_id=99))
     assert "needs d2t" in problems(drop="d2t", drafter=random_dspark(tiny_pair[0], draft_vocab=32))
     # z-lab's spelling of the taps (the outputs of layer 0) reads as the same drafter
