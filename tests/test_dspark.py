@@ -268,8 +268,8 @@ def test_other_drafters_weights_are_one_line_naming_the_flag(tiny_pair, tiny_tok
 
 
 def test_dspark_from_the_command_line(tiny_pair, tiny_tok, published, capsys):
-    """``specray generate --dspark DIR`` in process (HTTP, jobs and actors read the same registry
-    entry as every method: tests/test_serve.py, tests/test_jobs.py)."""
+    """``specray generate --dspark DIR`` (and vLLM's ``--speculative-config`` with a ``model``) in
+    process; HTTP and batch jobs: tests/test_serve.py, tests/test_jobs.py."""
     from specray.entrypoints.cli import main
     from tests.conftest import ALPHABET
 
@@ -279,6 +279,8 @@ def test_dspark_from_the_command_line(tiny_pair, tiny_tok, published, capsys):
     assert main([*common, "--method", "dspark", "--dspark", published[0], "--num-speculative-tokens", "5"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["token_ids"] == want and got["method"] == "dspark" and got["metrics"]["num_drafts"] > 0
+    assert main([*common, "--speculative-config", json.dumps({"method": "dspark", "model": published[0]})]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == want
     assert main([*common, "--method", "dspark", "--num-speculative-tokens", "6", "--dspark", published[0]]) == 2
     assert "6 exceeds the 5 tokens a DSpark block of 5 drafts" in capsys.readouterr().err
 

@@ -30,9 +30,10 @@ MAX_NUM_SEQS = 4
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory, tiny_pair, tiny_checkpoints):
-    """(target model in memory, a YAML config naming the saved tiny target, draft, Medusa, EAGLE and
-    DFlash heads)."""
+    """(target model in memory, a YAML config naming the saved tiny target, draft, Medusa, EAGLE,
+    DFlash and DSpark heads)."""
     from tests.test_dflash import random_drafter
+    from tests.test_dspark import random_dspark
     from tests.test_eagle import random_head
     from tests.test_medusa import random_heads
 
@@ -40,12 +41,13 @@ def tiny_dirs(tmp_path_factory, tiny_pair, tiny_checkpoints):
     random_heads().save(root / "medusa")
     random_head(tiny_pair[0]).save(root / "eagle")
     random_drafter(tiny_pair[0]).save(root / "dflash", num_target_layers=2)
+    random_dspark(tiny_pair[0]).save(root / "dspark", num_target_layers=2)
     config = root / "specray.yaml"
     config.write_text(
         f"target: {tiny_checkpoints['target']}\n"
         f"draft: {tiny_checkpoints['draft']}\n"
         f"medusa: {root / 'medusa'}\n"
-        f"checkpoints:\n  eagle: {root / 'eagle'}\n  dflash: {root / 'dflash'}\n"
+        f"checkpoints:\n  eagle: {root / 'eagle'}\n  dflash: {root / 'dflash'}\n  dspark: {root / 'dspark'}\n"
         f"max_num_seqs: {MAX_NUM_SEQS}\n"
         "default_speculation:\n  method: draft\n  num_speculative_tokens: 3\n"
         "placement:\n  timeout_s: 60\n"
@@ -59,7 +61,7 @@ def _records():
                {"method": "ngram", "num_speculative_tokens": 3, "max_matching_ngram_size": 2},
                {"method": "medusa"}, {"method": "medusa", "tree": "wide"},
                {"method": "eagle"}, {"method": "eagle", "dynamic_tree": True, "top_k": 3, "total_tokens": 8},
-               {"method": "dflash", "num_speculative_tokens": 4}]
+               {"method": "dflash", "num_speculative_tokens": 4}, {"method": "dspark", "num_speculative_tokens": 4}]
     recs = []
     for i in range(12):
         prompt = [(7 * i + 3 * j) % 64 for j in range(3 + i % 5)]
@@ -118,7 +120,7 @@ def _check_output(lines: list[dict], recs, target) -> None:
         assert o["method"] == method  # each line says which method ran
         if method == "none":
             assert o["metrics"]["num_drafts"] == 0
-        elif method in ("medusa", "eagle", "dflash"):
+        elif method in ("medusa", "eagle", "dflash", "dspark"):
             assert o["metrics"]["num_drafts"] > 0
         elif method == "draft":
             assert o["metrics"]["num_drafts"] > 0
