@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from specray.kernels.logits import apply_penalties, path_counts, token_counts
@@ -123,9 +124,11 @@ def _grammar_masks(x: torch.Tensor, reqs: Sequence, rows: Sequence[int], positio
     node's own path (``engine/grammar.py``). A position where the grammar allows nothing (it is
     complete and the request has no stop token) is left as it is: the request ends there.
     reqs: the rows processed (x's), rows: their indices in the batch (positions')."""
-    _, w, vocab = x.shape
-    host = None if positions is None else (positions.tokens.cpu(), positions.anc.cpu(), positions.depth.cpu())
-    masks = torch.ones(x.shape, dtype=torch.bool)
+    # Host work in numpy: a row's mask is a few small arrays, where torch's per-op dispatch cost
+    # more than the grammar's own mask.
+    host = None if positions is None else (positions.tokens.cpu().numpy(), positions.anc.cpu().numpy(),
+                                           positions.depth.cpu().numpy())
+    masks = np.ones(x.shape, dtype=bool)
     for i, r in enumerate(reqs):
         if r.grammar is None:
             continue
@@ -135,18 +138,18 @@ def _grammar_masks(x: torch.Tensor, reqs: Sequence, rows: Sequence[int], positio
             b = rows[i]
             tokens, parents = host[0][b].tolist(), _parents(host[1][b], host[2][b])
         start = time.perf_counter()
-        allowed = r.grammar.allowed(tokens, parents)  # [n, V]
+        allowed = r.grammar.allowed(tokens, parents).numpy()  # [n, V]
         r.metrics.grammar_mask_s = (r.metrics.grammar_mask_s or 0.0) + time.perf_counter() - start
-        allowed[~allowed.any(dim=-1)] = True
+        allowed[~allowed.any(axis=-1)] = True
         masks[i, : allowed.shape[0], : allowed.shape[1]] = allowed
-    return x.masked_fill(~masks.to(x.device, non_blocking=True), float("-inf"))
+    return x.masked_fill(~torch.from_numpy(masks).to(x.device, non_blocking=True), float("-inf"))
 
 
-def _parents(anc: torch.Tensor, depth: torch.Tensor) -> list[int]:
+def _parents(anc: np.ndarray, depth: np.ndarray) -> list[int]:
     """[W, W] ancestor mask and [W] depths -> each node's parent (-1 for the root)."""
     parent = anc & (depth[None, :] == depth[:, None] - 1)  # [W, W]: i is j's parent
-    found = parent.any(dim=-1)
-    idx = parent.int().argmax(dim=-1)
+    found = parent.any(axis=-1)
+    idx = parent.argmax(axis=-1)
     return [int(p) if f else (-1 if j == 0 else 0) for j, (p, f) in enumerate(zip(idx.tolist(), found.tolist()))]
 
 
