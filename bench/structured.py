@@ -13,7 +13,8 @@ token) or at ``--max-tokens``.
 
 Configurations, each its own engine with B slots for B in ``--batches``:
 
-* plain decoding without a constraint (the same prompts, ``--max-tokens`` tokens each),
+* plain decoding without a constraint (the same prompts, each request as many tokens as its
+  constrained output: the same work, the mask aside),
 * plain decoding under the constraint, the grammar drafter off and on,
 * each of ``--methods`` under the constraint (``--k`` draft tokens a step, ``--k 0``: the
   verification budget chooses), the grammar drafter off and on.
@@ -97,7 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="draft,ngram,suffix", help="methods under the constraint, comma-separated")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default ./{DEFAULT_OUT})")
     args = p.parse_args(argv)
+    import torch
+
+    threads = torch.get_num_threads()
     command = announce("structured", argv)
+    try:
+        return _run(args, command)
+    finally:
+        torch.set_num_threads(threads)  # announce pinned one thread for the run
+
+
+def _run(args, command: str) -> int:
     rows = []
     for batch in (int(b) for b in args.batches.split(",") if b):
         rows += _batch(args, batch)
@@ -170,10 +181,15 @@ def _batch(args, batch: int) -> list[dict]:
     totals = [{"tokens": 0, "forwards": 0, "forced": 0, "forced_accepted": 0, "rates": []} for _ in sides]
     for r in range(args.rounds):
         these = slice(r * n, (r + 1) * n)
+        constrained_sampling = [SamplingParams(max_tokens=args.max_tokens, temperature=0, structured_outputs=c)
+                                for c in constraints[these]]
+        # The free side generates as many tokens per request as the constrained output has (a
+        # run of requests that end apart keeps fewer rows busy than one of equal lengths).
+        lengths = [len(o.token_ids) for o in engines[1].generate(prompts[these], constrained_sampling)]
         runs = []
         for _, method, constrained, _ in sides:
-            sampling = [SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=not constrained,
-                                       structured_outputs=c if constrained else None) for c in constraints[these]]
+            sampling = constrained_sampling if constrained else [
+                SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in lengths]
             spec = SpeculationParams(method=method, **(length if method != "none" else {}))
             runs.append((sampling, [spec] * n))
         order = list(range(len(sides)))

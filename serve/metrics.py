@@ -56,6 +56,10 @@ class EngineMetrics:
                                     "Time filling grammar masks, every scored position of constrained requests.", tags)
         self.grammar_cut = Counter(PREFIX + "structured_output_draft_tokens_cut",
                                    "Deterministic draft tokens a grammar refused, cut before verification.", tags)
+        self.grammar_forced = Counter(PREFIX + "structured_output_forced_draft_tokens",
+                                      "Tokens a grammar forced, drafted without a model (the grammar drafter).", tags)
+        self.grammar_forced_accepted = Counter(PREFIX + "structured_output_forced_accepted_tokens",
+                                               "Forced draft tokens the target accepted.", tags)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS, tags)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between streamed tokens.", LATENCY_BUCKETS, tags)
 
@@ -81,6 +85,10 @@ class EngineMetrics:
             self.grammar_mask.inc(m["grammar_mask_s"], t)
         if m.get("grammar_cut_tokens"):
             self.grammar_cut.inc(m["grammar_cut_tokens"], t)
+        if m.get("grammar_forced_tokens"):
+            self.grammar_forced.inc(m["grammar_forced_tokens"], t)
+        if m.get("grammar_forced_accepted"):
+            self.grammar_forced_accepted.inc(m["grammar_forced_accepted"], t)
         if m.get("num_preemptions"):
             self.preemptions.inc(m["num_preemptions"], t)
         self.requests.inc(1, {**t, "finished_reason": output["finish_reason"] or "unknown"})

@@ -97,3 +97,21 @@ def test_selftune_benchmark(tmp_path):
     assert set(rows[0]["sweep"]) == {'{"num_speculative_tokens": %d}' % k for k in (1, 2, 4, 8)}
     assert all(r["default"]["median"] > 0 and r["fixed"]["median"] > 0 for r in rows)
     assert (tmp_path / "selftune.png").stat().st_size > 0 and "plain beside plain" in (tmp_path / "selftune.txt").read_text()
+
+
+@pytest.mark.slow  # the demo pair's weights
+def test_structured_benchmark_is_lossless_and_counts_forced_tokens(tmp_path):
+    """bench.structured at its smallest: every constrained configuration gives plain constrained
+    decoding's tokens (it raises otherwise), and the grammar drafter drafts forced tokens and
+    saves target forwards."""
+    from specray.bench import structured
+
+    structured.main(["--batches", "1", "--prompts-per-row", "1", "--rounds", "1", "--max-tokens", "24",
+                     "--methods", "ngram", "--out", str(tmp_path)])
+    for name in ("structured.csv", "structured.png", "structured.json", "structured.txt"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    rows = {r["config"]: r for r in json.loads((tmp_path / "structured.json").read_text())["rows"]}
+    assert set(rows) == {"plain, free", "plain", "plain + grammar", "ngram", "ngram + grammar"}
+    on, off = rows["plain + grammar"], rows["plain"]
+    assert on["tokens"] == off["tokens"] and 0 < on["forced_accepted"] <= on["forced_tokens"]
+    assert on["forwards"] < off["forwards"]
