@@ -189,6 +189,7 @@ def test_the_readme_stays_a_manual():
     assert "pip install torch==2.13.0 && pip install -e . && specray serve --once" in text
 
 
+@pytest.mark.slow  # runs git
 def test_no_code_names_a_commit():
     """History is git's: no Python file carries a commit id (a 7-40 hex token that begins a commit)."""
     import re
