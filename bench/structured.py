@@ -131,10 +131,11 @@ def _run(args, command: str) -> int:
 
 def workload(n: int, tokenizer) -> tuple[list[list[int]], list[dict]]:
     """``n`` chat prompts (token ids) and their constraints, the three kinds in turn."""
-    from specray.demo import held_out_prompts
+    from specray.demo.prompts import corpus_prompts
     from specray.protocol.tools import call_schema
 
-    code = held_out_prompts(n, tokenizer.name_or_path, min_tokens=24, max_tokens=64)
+    # held-out code, lengths not required to differ (asked of more prompts than lengths, that fails)
+    code = corpus_prompts(n, tokenizer.name_or_path, "held_out", 24, 64, distinct_lengths=False)
     calls = call_schema([(t["function"]["name"], t["function"]["parameters"]) for t in TOOLS], None, parallel=False)
     prompts, constraints = [], []
     for i, snippet in enumerate(code):
