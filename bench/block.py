@@ -93,7 +93,8 @@ def versus(rows: list[dict], batch: int, mine: str, other: str, by: str, goal: f
     return (f"batch {batch}: {mine} best {a['config']} {a['tokens_per_s']:.1f} tok/s, acc.len "
             f"{a['mean_accepted_length']:.2f} | {other} best {b['config']} {b['tokens_per_s']:.1f} tok/s, acc.len "
             f"{b['mean_accepted_length']:.2f} | {mine}/{other.split()[0]} {ratio:.2f}x {what}{verdict}"
-            + (f", {a['tokens_per_s'] / b['tokens_per_s']:.2f}x tok/s" if by != "tokens_per_s" else ""))
+            + (f", {a['tokens_per_s'] / b['tokens_per_s']:.2f}x tok/s" if by != "tokens_per_s" else "")
+            + (f"; {mine} drafted nothing (plain decoding)" if a["tokens_verified_per_step"] <= 1 else ""))
 
 
 def summary(rows: list[dict]) -> tuple[list[str], dict]:
