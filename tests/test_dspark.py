@@ -197,6 +197,23 @@ def test_each_slots_bias_and_confidence_read_the_token_drafted_before_it(tiny_pa
     torch.testing.assert_close(torch.tensor(row.confidence), conf, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["gated", "rnn"])
+def test_the_training_forward_drafts_what_inference_drafts(tiny_pair, kind):
+    """Teacher-forced with the drafted tokens as the previous ones, the training forward (every
+    anchor's block at once, ``teacher_forced``) gives the same greedy tokens and confidences as
+    the proposer's position-by-position walk."""
+    target = tiny_pair[0]
+    tokens = torch.randint(0, 60, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    drafter = random_dspark(target, kind=kind, block=5)
+    row = proposer_for(target, drafter, tokens, slots=(0,)).propose([ProposalRow(0, tokens[:21], 5)]).rows[0]
+    taps = taps_after(target, tokens, drafter.target_layer_ids)
+    with torch.no_grad():
+        hidden = drafter.blocks(taps[None], torch.tensor([tokens]), torch.tensor([[20]]))[0, 0]  # [block, H]
+        logits, conf = drafter.teacher_forced(hidden, torch.tensor([tokens[20], *row.tokens[:-1]]))
+    assert logits.argmax(-1).tolist() == row.tokens
+    torch.testing.assert_close(torch.sigmoid(conf), torch.tensor(row.confidence), atol=1e-4, rtol=1e-4)
+
+
 # -- sampling ---------------------------------------------------------------------------------------------
 def test_sampling_keeps_the_target_distribution():
     """The Markov-biased distribution of each block position is q (static step: the device's
