@@ -231,7 +231,7 @@ def _goals(rows: list[dict]) -> tuple[dict, list[str]]:
     if 8 in batches:
         x = by[8, "plain"]["tokens_per_s"] / by[8, "plain, free"]["tokens_per_s"]
         goals["mask"] = x >= GOAL_MASK
-        lines.append(f"constrained plain / free plain tokens/s at batch 8: {x:.2f}x (goal >= {GOAL_MASK})")
+        lines.append(f"constrained plain / free plain tokens/s at batch 8: {x:.3f}x (goal >= {GOAL_MASK})")
     if 1 in batches:
         spec = [r for r in rows if r["batch"] == 1 and r["constrained"] and r["method"] != "none"]
         best = max(spec, key=lambda r: r["tokens_per_s"])
