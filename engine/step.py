@@ -104,7 +104,7 @@ def merge_drafts(batch: Sequence[Request], plan: ProposalPlan, parts: Mapping[st
         for row, i in zip(part.rows, idx):
             row = row.cut(plan.ks[i])
             if row.probs is not None and batch[i].sampling.greedy:
-                row = DraftRow(row.tokens, row.tree, None, row.extra)
+                row = DraftRow(row.tokens, row.tree, None, row.extra, row.confidence)
             if on_host and batch[i].grammar is not None:
                 row = _grammar_cut(batch[i], row)
             drafts[i] = row
