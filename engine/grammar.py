@@ -221,10 +221,8 @@ class RowGrammar:
         """[n, V] bool: what may follow each node. tokens[j], parents[j]: node j's token and
         parent (node 0, the root, is the last kept token: already consumed; parents[0] -1).
         Nodes come parents first. A node whose path the grammar refuses gets all True."""
-        import llguidance.torch as lt
-
         n = len(tokens)
-        bits = torch.zeros(n, (self.width + 31) // 32, dtype=torch.int32)
+        bits = np.zeros((n, (self.width + 31) // 32), dtype=np.int32)  # row j: what may follow node j
         valid = [True] * n
         chains = [self._path(j, parents) for j in range(n)]  # each node's path below the root
         path: list[int] = []  # nodes consumed beyond the root, root-most first
@@ -248,10 +246,10 @@ class RowGrammar:
                     path.append(node)
                 if not valid[j]:
                     continue
-            lt.fill_next_token_bitmask(self.matcher, bits, j)
+            self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data + j * bits.strides[0], bits.strides[0])
         if path:
             self.matcher.rollback(len(path))
-        every = _unpack(bits.numpy())  # [n, >= width]
+        every = _unpack(bits)  # [n, >= width]
         out = every[:, : self.vocab].astype(bool)
         if self.eos_id < self.vocab and self.eos_id not in self.stops:
             out[:, self.eos_id] = False

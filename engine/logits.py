@@ -136,7 +136,8 @@ def _grammar_masks(x: torch.Tensor, reqs: Sequence, rows: Sequence[int], positio
             tokens, parents = [r.token_ids[-1]], [-1]
         else:
             b = rows[i]
-            tokens, parents = host[0][b].tolist(), _parents(host[1][b], host[2][b])
+            tokens = host[0][b].tolist()
+            parents = [-1] if len(tokens) == 1 else _parents(host[1][b], host[2][b])
         start = time.perf_counter()
         allowed = r.grammar.allowed(tokens, parents).numpy()  # [n, V]
         r.metrics.grammar_mask_s = (r.metrics.grammar_mask_s or 0.0) + time.perf_counter() - start
