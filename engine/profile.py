@@ -2,7 +2,8 @@
 
 Before it serves, the engine runs a few steps at each shape it may run — every batch-size
 bucket up to ``max_num_seqs``, rows verifying 1 to ``max_k`` + 1 tokens — and each loaded
-drafter at the smallest and largest bucket, 1, 2, 4, ... ``max_k`` levels deep, each at a short
+drafter at the smallest and largest bucket at caps of 1, 2, 4, ... ``max_k`` slots (a tree drafter
+also whole), each at a short
 and a long context (``CONTEXTS`` tokens a row: the table interpolates between them), and records each step's
 seconds in the table: so the budget prices a shape it has not served yet from a measurement,
 not a guess. Each shape runs at least three steps (the table keeps their
@@ -78,13 +79,15 @@ def profile_costs(engine, budget: VerificationBudget) -> float:
     buckets = [1 << i for i in range(most.bit_length())]  # 1, 2, 4, ... up to max_num_seqs
     plan = [("ngram", b, k) for b in buckets for k in profile_widths(max_k)] if "ngram" in engine.limits.methods else []
     for m in engine.limits.methods:
-        if method_spec(m).checkpoint:  # drafters with weights: forwards of their own, 1, 2, 4, ... levels
-            plan += [(m, b, k) for b in sorted({1, buckets[-1]}) for k in profile_widths(max_k)[1:]]
+        spec = method_spec(m)
+        if spec.checkpoint:  # drafters with weights: forwards of their own at caps 1, 2, 4, ... (a tree: and whole)
+            caps = profile_widths(max_k)[1:] + ([None] if spec.drafts_trees else [])
+            plan += [(m, b, k) for b in sorted({1, buckets[-1]}) for k in caps]
     plan = [(method, b, k, c) for method, b, k in plan for c in contexts]
     for method, b, k, context in plan:
         # the prefill, then STEPS steps of k drafts a row (the table keeps their median)
         prompt = [t % engine.limits.vocab_size for t in (PROMPT * (context // len(PROMPT) + 1))[:context]]
-        params = SamplingParams(max_tokens=STEPS * (k + 1) + 1, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=STEPS * ((k or max_k) + 1) + 1, temperature=0, ignore_eos=True)
         drafter = engine.proposers.swapped("ngram", _Repeat()) if method == "ngram" else nullcontext()
         with unrecorded(engine, _Forced(budget, k, context)), drafter:
             ids = [engine.add_request(prompt, params, parse_speculation({"method": method})) for _ in range(b)]

@@ -209,7 +209,6 @@ class VerificationBudget:
         self._methods: defaultdict[str, _Counts] = defaultdict(_Counts)
         self._requests: defaultdict[str, dict[str, _Counts]] = defaultdict(dict)  # method -> request -> counts
         self._shapes: dict[str, tuple[int, ...]] = {}  # tree method -> its nodes' parents, as last drafted whole
-        self._levels: dict[str, list[int]] = {}  # tree method -> levels its first n + 1 nodes take
         self._caps: dict[str, int | None] = {}  # request -> the cap it was given this step
         self.last: Admission | None = None
         self.totals = {"steps": 0, "rows": 0, "slots": 0}  # steps decided, their rows and admitted slots
@@ -302,15 +301,6 @@ class VerificationBudget:
         shape = self._shapes.get(row.method) if row.tree else None
         parents = list(shape[:slots]) if shape else []
         return parents + list(range(len(parents), slots))
-
-    @staticmethod
-    def _levels_of(parents: Sequence[int]) -> list[int]:
-        """Per n, the levels a drafter grows for the first n + 1 nodes (their deepest)."""
-        depths, levels = [], []
-        for p in parents:
-            depths.append(depths[p - 1] + 1 if p > 0 else 1)
-            levels.append(max(levels[-1] if levels else 0, depths[-1]))
-        return levels
 
     # -- deciding ------------------------------------------------------------------------------
     def caps(self, rows: Sequence[RowView], context: float | None = None) -> list[int | None]:
@@ -447,10 +437,13 @@ class VerificationBudget:
             return len(self._shapes.get(row.method, ())) or self.config.max_k
         return max(self.config.max_k, row.requested or 0)
 
-    def _depth(self, row: RowView, slots: int) -> int:
-        """Levels a drafter runs for the row's first ``slots`` slots."""
-        levels = self._levels.get(row.method) if row.tree else None
-        return levels[min(slots, len(levels)) - 1] if levels else slots
+    @staticmethod
+    def _depth(row: RowView, slots: int) -> int:
+        """The drafting work a cap of ``slots`` asks for, as the cost table keys it: the cap
+        itself — a chain's levels; a tree's room, which sets how deep and how wide it grows
+        (an EAGLE-2 tree capped at k grows min(depth, k) levels of min(top_k, k) nodes, however
+        shallow the nodes it keeps) — or one forward for a block drafter."""
+        return 1 if row.block else slots
 
     # -- learning ------------------------------------------------------------------------------
     def observe(self, step: StepRecord) -> None:
@@ -462,7 +455,6 @@ class VerificationBudget:
             cap = self._caps.get(r.request_id)
             if r.tree and parents and len(parents) >= len(self._shapes.get(r.method, ())):
                 self._shapes[r.method] = tuple(parents)  # its largest tree, as drafted
-                self._levels[r.method] = self._levels_of(parents)
             # A chain's slots admitted but not drafted (a drafter with nothing to propose)
             # count: the slot after its last drafted one was reached, and missed.
             counted = d if parents else max(d, cap or 0)
@@ -480,9 +472,10 @@ class VerificationBudget:
         start-up profile (it shapes the cost curves; served steps set their level)."""
         widths = [1 + d for d in step.drafted]
         drafting: dict[str, tuple[int, int]] = {}
-        for r, d, parents in zip(step.rows, step.drafted, step.parents or [None] * len(step.rows)):
+        for r, d in zip(step.rows, step.drafted):
             if r.method != "none" and d:
-                depth = 1 if r.block else (self._levels_of(parents[:d])[-1] if parents else d)
+                cap = None if profiled else self._caps.get(r.request_id)  # (the profile's rows draft their cap)
+                depth = self._depth(r, max(d, cap or 0))
                 rows, deepest = drafting.get(r.method, (0, 0))
                 drafting[r.method] = (rows + 1, max(deepest, depth))
         self.costs.record(len(step.rows), sum(widths) if self.costs.ragged else max(widths), step.verify_s,

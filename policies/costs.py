@@ -7,7 +7,8 @@ neighbour's burst moves them only when it lasts):
   where size is what the step mode runs: the verified tokens of all rows together (ragged) or
   the widest row's tokens (padded: every row is verified that wide);
 * ``draft``: (method, batch-size bucket, levels) -> seconds of its drafting; ``levels`` is the
-  depth it drafts to (sequential forwards), 1 for a block drafter's single forward.
+  work its rows' caps ask for: the most slots a row was given (a chain's sequential forwards; a
+  tree's room, which sets how deep and wide it grows), 1 for a block drafter's single forward.
 
 Each curve is kept at every context length the profile ran (tokens per row): attention and the
 KV cache grow with the context while the rest of a forward grows with the tokens verified, so
