@@ -116,8 +116,11 @@ class StepDriver:
         start, cost = time.perf_counter(), self.clock()
         views = [S.row_view(r) for r in batch]
         context = sum(r.num_tokens for r in batch) / len(batch)
-        caps = self.length_policy.caps(views, context)
         forced = forced_drafts(batch, self.capacity) if self.grammar_drafter else None
+        if forced is not None and any(forced):  # verified whatever the caps: the budget prices them in
+            caps = self.length_policy.caps(views, context, [f.size if f else 0 for f in forced])
+        else:
+            caps = self.length_policy.caps(views, context)
         if forced is not None and any(forced):  # rows whose method would draft on the device draft nothing else
             on_device = getattr(self.executor, "drafts_on_device", lambda method: False)
             caps = [0 if f and on_device(r.method) else c for r, f, c in zip(batch, forced, caps)]

@@ -55,7 +55,7 @@ class _Forced:
     def __init__(self, budget: VerificationBudget, k: int, context: int):
         self.budget, self.k, self.context = budget, k, context
 
-    def caps(self, rows, context=None):
+    def caps(self, rows, context=None, forced=None):
         return [self.k] * len(rows)
 
     def observe(self, step: StepRecord) -> None:

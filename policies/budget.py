@@ -217,6 +217,7 @@ class VerificationBudget:
         self._draws: dict = {}  # (method, slot, prior) -> this step's draw
         self._spreads: dict[str, float] = {}  # method -> this step's request-level pseudo-counts
         self._context: float | None = None  # this step's mean tokens a row
+        self._forced: list[int] | None = None  # this step's forced tokens per row
         self._calibrations: defaultdict[str, _Calibration] = defaultdict(_Calibration)
         self._stated: dict[str, list[float]] = {}  # request -> its draft's confidences this step
 
@@ -303,9 +304,13 @@ class VerificationBudget:
         return parents + list(range(len(parents), slots))
 
     # -- deciding ------------------------------------------------------------------------------
-    def caps(self, rows: Sequence[RowView], context: float | None = None) -> list[int | None]:
+    def caps(self, rows: Sequence[RowView], context: float | None = None,
+             forced: Sequence[int] | None = None) -> list[int | None]:
         """Per row: the most draft nodes it may take this step (None: its tree's own size),
-        priced at ``context`` tokens a row (their mean).
+        priced at ``context`` tokens a row (their mean). ``forced``: per row, the tokens its
+        grammar forces this step, verified whatever the caps (each the only token the masked
+        target allows: worth 1); they widen the step, so other rows' slots up to that width
+        cost no further verification where rows are padded.
         A ``confident`` row admitted at all drafts its whole length (one forward whatever
         it drafts); ``trim`` cuts it once its confidences are known."""
         self._step += 1
@@ -313,6 +318,7 @@ class VerificationBudget:
         self._spreads.clear()
         self._stated.clear()
         self._context = context
+        self._forced = list(forced) if forced is not None and any(forced) else None
         admission = self.admit(rows)
         self.last = admission
         caps = [self._slots(r) if r.confident and not r.fixed and c else c for r, c in zip(rows, admission.caps)]
@@ -357,6 +363,8 @@ class VerificationBudget:
         free = [[] if f else monotone(self.stated_values(r, c[:n]) if c else self.values(r, n, draw=True), increasing=False)
                 for r, f, n, c in zip(rows, fixed, sizes, stated)]
         given = len(rows) + sum(sum(self.values(r, c)) for r, c in zip(rows, counts) if c)  # fixed rows' tokens
+        if self._forced is not None and len(self._forced) == len(rows):  # verified anyway, each worth 1
+            given += sum(self._forced)
         prices: tuple[dict, dict] = ({}, {})  # this step's verify and draft costs, read once per shape
         step = _Step(self, rows, counts, given, prices)
         best = (list(counts), *step.price())
@@ -522,6 +530,9 @@ class _Step:
         self.policy, self.rows, self.counts, self.tokens = policy, rows, list(counts), tokens
         self.verify_s, self.draft_s = prices  # shape -> seconds, filled as candidates read them
         widths = [1 + c for c in counts]
+        floors = policy._forced if policy._forced is not None and len(policy._forced) == len(rows) else None
+        self.floors = floors or [0] * len(rows)  # rows verifying their forced tokens are at least that wide
+        widths = [max(w, 1 + f) for w, f in zip(widths, self.floors)]
         self.total, self.widest = sum(widths), max(widths)
         self.levels: dict[str, int] = {}
         self.drafting: dict[str, int] = defaultdict(int)
@@ -543,7 +554,7 @@ class _Step:
             self.drafting[self.rows[i].method] += 1
         self.tokens += sum(values[old:count])
         self.counts[i] = count
-        self.total += count - old
+        self.total += max(count, self.floors[i]) - max(old, self.floors[i])
         self.widest = max(self.widest, 1 + count)
         self._draft(self.rows[i], count)
 

@@ -30,7 +30,7 @@ class SpeculationLengthPolicy:
             if min_batch < 1 or max_k < 0:
                 raise ValueError(f"batch_k_caps entries need min_batch >= 1 and max_k >= 0, got {(min_batch, max_k)}")
 
-    def caps(self, rows, context: float | None = None) -> list[int | None]:
+    def caps(self, rows, context: float | None = None, forced=None) -> list[int | None]:
         """Per row (``budget.RowView``): the k it asked for (None: a tree's own size),
         capped at this batch size."""
         cap = self.cap(len(rows))

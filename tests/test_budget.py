@@ -172,6 +172,23 @@ def test_padded_steps_give_each_method_its_own_depth():
     assert rate(caps) == pytest.approx(max(rate(c) for c in itertools.product(range(5), repeat=4)), rel=1e-6)
 
 
+def test_forced_tokens_widen_a_padded_step_so_other_rows_verify_more_for_free():
+    """A row whose grammar forces 8 tokens verifies 9 wide whatever the caps: beside it, a
+    doubtful free drafter's slots up to that width cost nothing more, and are admitted."""
+    class Costs(Truth):
+        def draft(self, method, batch, levels, context=None):
+            return 0.0
+
+    truth = Costs(ragged=False, gpu=False)
+    rates = {"json": [0.5] * 8, "d": [0.5] * 8}
+    rows = [RowView("json", "free"), RowView("d", "free")]
+    oracle = Oracle(truth, rates, max_k=8)
+    alone = oracle.caps(rows)[1]
+    beside = oracle.caps(rows, forced=[8, 0])[1]
+    assert alone <= 2 and beside == 8, (alone, beside)
+    assert oracle.last.tokens == pytest.approx(2 + 8 + 2 * sum(survival([0.5] * 8)))
+
+
 # -- behaviour ---------------------------------------------------------------------------------
 def simulate(policy, rows, rates: dict[str, float], steps: int, rng, stated: dict[str, float] | None = None):
     """``steps`` steps of rows whose every position is accepted with its rate; ``stated``:

@@ -130,7 +130,7 @@ def test_sampling_under_the_verification_budget_matches_target_distribution(mode
                        target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft))
     policy, chosen = engine.driver.length_policy, set()
     caps = policy.caps
-    policy.caps = lambda rows, context=None: (lambda c: (chosen.update(c), c)[1])(caps(rows, context))
+    policy.caps = lambda rows, *args: (lambda c: (chosen.update(c), c)[1])(caps(rows, *args))
     torch.manual_seed(0)  # unseeded rows draw from torch's global generator
     outs = engine.generate([PROMPT] * N, SamplingParams(**PARAMS), SpeculationParams(method="draft"))
     assert len(chosen) >= 2 and max(chosen) > 0 and engine.totals.num_accepted_tokens > 0, chosen
