@@ -404,6 +404,8 @@ class VerificationBudget:
                        for d in range(deepest[m] + 1)]
         fixed_only = sum(self._draft_price(m, base.drafting[m], lv, prices) for m, lv in base.levels.items()
                          if m not in gain)
+        if best[2] <= 0:  # a step measured as free (a clock's resolution): nothing can beat it
+            return best
         rate = best[1] / best[2]
         for depth in range(1, max(deepest.values(), default=0) + 1):
             widest = max(base.widest, 1 + depth)

@@ -172,6 +172,13 @@ def test_padded_steps_give_each_method_its_own_depth():
     assert rate(caps) == pytest.approx(max(rate(c) for c in itertools.product(range(5), repeat=4)), rel=1e-6)
 
 
+def test_a_step_measured_as_free_is_kept_plain():
+    """A plain step whose seconds read 0 (a clock's resolution) cannot be beaten: no drafts."""
+    policy = VerificationBudget()
+    policy.costs.record(4, 1, 0.0, {}, None, profiled=True)
+    assert policy.caps([RowView(f"r{i}", "m") for i in range(4)]) == [0, 0, 0, 0]
+
+
 def test_forced_tokens_widen_a_padded_step_so_other_rows_verify_more_for_free():
     """A row whose grammar forces 8 tokens verifies 9 wide whatever the caps: beside it, a
     doubtful free drafter's slots up to that width cost nothing more, and are admitted."""
