@@ -489,11 +489,17 @@ def _offline_facts(path: str) -> dict:
     return {"block_size": int((raw.get("dflash_config") or {}).get("block_size", raw.get("block_size", DEFAULT_BLOCK)))}
 
 
-def _check(options: DFlashOptions, facts: dict, limits) -> None:
-    most = facts.get("block_size", DEFAULT_BLOCK) - 1
+def check_block_tokens(options, most: int, block: str) -> None:
+    """An explicit ``num_speculative_tokens`` no more than the ``most`` a block drafts (``block``
+    names it in the message)."""
     if "num_speculative_tokens" in options.model_fields_set and options.num_speculative_tokens > most:
         raise ValueError(f"speculation.num_speculative_tokens: {options.num_speculative_tokens} exceeds the {most} "
-                         f"tokens a DFlash block of {most + 1} drafts")
+                         f"tokens {block} drafts")
+
+
+def _check(options: DFlashOptions, facts: dict, limits) -> None:
+    most = facts.get("block_size", DEFAULT_BLOCK) - 1
+    check_block_tokens(options, most, f"a DFlash block of {most + 1}")
 
 
 register_method(MethodSpec(

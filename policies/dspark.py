@@ -52,7 +52,7 @@ from torch import nn
 from specray.kernels.sampling import probs_from_logits, sample_from_uniform, uniforms
 from specray.policies.base import DeviceDraft, Draft, DraftRow, ProposalRow
 from specray.policies.checkpoint_files import building, load_weights, read_json_config, read_tensors
-from specray.policies.dflash import WEIGHT_FILES, DFlashDrafter, DFlashProposer, qwen3_config
+from specray.policies.dflash import WEIGHT_FILES, DFlashDrafter, DFlashProposer, check_block_tokens, qwen3_config
 from specray.policies.pard import draw_block
 from specray.policies.registry import LinearOptions, MethodSpec, register_method
 
@@ -444,9 +444,7 @@ def _offline_facts(path: str) -> dict:
 
 def _check(options: DSparkOptions, facts: dict, limits) -> None:
     most = facts.get("max_tokens", DEFAULT_BLOCK)
-    if "num_speculative_tokens" in options.model_fields_set and options.num_speculative_tokens > most:
-        raise ValueError(f"speculation.num_speculative_tokens: {options.num_speculative_tokens} exceeds the {most} "
-                         f"tokens a DSpark block of {facts.get('block_size', most)} drafts")
+    check_block_tokens(options, most, f"a DSpark block of {facts.get('block_size', most)}")
 
 
 register_method(MethodSpec(

@@ -168,9 +168,7 @@ def train_dflash(target: str, out: str, tokenizer: str | None = None, steps: int
     taps, held_taps = (target_layer_inputs(target, d, drafter.layer_ids) for d in (data.train, data.held_out))
     if init == "target":
         init_from_target(drafter, target)
-    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-    head.weight = torch.nn.Parameter(data.lm_head, requires_grad=False)
-    drafter.bind(torch.nn.Embedding.from_pretrained(data.embed, freeze=True), head, num_layers)
+    bind_frozen_target(drafter, data, cfg, num_layers)
     data_seconds = time.time() - start
     before = held_out_blocks(drafter.eval(), data.lm_head, data.held_out, held_taps)
     drafter.train()
@@ -187,6 +185,13 @@ def train_dflash(target: str, out: str, tokenizer: str | None = None, steps: int
 
 
 EVAL_SPECS = {"block": {}, "k=4": {"num_speculative_tokens": 4}}
+
+
+def bind_frozen_target(drafter, data, cfg, num_layers: int) -> None:
+    """The target's embedding and LM head, shared with the drafter and frozen (the recipes')."""
+    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+    head.weight = torch.nn.Parameter(data.lm_head, requires_grad=False)
+    drafter.bind(torch.nn.Embedding.from_pretrained(data.embed, freeze=True), head, num_layers)
 
 
 def add_block_args(p) -> None:

@@ -34,7 +34,7 @@ from specray.training.base import (
     PromptSource, SequenceSet, add_common_args, distill_data, optimise, recipe_parser, run_recipe, target_layer_inputs,
 )
 from specray.training.dflash import (
-    add_block_args, block_targets, default_mask_token, drafter_config, init_from_target, position_weights, sample_anchors,
+    add_block_args, bind_frozen_target, block_targets, default_mask_token, drafter_config, init_from_target, position_weights, sample_anchors,
 )
 
 CE_WEIGHT, TV_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0
@@ -160,9 +160,7 @@ def train_dspark(target: str, out: str, tokenizer: str | None = None, steps: int
     if drafter.markov_head is not None:
         torch.nn.init.zeros_(drafter.markov_head.markov_w2.weight)
     taps, held_taps = (target_layer_inputs(target, d, drafter.layer_ids) for d in (data.train, data.held_out))
-    head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-    head.weight = torch.nn.Parameter(data.lm_head, requires_grad=False)
-    drafter.bind(torch.nn.Embedding.from_pretrained(data.embed, freeze=True), head, num_layers)
+    bind_frozen_target(drafter, data, cfg, num_layers)
     data_seconds = time.time() - start
     before = held_out_slots(drafter.eval(), data.lm_head, data.held_out, held_taps)
     drafter.train()
