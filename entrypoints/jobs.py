@@ -55,6 +55,7 @@ from specray.engine.argparsing import SuggestingParser
 from specray.entrypoints import openai_batch
 from specray.engine.checkpoints import checkpoint_problems, problems_line
 from specray.entrypoints.defaults import with_demo_pair
+from specray.entrypoints.processes import descendants, reap
 from specray.engine.metrics import SpecMetrics
 from specray.engine.params import SamplingParams, Speculation, best_speculation
 from specray.policies.registry import Limits, parse_speculation, validate_speculation
@@ -555,7 +556,9 @@ def _run(args, config: SpecrayConfig, records: list, pending: list[int], t_start
             if coordinator is not None:
                 _stop_coordinator(coordinator, pgs_before)
             if owns_ray:
+                ours = descendants()
                 ray.shutdown()
+                reap(ours)
     wall = time.perf_counter() - t_start
     tokens = totals.num_generated_tokens
     summary = {

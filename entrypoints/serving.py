@@ -26,6 +26,8 @@ import time
 import urllib.error
 import urllib.request
 
+from specray.entrypoints.processes import descendants, reap
+
 log = logging.getLogger("specray")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -339,7 +341,9 @@ def _shutdown(ray, started: bool, local: bool) -> None:
             log.warning("could not remove the application: %s", exc)
     if ray.is_initialized():
         logging.getLogger("ray.serve").addFilter(_late_consume)
+        ours = descendants() if local else []
         ray.shutdown()
+        reap(ours)
 
 
 def _late_consume(record: logging.LogRecord) -> bool:
