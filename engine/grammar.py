@@ -9,10 +9,10 @@ and a matcher where its steps run (``Grammars.matcher``: the engine attaches it 
 request joins; a request resumed on another worker replays its tokens into a new one).
 
 Speculation stays exact because the target's logits are masked at every scored node with
-the matcher state after that node's path (``RowGrammar.allowed``): a tree gets one mask per
-node, never one for the whole tree; a node whose own token the grammar refuses is never
-accepted (the masked target gives it no mass), so what is below it is left unmasked. Only
-the tokens a step keeps advance the matcher (``RowGrammar.advance``).
+the matcher state after that node's path (``allowed_masks``, the batch's masks at once): a
+tree gets one mask per node, never one for the whole tree; a node whose own token the grammar
+refuses is never accepted (the masked target gives it no mass), so what is below it is left
+unmasked. Only the tokens a step keeps advance the matcher (``RowGrammar.advance``).
 
 The grammar is also a drafter (``forced_drafts``): where every continuation the grammar allows
 starts with the same bytes (a schema's keys, quotes and punctuation, the rest of a ``choice``
@@ -28,6 +28,7 @@ grammar is complete.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import threading
@@ -208,21 +209,105 @@ def _unpack(bitmask: np.ndarray) -> np.ndarray:
     return np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little" if sys.byteorder == "little" else "big")
 
 
+@functools.lru_cache(maxsize=1)
+def _executor():
+    """llguidance's thread pool (its default size: most of the machine's cores): it fills a batch
+    of matchers' masks in one call, with the GIL released."""
+    import llguidance
+
+    return llguidance.LLExecutor()
+
+
+def allowed_masks(rows: Sequence[RowGrammar | None], tokens: Sequence[Sequence[int]],
+                  parents: Sequence[Sequence[int] | None], width: int) -> np.ndarray:
+    """[R, width, V] bool: what may follow each node of each row, for a whole batch at once.
+
+    rows[i]: row i's grammar (None: a free row, all True); tokens[i]: its nodes' tokens (at most
+    ``width``; node 0, the root, is the last kept token: already consumed); parents[i]: its nodes'
+    parents (parents first, the root's -1), or None for a chain (node j's parent is j - 1).
+
+    Every row's masks go into one bitmask [R, width, words] zeroed first: root-only rows and
+    chains in one llguidance call each (its executor walks a chain's tokens, masks after each
+    and rolls back; it stops at the first token the grammar refuses), trees row by row. Then
+    one unpack for the batch, the grammar's end mapped onto the rows' stop tokens, and every
+    position left with nothing allowed unmasked: a free row's, a padding node's, a node the
+    grammar refuses (its mask is never written: the masked target gives that node no mass,
+    so what is below it is never accepted) and a complete grammar's without a stop token (the
+    request ends there)."""
+    live = [r for r in rows if r is not None]
+    if not live:
+        raise ValueError("allowed_masks needs at least one constrained row")
+    eos_id, vocab, words = live[0].eos_id, live[0].vocab, (live[0].width + 31) // 32
+    bits = np.zeros((len(rows), width, words), dtype=np.int32)  # [R, width, words]; zero: never written
+    roots, chains = [], []
+    for i, (row, toks, par) in enumerate(zip(rows, tokens, parents)):
+        if row is None:
+            continue
+        if len(toks) > width:
+            raise ValueError(f"row {i} has {len(toks)} nodes, more than the masks' width {width}")
+        if len(toks) == 1:
+            roots.append((row.matcher, i * width))
+        elif par is None:
+            chains.append((row.matcher, i * width, list(toks[1:])))
+        else:
+            row.fill_tree(toks, par, bits[i])
+    if roots:
+        _executor().unsafe_compute_mask_ptr(roots, bits.ctypes.data, words * 4, len(rows) * width)
+    if chains:
+        _executor().unsafe_compute_mask_ptr_with_draft_token(chains, bits.ctypes.data, words * 4, len(rows) * width)
+    every = _unpack(bits).view(np.bool_)  # [R, width, >= llguidance's vocabulary]
+    ends = every[..., eos_id, None].copy()  # [R, width, 1]: the grammar may end after the node
+    out = every[..., :vocab]  # [R, width, V]
+    # A free row's bits are all zero: any row's tables leave it empty, then all True.
+    tables = [(r or live[0]).tables for r in rows]
+    if all(t is tables[0] for t in tables):  # one stop set (the model's EOS tokens, mostly)
+        keep, stops = tables[0]
+    else:
+        keep = np.stack([np.ones(vocab, dtype=bool) if k is None else k for k, _ in tables])[:, None]
+        stops = np.stack([t for _, t in tables])[:, None]
+    if keep is not None:
+        out &= keep
+    out |= stops & ends
+    out |= ~out.any(axis=-1, keepdims=True)
+    return out
+
+
+@functools.lru_cache(maxsize=CACHED_GRAMMARS)
+def _stop_tables(eos_id: int, stops: tuple[int, ...], vocab: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """[V] bool each, how ``allowed_masks`` reads llguidance's EOS bit ("the grammar may end
+    here") for rows with these stop tokens: keep, the tokens a mask's own bit may allow (all
+    but the EOS token where it is no stop token; None: all); stops, the tokens allowed where
+    the grammar may end. One pair per stop set, shared by its rows (read-only)."""
+    keep = None
+    if eos_id < vocab and eos_id not in stops:
+        keep = np.ones(vocab, dtype=bool)
+        keep[eos_id] = False
+        keep.flags.writeable = False
+    table = np.zeros(vocab, dtype=bool)
+    table[list(stops)] = True
+    table.flags.writeable = False
+    return keep, table
+
+
 class RowGrammar:
     """One request's matcher: masks for the positions a step scores, and the kept tokens."""
 
     def __init__(self, matcher, eos_id: int, stop_ids: frozenset[int], vocab: int, width: int):
         self.matcher, self.eos_id, self.vocab, self.width = matcher, eos_id, vocab, width
         self.stops = sorted(t for t in stop_ids if 0 <= t < vocab)
+        self.tables = _stop_tables(eos_id, tuple(self.stops), vocab)
         self.ended = False  # the grammar is complete and nothing may follow (no stop token to end on)
         self.refused = 0  # kept tokens the grammar refused (only where a mask left nothing)
 
     def allowed(self, tokens: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
-        """[n, V] bool: what may follow each node. tokens[j], parents[j]: node j's token and
-        parent (node 0, the root, is the last kept token: already consumed; parents[0] -1).
-        Nodes come parents first. A node whose path the grammar refuses gets all True."""
+        """[n, V] bool: what may follow each node (``allowed_masks`` for this row alone)."""
+        return torch.from_numpy(allowed_masks([self], [tokens], [parents], len(tokens))[0])
+
+    def fill_tree(self, tokens: Sequence[int], parents: Sequence[int], bits: np.ndarray) -> None:
+        """Write into ``bits`` [>= n, words] int32 what may follow each node of a tree, each from
+        the matcher state after its own path; rows of nodes whose path the grammar refuses are
+        left as they are. The matcher ends where it started."""
         n = len(tokens)
-        bits = np.zeros((n, (self.width + 31) // 32), dtype=np.int32)  # row j: what may follow node j
         valid = [True] * n
         chains = [self._path(j, parents) for j in range(n)]  # each node's path below the root
         path: list[int] = []  # nodes consumed beyond the root, root-most first
@@ -249,15 +334,6 @@ class RowGrammar:
             self.matcher.unsafe_compute_mask_ptr(bits.ctypes.data + j * bits.strides[0], bits.strides[0])
         if path:
             self.matcher.rollback(len(path))
-        every = _unpack(bits)  # [n, >= width]
-        out = every[:, : self.vocab].astype(bool)
-        if self.eos_id < self.vocab and self.eos_id not in self.stops:
-            out[:, self.eos_id] = False
-        if self.stops:
-            out[:, self.stops] |= every[:, self.eos_id : self.eos_id + 1].astype(bool)
-        if not all(valid):
-            out[[not v for v in valid]] = True
-        return torch.from_numpy(out)
 
     @staticmethod
     def _path(j: int, parents: Sequence[int]) -> list[int]:

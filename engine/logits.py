@@ -22,6 +22,7 @@ once per step).
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -29,6 +30,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from specray.engine.grammar import allowed_masks
 from specray.kernels.logits import apply_penalties, path_counts, token_counts
 
 
@@ -50,15 +52,22 @@ def host_positions(tokens: Sequence[Sequence[int]], layout, device) -> Positions
     """Positions of an eager verification: its rows' tokens and its layout (mask [B, q, q],
     offsets [B, q]), or None for chains (causal, depth = column)."""
     q = max(map(len, tokens))
-    ids = torch.zeros(len(tokens), q, dtype=torch.long)
+    host = np.zeros((len(tokens), q), dtype=np.int64)  # filled in numpy: a torch op per row costs more
     for i, row in enumerate(tokens):
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        host[i, : len(row)] = row
+    ids = torch.from_numpy(host)
     if layout is None:
-        anc = torch.ones(q, q, dtype=torch.bool).tril().expand(len(tokens), q, q)
-        depth = torch.arange(q).expand(len(tokens), q)
+        anc, depth = _chain(q)
+        anc, depth = anc.expand(len(tokens), q, q), depth.expand(len(tokens), q)
     else:
         anc, depth = layout
     return Positions(ids.to(device), anc.to(device), depth.to(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _chain(q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain of q nodes: its ancestor mask [q, q] (causal) and depths [q] (the column)."""
+    return torch.ones(q, q, dtype=torch.bool).tril(), torch.arange(q)
 
 
 def processed(
@@ -72,13 +81,16 @@ def processed(
     _, w, vocab = logits.shape
     device = logits.device
     picked = [reqs[i] for i in rows]
-    idx = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-    x = logits[idx].float()  # [R, W, V]
+    every = len(rows) == len(reqs)  # then no gather and scatter: x is the output itself
+    idx = None if every else torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    # A float32 copy: the raw logits stay as they are (log-probabilities read them).
+    x = logits.to(torch.float32, copy=True) if every else logits[idx].float()  # [R, W, V]
     if positions is None:
         depth = torch.zeros(len(rows), w, dtype=torch.long, device=device)
     else:
-        depth = positions.depth[idx]
-    if any(r.grammar is not None for r in picked):
+        depth = positions.depth if every else positions.depth[idx]
+    constrained = any(r.grammar is not None for r in picked)
+    if constrained:
         x = _grammar_masks(x, picked, rows, positions)
     bias = _bias(picked, vocab)
     if bias is not None:
@@ -90,16 +102,19 @@ def processed(
         prompts = token_counts(_padded([r.prompt_ids for r in picked]).to(device, non_blocking=True), vocab) > 0
         counts = outputs[:, None].expand(-1, w, -1)  # [R, W, V]
         if positions is not None:
-            counts = counts + path_counts(positions.tokens[idx], positions.anc[idx], vocab)
+            counts = counts + path_counts(positions.tokens if every else positions.tokens[idx],
+                                          positions.anc if every else positions.anc[idx], vocab)
         seen = prompts[:, None] | (counts > 0)
         rep, presence, frequency = (torch.tensor([getattr(r.sampling, name) for r in picked], dtype=torch.float32)
                                     .repeat_interleave(w) for name in
                                     ("repetition_penalty", "presence_penalty", "frequency_penalty"))
         x = apply_penalties(x.reshape(-1, vocab), counts.reshape(-1, vocab), seen.reshape(-1, vocab),
                             rep, presence, frequency).view(len(rows), w, vocab)
-    if any(r.grammar is not None for r in picked):
+    if constrained and bias is not None:  # only allowed_token_ids' -inf leaves a masked position nothing
         x = _dead_ends(x, picked)
-    out = logits.to(torch.float32, copy=True)  # the raw logits stay as they are (log-probabilities read them)
+    if every:
+        return x
+    out = logits.to(torch.float32, copy=True)
     out[idx] = x
     return out
 
@@ -121,37 +136,36 @@ def _dead_ends(x: torch.Tensor, reqs: Sequence) -> torch.Tensor:
 
 def _grammar_masks(x: torch.Tensor, reqs: Sequence, rows: Sequence[int], positions: Positions | None) -> torch.Tensor:
     """Structured outputs: -inf outside what each constrained row's grammar allows after each
-    node's own path (``engine/grammar.py``). A position where the grammar allows nothing (it is
-    complete and the request has no stop token) is left as it is: the request ends there.
-    reqs: the rows processed (x's), rows: their indices in the batch (positions')."""
-    # Host work in numpy: a row's mask is a few small arrays, where torch's per-op dispatch cost
-    # more than the grammar's own mask.
-    host = None if positions is None else (positions.tokens.cpu().numpy(), positions.anc.cpu().numpy(),
-                                           positions.depth.cpu().numpy())
-    masks = np.ones(x.shape, dtype=bool)
-    for i, r in enumerate(reqs):
-        if r.grammar is None:
-            continue
-        if host is None:
-            tokens, parents = [r.token_ids[-1]], [-1]
-        else:
-            b = rows[i]
-            tokens = host[0][b].tolist()
-            parents = [-1] if len(tokens) == 1 else _parents(host[1][b], host[2][b])
-        start = time.perf_counter()
-        allowed = r.grammar.allowed(tokens, parents).numpy()  # [n, V]
-        r.metrics.grammar_mask_s = (r.metrics.grammar_mask_s or 0.0) + time.perf_counter() - start
-        allowed[~allowed.any(axis=-1)] = True
-        masks[i, : allowed.shape[0], : allowed.shape[1]] = allowed
-    return x.masked_fill(~torch.from_numpy(masks).to(x.device, non_blocking=True), float("-inf"))
+    node's own path (``engine/grammar.py``: ``allowed_masks``, the batch's masks at once). A
+    position where the grammar allows nothing (it is complete and the request has no stop token)
+    is left as it is: the request ends there. reqs: the rows processed (x's), rows: their
+    indices in the batch (positions')."""
+    width = x.shape[1]
+    grammars = [r.grammar for r in reqs]
+    if positions is None or width == 1:  # the root alone: its mask needs no token
+        tokens, parents = [[0]] * len(reqs), [None] * len(reqs)
+    else:
+        tokens, parents = _nodes(positions, rows)
+    start = time.perf_counter()
+    allowed = torch.from_numpy(allowed_masks(grammars, tokens, parents, width))  # [R, W, V]
+    share = (time.perf_counter() - start) / sum(g is not None for g in grammars)  # each row's part of the batch's
+    for r in reqs:
+        if r.grammar is not None:
+            r.metrics.grammar_mask_s = (r.metrics.grammar_mask_s or 0.0) + share
+    return torch.where(allowed.to(x.device, non_blocking=True), x, float("-inf"))
 
 
-def _parents(anc: np.ndarray, depth: np.ndarray) -> list[int]:
-    """[W, W] ancestor mask and [W] depths -> each node's parent (-1 for the root)."""
-    parent = anc & (depth[None, :] == depth[:, None] - 1)  # [W, W]: i is j's parent
-    found = parent.any(axis=-1)
-    idx = parent.argmax(axis=-1)
-    return [int(p) if f else (-1 if j == 0 else 0) for j, (p, f) in enumerate(zip(idx.tolist(), found.tolist()))]
+def _nodes(positions: Positions, rows: Sequence[int]) -> tuple[list[list[int]], list[list[int] | None]]:
+    """Per row (``rows`` of the batch): its nodes' tokens, and their parents (-1 for the root), or
+    None where the row is a chain (node j's parent j - 1), read from the positions at once."""
+    tokens = positions.tokens.cpu().numpy()[rows]  # [R, W]
+    anc, depth = positions.anc.cpu().numpy()[rows], positions.depth.cpu().numpy()[rows]  # [R, W, W], [R, W]
+    width = tokens.shape[1]
+    parent = anc & (depth[:, None, :] == depth[:, :, None] - 1)  # [R, W, W]: i is j's parent
+    parents = np.where(parent.any(axis=-1), parent.argmax(axis=-1), 0)  # [R, W]
+    parents[:, 0] = -1
+    chain = (parents == np.arange(-1, width - 1)).all(axis=-1)  # [R]
+    return tokens.tolist(), [None if c else p for c, p in zip(chain.tolist(), parents.tolist())]
 
 
 def _padded(lists: Sequence[Sequence[int]]) -> torch.Tensor:  # [R, L] padded with -1 (token_counts drops it)

@@ -34,7 +34,8 @@ class SpecMetrics:
     drafter_version: str | None = None
     accepted_by_version: dict[str, list[int]] = field(default_factory=dict)
     # Structured outputs (engine/grammar.py): seconds compiling the request's grammar where it
-    # entered (0 when cached), and filling its masks at every scored position; None: unconstrained.
+    # entered (0 when cached), and its share of filling each step's masks (made for the batch at
+    # once); None: unconstrained.
     grammar_compile_s: float | None = None
     grammar_mask_s: float | None = None
     grammar_cut_tokens: int | None = None  # deterministic draft tokens the grammar refused (cut before verifying)
