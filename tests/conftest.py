@@ -81,18 +81,60 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+SHARED_GROUPS = {
+    "serve-apps": {"main_url", "guarded_url", "demo_url"},
+    "coordinators": {"tiny_coordinator", "tiny_colocated_coordinator", "colocated_url"},
+}
+"""Session fixtures that start applications or coordinators (tests/serving.py): the files that
+use one run on one xdist worker, so each starts once per run instead of once per worker."""
+
+
+def _group(fixtures: set) -> str | None:
+    return next((name for name, used in SHARED_GROUPS.items() if used & fixtures), None)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Process-starting tests marked ``slow``; the files that took longest first."""
+    """Process-starting tests marked ``slow``; under xdist, a file that uses a shared
+    application or coordinator joins that fixture's group (a ``@group`` suffix on its test ids,
+    as xdist's loadgroup writes it); the longest files and groups first."""
+    files: dict[str, set] = {}
     for item in items:
-        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+        used = set(getattr(item, "fixturenames", ()))
+        files.setdefault(item.path.name, set()).update(used)
+        if PROCESS_FIXTURES & used:
             item.add_marker(pytest.mark.slow)
     try:
         with open(DURATIONS) as fh:
             seconds = json.load(fh)
     except (OSError, ValueError):
         seconds = {}
-    items.sort(key=lambda item: -seconds.get(item.path.name, 0.0))
+    group = {name: _group(used) for name, used in files.items()}
+    scope = {name: group[name] or name for name in files}
+    total: dict[str, float] = {}
+    for name in files:
+        total[scope[name]] = total.get(scope[name], 0.0) + seconds.get(name, 0.0)
+    if hasattr(config, "workerinput"):
+        for item in items:
+            if group[item.path.name]:
+                item._nodeid = f"{item.nodeid}@{group[item.path.name]}"
+    items.sort(key=lambda item: (-total[scope[item.path.name]], scope[item.path.name]))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole files to whichever worker is free, as ``--dist loadfile``; a group's files (the
+    ``@group`` suffix above) as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Grouped(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):
+                return nodeid.rsplit("@", 1)[1]
+            return super()._split_scope(nodeid)
+
+    return Grouped(config, log)
 
 
 _seconds: dict[str, float] = {}

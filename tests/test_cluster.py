@@ -2,13 +2,21 @@
 checks, the KubeRay RayService has every key its CRD requires, both run cluster/serve.yaml's
 application, its builder makes specray's Serve app from the manifest's args with no cluster, and
 ``serve run`` of the same Serve config answers a request (on the tiny pair, in FP8 as the
-manifest asks)."""
+manifest asks), beside examples/serve.yaml's application in the same run."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
+import os
 import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 
 import httpx
 import pytest
@@ -17,6 +25,7 @@ import yaml
 ray = pytest.importorskip("ray")
 
 from tests.conftest import decode, encode, free_port, hf_greedy  # noqa: E402
+from tests.test_serve_autoscale import wait_for  # noqa: E402
 
 CLUSTER = pathlib.Path(__file__).resolve().parents[1] / "cluster"
 
@@ -110,36 +119,142 @@ def test_the_rayservice_serve_config_builds_specrays_app():
         assert config.engine.engine_config().max_num_seqs == 16
 
 
+# -- serve run <yaml> --------------------------------------------------------------------------
+def _serve_executable() -> list[str]:
+    exe = pathlib.Path(sys.executable).with_name("serve")
+    return [str(exe)] if exe.exists() else [sys.executable, "-c", "from ray.serve.scripts import cli; cli()"]
+
+
+def _pids_with_env(marker: str) -> list[int]:
+    """Processes whose environment holds ``marker`` (our private RAY_TMPDIR): the `serve
+    run` process and everything its Ray started, workers included (they leave the
+    process group, and retitle themselves, but keep the environment)."""
+    needle = marker.encode()
+    pids = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _stop(proc: subprocess.Popen, marker: str) -> list[int]:
+    """SIGINT (serve run shuts Serve and its own Ray down), then SIGKILL whatever of ours
+    is left, by pid. Never `ray stop`: other Rays run on this machine."""
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:
+        pass
+    # Alone, serve run is down well within this; beside the rest of the suite it never was in
+    # 65 s (24 leftovers in both whole-suite runs here), so waiting longer only costs CI time.
+    try:
+        proc.wait(timeout=25)
+    except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 10
+    while _pids_with_env(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    # SIGKILL what is left until nothing is: in two whole-suite runs on one machine, one of 24
+    # leftovers was still listed right after a single round of kills (still being torn down, or
+    # forked by a daemon as the others died).
+    killed: set[int] = set()
+    deadline = time.monotonic() + 30
+    while (left := _pids_with_env(marker)) and time.monotonic() < deadline:
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        killed.update(left)
+        time.sleep(0.2)
+    proc.wait(timeout=30)
+    return sorted(killed)
+
+
+@contextlib.contextmanager
+def serve_run(config: pathlib.Path, tmp_path: pathlib.Path, port: int, routes: tuple[str, ...] = ("",)):
+    """``serve run CONFIG`` in a Ray of its own (private RAY_TMPDIR: it would otherwise join the
+    newest cluster recorded under /tmp/ray), answering /v1/models under each of ``routes`` on ``port`` when this
+    yields its base URL; stopped by SIGINT (then SIGKILL by pid for leftovers) on the way out."""
+    ray_tmp = tempfile.mkdtemp(prefix="sr-", dir="/tmp")  # short: unix socket paths are limited
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_NAMESPACE")}
+    marker = f"RAY_TMPDIR={ray_tmp}"
+    env.update(RAY_TMPDIR=ray_tmp, SPECRAY_WORKER_THREADS="1", HF_HUB_OFFLINE="1")
+    log_path = tmp_path / "serve-run.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*_serve_executable(), "run", str(config)], cwd=tmp_path, env=env, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def models_answer() -> bool:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            try:
+                return all(httpx.get(f"{base}{r}/v1/models", timeout=5).status_code == 200 for r in routes)
+            except httpx.HTTPError:
+                return False
+
+        wait_for(models_answer, 150, "serve run answering /v1/models", interval=1)
+        assert len(_pids_with_env(marker)) > 3  # serve run, its Ray's daemons and workers
+        yield base
+    finally:
+        killed = _stop(proc, marker)
+        print(f"serve run stopped by SIGINT; {len(killed)} leftover process(es) needed SIGKILL")
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not _pids_with_env(marker)
+
+
 @pytest.mark.slow  # starts processes
 @pytest.mark.timeout(300)
-def test_serve_run_of_the_manifests_serve_config_answers(tmp_path, tiny_tok, tiny_pair):
-    """The RayService's Serve config through `serve run`, with the tiny pair (and its tokenizer)
-    in place of the models, on CPU and a free loopback port: a completion equal to the FP8 tiny
-    target's greedy continuation."""
+def test_serve_run_of_the_manifests_and_the_examples_serve_configs_answers(tmp_path, tiny_tok, tiny_pair):
+    """One `serve run` in a Ray of its own, on CPU and a free loopback port, of a Serve config
+    holding two applications: the RayService's (FP8, as the manifest asks) and
+    examples/serve.yaml's, each under its own route prefix, the tiny pair in place of the
+    models. The manifest's answers the FP8 tiny target's greedy continuation; the example's
+    drafts, and refuses chat with a clear 400 (no tokenizer there, so no chat template)."""
     from specray.engine.quantization import quantize_linears
-    from tests.test_serve_autoscale import serve_run
 
-    doc = rayservice_serve_config()
     port = free_port()
-    doc["http_options"] = {"host": "127.0.0.1", "port": port}
-    (app,) = doc["applications"]
-    args = app["args"]
-    args["engine"].update(target=tiny_tok["target"], draft=tiny_tok["draft"], tokenizer=tiny_tok["tokenizer"],
-                          max_model_len=256, max_num_seqs=4)
-    args["engine"]["placement"]["target"] = {"num_gpus": 0, "num_cpus": 0.5}  # fits a 2-CPU machine, no GPU
-    args["autoscaling"]["max_replicas"] = 1
+    (manifest,) = rayservice_serve_config()["applications"]
+    engine = manifest["args"]["engine"]
+    engine.update(target=tiny_tok["target"], draft=tiny_tok["draft"], tokenizer=tiny_tok["tokenizer"],
+                  max_model_len=256, max_num_seqs=4)
+    engine["placement"]["target"] = {"num_gpus": 0, "num_cpus": 0.5}  # fits a 2-CPU machine, no GPU
+    manifest["args"]["autoscaling"]["max_replicas"] = 1
+    example_doc = yaml.safe_load((CLUSTER.parent / "examples" / "serve.yaml").read_text())
+    (example,) = example_doc["applications"]
+    example["args"]["engine"].update(target=tiny_tok["target"], draft=tiny_tok["draft"])
+    example["args"]["engine"]["placement"]["target"] = {"num_cpus": 0.5}
+    doc = {**example_doc, "http_options": {"host": "127.0.0.1", "port": port},
+           "applications": [{**manifest, "name": "manifest", "route_prefix": "/manifest"},
+                            {**example, "name": "example", "route_prefix": "/example"}]}
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump(doc))
     target = copy.deepcopy(tiny_pair[0])
     quantize_linears(target)
     expected = decode(hf_greedy(target, encode("abcabcab"), 8))
 
-    with serve_run(config, tmp_path, port) as base:
-        model = args["model_name"]
-        assert httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"] == model
+    with serve_run(config, tmp_path, port, routes=("/manifest", "/example")) as base:
+        url, model = f"{base}/manifest", manifest["args"]["model_name"]
+        assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == model
         body = {"model": model, "prompt": "abcabcab", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         reply = r.json()
         assert reply["choices"][0]["text"] == expected
         assert reply["speculation_metrics"][0]["method"] == "draft"
+
+        url, model = f"{base}/example", example["args"]["model_name"]
+        assert httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"] == model
+        body = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 8, "temperature": 0,
+                "speculation": {"method": "draft", "num_speculative_tokens": 3}}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8 and r.json()["speculation_metrics"][0]["num_drafts"] > 0
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                          json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]

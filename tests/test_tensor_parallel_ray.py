@@ -95,11 +95,10 @@ def test_http_at_tp2_with_the_draft_split_too(server, tiny_tok, tiny_pair):
 
 @pytest.fixture(scope="class")
 def colocated_tp2(ray_session, tiny_tok, heads):
-    """One colocated TP 2 coordinator for the class's two tests (the second kills a rank of it:
-    it runs last), given back when the class ends: the tests after it need both GPUs. Its step
-    is ``compile``: the all-reduces are functional collectives traced into each graph (fullgraph:
-    a graph break would raise), on every rank, for every method; the eager step at TP 2 is the
-    other entry points' below."""
+    """One colocated TP 2 coordinator for the class's tests, given back when the class ends:
+    the tests after it need both GPUs. Its step is ``compile``: the all-reduces are functional
+    collectives traced into each graph (fullgraph: a graph break would raise), on every rank,
+    for every method; the eager step at TP 2 is the other entry points' below."""
     c = Coordinator.remote({**tiny_tok, **heads, **TP2, "step": "compile", "max_num_seqs": 3,
                             "placement": {"mode": "colocated"}})
     yield c
@@ -125,10 +124,12 @@ class TestColocatedTP2:
 
         constrained_outputs_match(colocated_tp2, tiny_pair[0], char_tokenizer, ["draft", "medusa", "ngram"])
 
-    def test_a_lost_rank_replays_the_replicas_requests(self, colocated_tp2, tiny_pair, references):
-        """Kill rank 1 during streams: every request finishes with the undisturbed greedy output
-        (replayed on a rebuilt group); later requests succeed."""
-        c = colocated_tp2
+
+def test_a_lost_rank_replays_the_replicas_requests(ray_session, tiny_checkpoints, tiny_pair, references):
+    """Kill rank 1 of a colocated TP 2 group (eager step) during streams: every request finishes
+    with the undisturbed greedy output (replayed on a rebuilt group); later requests succeed."""
+    c = Coordinator.remote({**tiny_checkpoints, **TP2, "max_num_seqs": 4, "placement": {"mode": "colocated"}})
+    try:
         ray.get(c.ready.remote())
         long = {**GREEDY, "max_tokens": 40}
         prompts = PROMPTS[:4]
@@ -147,6 +148,8 @@ class TestColocatedTP2:
         assert [o["token_ids"] for o in outs] == references[:3]
         new_engine = ray.get(c.workers.remote())["engine"]
         assert ray.get(new_engine.tensor_parallel.remote())["actors"][0] != rank1  # a new group
+    finally:
+        shutdown(c)
 
 
 # -- placement -------------------------------------------------------------------------------------
