@@ -2,7 +2,8 @@
 eager and static steps, every Markov variant, a reduced draft vocabulary), exact sampling, the
 Markov head's effect on the draft (rank 0 drafts exactly as DFlash), the confidence head's
 estimates on each draft row, the start-up header check and the refusal of other drafters'
-weights, and a short training run writing the layout."""
+weights, the block drafters through a coordinator's actors, and a short training run writing
+the layout."""
 
 from __future__ import annotations
 
@@ -314,6 +315,22 @@ def test_dspark_from_the_command_line(tiny_pair, tiny_tok, published, capsys):
     assert json.loads(capsys.readouterr().out)["token_ids"] == want
     assert main([*common, "--method", "dspark", "--num-speculative-tokens", "6", "--dspark", published[0]]) == 2
     assert "6 exceeds the 5 tokens a DSpark block of 5 drafts" in capsys.readouterr().err
+
+
+def test_block_drafters_through_the_coordinator(tiny_coordinator, tiny_pair):
+    """Actor handles: DSpark and DFlash beside the target in the separate layout's engine worker,
+    ragged prompts in flight together, each request's own block size; greedy equals HF's."""
+    import ray
+
+    from tests.test_actors import GREEDY as GREEDY_DICT, PROMPTS
+
+    specs = [{"method": "dspark", "num_speculative_tokens": 4}, {"method": "dflash", "num_speculative_tokens": 3},
+             {"method": "dspark"}, {"method": "dflash"}]
+    refs = [tiny_coordinator.generate.remote([p], GREEDY_DICT, s) for p, s in zip(PROMPTS, specs)]
+    outs = [ray.get(r)[0] for r in refs]
+    assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_pair[0], p, GREEDY_DICT["max_tokens"])
+                                              for p in PROMPTS[:len(specs)]]
+    assert all(o["metrics"]["num_drafts"] > 0 for o in outs)
 
 
 # -- training ---------------------------------------------------------------------------------------------
