@@ -319,7 +319,7 @@ def test_dspark_from_the_command_line(tiny_pair, tiny_tok, published, capsys):
 
 def test_block_drafters_through_the_coordinator(tiny_coordinator, tiny_pair):
     """Actor handles: DSpark and DFlash beside the target in the separate layout's engine worker,
-    ragged prompts in flight together, each request's own block size; greedy equals HF's."""
+    ragged prompts in flight together, each request's own k or the budget's; greedy equals HF's."""
     import ray
 
     from tests.test_actors import GREEDY as GREEDY_DICT, PROMPTS
@@ -330,7 +330,9 @@ def test_block_drafters_through_the_coordinator(tiny_coordinator, tiny_pair):
     outs = [ray.get(r)[0] for r in refs]
     assert [o["token_ids"] for o in outs] == [hf_greedy(tiny_pair[0], p, GREEDY_DICT["max_tokens"])
                                               for p in PROMPTS[:len(specs)]]
-    assert all(o["metrics"]["num_drafts"] > 0 for o in outs)
+    # An explicit k drafts every step; without one the verification budget decides (from step
+    # costs measured on this machine), so only those rows' output is checked.
+    assert all(o["metrics"]["num_drafts"] > 0 for o, s in zip(outs, specs) if "num_speculative_tokens" in s)
 
 
 # -- training ---------------------------------------------------------------------------------------------
