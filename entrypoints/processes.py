@@ -48,7 +48,8 @@ def descendants(pid: int | None = None) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
@@ -61,10 +62,10 @@ def reap(pids: list[int], timeout_s: float = 20.0) -> list[int]:
     """Wait up to ``timeout_s`` for ``pids`` to exit, then SIGKILL those left (named in one
     warning); the pids that had to be killed."""
     deadline = time.monotonic() + timeout_s
-    left = [p for p in pids if _alive(p)]
+    left = [p for p in pids if alive(p)]
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        left = [p for p in left if _alive(p)]
+        left = [p for p in left if alive(p)]
     for p in left:
         try:
             os.kill(p, signal.SIGKILL)

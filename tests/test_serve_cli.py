@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from specray.entrypoints.processes import alive, descendants
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SPECRAY = [sys.executable, "-m", "specray.entrypoints.cli"]
@@ -29,21 +31,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
-    found = []
-    for child in map(int, out):
-        found += [child, *descendants(child)]
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def listening(pids: list[int]) -> list[str]:
