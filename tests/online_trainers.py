@@ -37,3 +37,15 @@ def slow(bp, serving, traces, cfg):
     """A round that takes long (to be killed in the middle of it)."""
     time.sleep(120)
     return O.train_round(bp, serving, traces, cfg)
+
+
+_rounds = 0
+"""Rounds this trainer process has run (a trainer Ray restarts counts from zero again)."""
+
+
+def worse_then_slow(bp, serving, traces, cfg):
+    """The first round judges a candidate forced worse (``worse``); every later one takes long
+    (``slow``: to be killed in the middle of it). One replica shows the gate and the faults in turn."""
+    global _rounds
+    _rounds += 1
+    return (worse if _rounds == 1 else slow)(bp, serving, traces, cfg)

@@ -1,14 +1,13 @@
-"""The Ray actor system: placement, lossless greedy through the coordinator, faults."""
+"""The Ray actor system through the session's coordinators (tests/serving.py): lossless greedy,
+streams, concurrent arrivals, refused requests, and a failing row, in both layouts. Tests that
+need a coordinator of their own (GPU and node placement, long streams, faults) are in
+tests/test_actor_faults.py."""
 
-import json
-import subprocess
-import sys
 import time
 
 import pytest
 import ray
 
-from specray.actors.coordinator import Coordinator
 from tests.conftest import hf_greedy
 
 GREEDY = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -18,14 +17,6 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 1, 2, 3], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 
 @pytest.fixture(scope="module")
 def references(tiny_pair):
     return [hf_greedy(tiny_pair[0], p, GREEDY["max_tokens"]) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def coordinator(ray_session, tiny_checkpoints):
-    c = Coordinator.remote({**tiny_checkpoints, "max_num_seqs": 3})
-    ray.get(c.ready.remote())
-    yield c
-    shutdown(c)
 
 
 def shutdown(coordinator) -> None:
@@ -39,105 +30,83 @@ def shutdown(coordinator) -> None:
         time.sleep(0.1)
 
 
-def test_target_and_draft_hold_different_gpus(coordinator):
-    workers = ray.get(coordinator.workers.remote())
-    target_gpus = ray.get(workers["target"].gpu_ids.remote())
-    draft_gpus = ray.get(workers["draft"].gpu_ids.remote())
-    assert len(target_gpus) == len(draft_gpus) == 1 and target_gpus != draft_gpus
+def workers_up(coordinator):
+    """A readiness wait: every worker of ``coordinator`` constructed. At start an engine waits
+    for its proposer workers only so long, then decodes plainly until they are up (a loaded
+    machine can take longer); tests that count drafts wait for them. Returns ``coordinator``."""
+    ray.get([handle.__ray_ready__.remote() for handle in ray.get(coordinator.workers.remote()).values()])
+    return coordinator
 
 
-def test_concurrent_requests_arriving_at_different_times(coordinator, references):
+def test_concurrent_requests_arriving_at_different_times(tiny_coordinator, references):
+    workers_up(tiny_coordinator)
     methods = ["none", "draft", "ngram", "draft", "ngram"]
     refs = []
     for i, (prompt, method) in enumerate(zip(PROMPTS, methods)):
         spec = {"method": method, "num_speculative_tokens": 1 + i % 4}
-        refs.append(coordinator.generate.remote([prompt], GREEDY, spec))
+        refs.append(tiny_coordinator.generate.remote([prompt], GREEDY, spec))
         time.sleep(0.05 * i)  # later requests join a running batch
     outs = [ray.get(r)[0] for r in refs]
     assert [o["token_ids"] for o in outs] == references
     assert sum(o["metrics"]["num_drafts"] for o in outs) > 0
 
 
-def test_stream_yields_incremental_tokens(coordinator, references):
-    deltas = [ray.get(ref)["new_token_ids"] for ref in coordinator.stream.remote(PROMPTS[0], GREEDY, {"method": "draft"})]
+def test_stream_yields_incremental_tokens(tiny_coordinator, references):
+    deltas = [ray.get(ref)["new_token_ids"]
+              for ref in tiny_coordinator.stream.remote(PROMPTS[0], GREEDY, {"method": "draft"})]
     assert len(deltas) > 2 and sum(deltas, []) == references[0]
 
 
-def test_bad_parameters_raise_value_error(coordinator):
+def test_bad_parameters_raise_value_error(tiny_coordinator):
     with pytest.raises(ValueError, match="unknown speculation method"):
-        ray.get(coordinator.generate.remote([[1, 2]], GREEDY, {"method": "bogus"}))
+        ray.get(tiny_coordinator.generate.remote([[1, 2]], GREEDY, {"method": "bogus"}))
     with pytest.raises(ValueError, match="max_tokens"):
-        ray.get(coordinator.generate.remote([[1, 2]], {"max_tokens": -1}))
+        ray.get(tiny_coordinator.generate.remote([[1, 2]], {"max_tokens": -1}))
 
 
-def test_a_request_list_with_one_bad_prompt_runs_none_of_it(coordinator):
+def test_a_request_list_with_one_bad_prompt_runs_none_of_it(tiny_coordinator):
     """Admitted whole or refused whole: every record is made before any is queued."""
     with pytest.raises(ValueError, match="prompt token ids"):
-        ray.get(coordinator.generate.remote([[1, 2], [3, 4], [10**6]], GREEDY))
-    assert ray.get(coordinator.stats.remote())["in_flight"] == 0
-    assert ray.get(coordinator.generate.remote([[1, 2]], {**GREEDY, "max_tokens": 2}))[0]["token_ids"]
+        ray.get(tiny_coordinator.generate.remote([[1, 2], [3, 4], [10**6]], GREEDY))
+    assert ray.get(tiny_coordinator.stats.remote())["in_flight"] == 0
+    assert ray.get(tiny_coordinator.generate.remote([[1, 2]], {**GREEDY, "max_tokens": 2}))[0]["token_ids"]
 
 
-TWO_NODES = r"""
-import json, sys, ray
-from ray.cluster_utils import Cluster
-from specray.actors.coordinator import Coordinator
-ckpt, prompts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1})
-cluster.add_node(num_cpus=2, num_gpus=1)
-ray.init(address=cluster.address, log_to_driver=False)
-try:
-    c = Coordinator.options(num_cpus=0).remote({**ckpt, "placement": {"strategy": "STRICT_SPREAD"}})
-    ray.get(c.ready.remote())
-    w = ray.get(c.workers.remote())
-    nodes = [ray.get(w[r].node_id.remote()) for r in ("target", "draft")]
-    outs = ray.get(c.generate.remote(prompts, {"max_tokens": 24, "temperature": 0, "ignore_eos": True},
-                                     {"method": "draft", "num_speculative_tokens": 3}))
-    print("RESULT " + json.dumps({"nodes": nodes, "tokens": [o["token_ids"] for o in outs]}))
-finally:
-    ray.shutdown()
-    cluster.shutdown()
-"""
-
-
-@pytest.mark.slow  # starts processes
-def test_two_node_placement_matches_single_process(tiny_checkpoints, references):
-    """Draft on one simulated node, target on the other (own Ray, in a subprocess)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", TWO_NODES, json.dumps(tiny_checkpoints), json.dumps(PROMPTS)],
-        capture_output=True, text=True, timeout=240,
-    )
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
-    result = json.loads(line[len("RESULT "):])
-    assert result["nodes"][0] != result["nodes"][1]
-    assert result["tokens"] == references
-
-
+@pytest.mark.slow  # the session's coordinators (asked for by name, so not marked by their fixture)
 @pytest.mark.parametrize("mode", ["separate", "colocated"])
-def test_a_long_stream_costs_the_same_per_chunk(ray_session, tmp_path, mode):
-    """What the coordinator streams per step is that step's delta: a chunk 500 tokens into a
-    stream is no bigger than one at its start (the whole output is never shipped per step)."""
-    import pickle
+def test_draft_model_and_medusa_through_the_coordinator(request, references, mode):
+    """Both layouts, more prompts than slots: greedy output as plain decoding's for a draft
+    model and for Medusa heads on the target."""
+    c = workers_up(request.getfixturevalue("tiny_coordinator" if mode == "separate" else "tiny_colocated_coordinator"))
+    for spec in ({"method": "draft", "num_speculative_tokens": 3}, {"method": "medusa", "tree": "trtllm_example"}):
+        outs = ray.get(c.generate.remote(PROMPTS, GREEDY, spec))
+        assert [o["token_ids"] for o in outs] == references, spec
+        assert sum(o["metrics"]["num_drafts"] for o in outs) > 0, spec
 
-    from tests.conftest import tiny_llama
 
-    model = tiny_llama()
-    model.config.max_position_embeddings = 4096  # rotary positions: nothing in the weights bounds them
-    model.save_pretrained(tmp_path / "target")
-    n = 512
-    beside = {"num_gpus": 0, "num_cpus": 0.25}  # the module's coordinator holds both GPUs
-    c = Coordinator.remote({"target": str(tmp_path / "target"), "max_num_seqs": 1, "max_model_len": n + 64,
-                            "placement": {"mode": mode, "target": beside, "ngram_cpus": 0.25}})
-    try:
-        chunks = [ray.get(ref) for ref in c.stream.remote(PROMPTS[0], {**GREEDY, "max_tokens": n},
-                                                           {"method": "ngram", "num_speculative_tokens": 3})]
-        tokens = sum((ch["new_token_ids"] for ch in chunks), [])
-        assert len(tokens) == n and chunks[-1]["finish_reason"] == "length"
-        assert "token_ids" not in chunks[0] and "prompt_token_ids" not in chunks[0]
-        size = [len(pickle.dumps(ch)) for ch in chunks[:-1]]  # the last one carries the metrics
-        early, late = max(size[:20]), max(size[-20:])
-        assert late <= early + 200, (early, late)  # the whole output would be a kilobyte more
-    finally:
-        ray.get(c.shutdown.remote())  # (no GPU of its own to wait for)
-        ray.kill(c)
+@pytest.mark.slow  # the session's coordinators (asked for by name, so not marked by their fixture)
+@pytest.mark.parametrize("mode, phase", [("colocated", "propose"), ("separate", "propose"), ("separate", "verify")])
+def test_a_failing_row_fails_alone_behind_ray(request, references, mode, phase):
+    """The toy method of tests/failing_method.py, registered in the session's coordinators and
+    every worker they start by Ray's setup hook (in the separate layout it drafts in a worker of
+    its own): the poisoned request finishes with 'error' and the message, the others in the
+    same batches finish as plain greedy decoding would, and the coordinator goes on serving
+    (the other tests that share it)."""
+    import re
+
+    from tests.failing_method import NAME, poisoned
+
+    c = workers_up(request.getfixturevalue("tiny_coordinator" if mode == "separate" else "tiny_colocated_coordinator"))
+    toy = {"method": NAME, "num_speculative_tokens": 3}
+    draft = {"method": "draft", "num_speculative_tokens": 3}
+    prompts = PROMPTS[:2] + [poisoned(phase)] + PROMPTS[2:4]
+    specs = [toy, draft, toy, toy, draft]
+    outs = ray.get(c.generate.remote(prompts, [GREEDY] * 5, specs))
+    bad = outs.pop(2)
+    assert bad["finished"] and bad["finish_reason"] == "error"
+    expected = "IndexError" if phase == "verify" else "poisoned row in propose"
+    assert bad["error"] and re.search(expected, bad["error"]), bad["error"]
+    assert [o["token_ids"] for o in outs] == references[:4]
+    assert all(o["finish_reason"] == "length" for o in outs)
+    again = ray.get(c.generate.remote(PROMPTS[:2], GREEDY, toy))
+    assert [o["token_ids"] for o in again] == references[:2]

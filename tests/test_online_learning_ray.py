@@ -93,78 +93,33 @@ def test_replicas_converge_to_what_the_learner_publishes(ray_session, tiny_check
         drop_learner(OnlineLearningConfig.model_validate(cfg["online_learning"]), "")
 
 
-def test_faults_never_reach_serving(ray_session, tiny_checkpoints, references):
-    """The trainer killed in the middle of a round, then the hub killed: every request completes
-    with the target's tokens, learning says it paused, and a new hub takes over."""
-    from specray.actors.coordinator import Coordinator
-    from specray.actors.learner import NAMESPACE, OnlineLearningConfig, drop_learner
-    from tests.test_actors import shutdown
+def test_a_worse_candidate_faults_and_loaded_versions_never_reach_the_output(ray_session, tiny_checkpoints, tiny_pair,
+                                                                            references, tmp_path):
+    """One replica in the separate layout (the draft model in a worker of its own), the target
+    drafting for itself (it accepts everything), shows in turn:
 
-    cfg = config(tiny_checkpoints, "test-online-faults", "slow")
-    c = Coordinator.remote(cfg)
-    try:
-        for _ in range(2):
-            serve(c)
-        wait_for(lambda: ray.get(c.drafters.remote("status"))["trainer"]["state"].startswith("training"),
-                 what="a round to start")
-        ray.kill(ray.get_actor("test-online-faults-trainer", namespace=NAMESPACE), no_restart=False)
-        assert [o["token_ids"] for o in serve(c)] == references
-        hub = ray.get_actor("test-online-faults", namespace=NAMESPACE)
-        ray.kill(hub, no_restart=True)
-        refs = [c.generate.remote([p], GREEDY, SPEC) for p in PROMPTS]  # in flight while the hub is gone
-        assert [ray.get(r)[0]["token_ids"] for r in refs] == references
-        status = wait_for(lambda: ray.get(c.drafters.remote("status")), what="a new hub")
-        assert status["replica"]["serving"]["draft"] == "draft@base"
-        assert status["buffer"]["bytes"] <= status["buffer"]["max_bytes"]
-    finally:
-        shutdown(c)
-        drop_learner(OnlineLearningConfig.model_validate(cfg["online_learning"]), "")
+    1. a candidate forced worse is judged by the gate and never served;
+    2. the trainer killed in the middle of a round, then the hub killed: every request completes
+       with the target's tokens, and a new hub takes over with the serving version unchanged;
+    3. a loaded version reaches the draft worker, which swaps it in place and rebuilds its slots
+       (a scrambled version accepts almost nothing; the target's weights loaded back, everything).
 
-
-def test_a_worse_candidate_is_never_served(ray_session, tiny_checkpoints, references):
-    from specray.actors.coordinator import Coordinator
-    from specray.actors.learner import OnlineLearningConfig, drop_learner
-    from tests.test_actors import shutdown
-
-    # The target drafting for itself accepts everything: a scrambled candidate is surely worse.
-    cfg = {**config(tiny_checkpoints, "test-online-worse", "worse", buffer_mb=0.05), "draft": tiny_checkpoints["target"]}
-    c = Coordinator.remote(cfg)
-    try:
-        for _ in range(2):
-            assert [o["token_ids"] for o in serve(c)] == references
-        status = wait_for(lambda: (s := ray.get(c.drafters.remote("status")))["rounds"] and s, what="a round")
-        assert not any(r["published"] for r in status["rounds"])
-        assert status["serving"]["draft"] == "draft@base" == status["replica"]["serving"]["draft"]
-        assert [v["version"] for v in status["versions"]["draft"]] == ["draft@base"]
-        assert status["buffer"]["bytes"] <= status["buffer"]["max_bytes"] == int(0.05 * 2**20)
-        outs = serve(c)
-        assert [o["token_ids"] for o in outs] == references
-        assert {o["metrics"]["drafter_version"] for o in outs} == {"draft@base"}
-        ray.get(c.drafters.remote("learning", enabled=False))
-        assert ray.get(c.drafters.remote("status"))["learning"] == "off"
-    finally:
-        shutdown(c)
-        drop_learner(OnlineLearningConfig.model_validate(cfg["online_learning"]), "")
-
-
-def test_a_loaded_version_reaches_the_draft_worker(ray_session, tiny_checkpoints, tiny_pair, references, tmp_path):
-    """Separate layout: the draft model runs in a worker of its own, which swaps a loaded
-    version in place and rebuilds its slots (the target drafting for itself accepts everything;
-    a scrambled version almost nothing; the target's weights loaded back, everything again)."""
+    Throughout, the output is the target's."""
     import copy
 
     import torch
 
     from specray.actors.coordinator import Coordinator
-    from specray.actors.learner import OnlineLearningConfig, drop_learner
-    from tests.test_actors import shutdown
+    from specray.actors.learner import NAMESPACE, OnlineLearningConfig, drop_learner
+    from tests.test_actors import shutdown, workers_up
 
     scrambled = copy.deepcopy(tiny_pair[0])
     with torch.no_grad():
         for p in scrambled.parameters():
             p.copy_(torch.randn_like(p))
     scrambled.save_pretrained(tmp_path / "scrambled")
-    cfg = {**config(tiny_checkpoints, "test-online-separate", "fast", learn=False), "draft": tiny_checkpoints["target"],
+    name = "test-online-separate"
+    cfg = {**config(tiny_checkpoints, name, "worse_then_slow", buffer_mb=0.05), "draft": tiny_checkpoints["target"],
            "placement": {"mode": "separate", "target": {"num_gpus": 0}, "draft": {"num_gpus": 0}}}
     c = Coordinator.remote(cfg)
 
@@ -172,14 +127,41 @@ def test_a_loaded_version_reaches_the_draft_worker(ray_session, tiny_checkpoints
         return sum(o["metrics"]["num_accepted_tokens"] for o in outs) / sum(o["metrics"]["num_draft_tokens"] for o in outs)
 
     try:
-        outs = serve(c)
-        assert [o["token_ids"] for o in outs] == references and acceptance(outs) == 1.0
-        for path, name, check in ((tmp_path / "scrambled", "draft@scrambled", lambda a: a < 0.5),
-                                  (tiny_checkpoints["target"], "draft@target", lambda a: a == 1.0)):
-            assert ray.get(c.drafters.remote("load", method="draft", path=str(path)))["version"] == name
+        workers_up(c)  # the draft worker drafts from the first request (acceptance counts its drafts)
+        # 1. The first round (its traffic fills it) scrambles its candidate: the gate refuses it.
+        for _ in range(2):
+            outs = serve(c)
+            assert [o["token_ids"] for o in outs] == references and acceptance(outs) == 1.0
+        status = wait_for(lambda: (s := ray.get(c.drafters.remote("status")))["rounds"] and s, what="a round")
+        assert not any(r["published"] for r in status["rounds"])
+        assert status["serving"]["draft"] == "draft@base" == status["replica"]["serving"]["draft"]
+        assert [v["version"] for v in status["versions"]["draft"]] == ["draft@base"]
+        assert status["buffer"]["bytes"] <= status["buffer"]["max_bytes"] == int(0.05 * 2**20)
+        outs = serve(c)  # (the traffic since the first round starts the next one, a long one)
+        assert [o["token_ids"] for o in outs] == references
+        assert {o["metrics"]["drafter_version"] for o in outs} == {"draft@base"}
+
+        # 2. The trainer killed in the middle of a round, then the hub.
+        wait_for(lambda: ray.get(c.drafters.remote("status"))["trainer"]["state"].startswith("training"),
+                 what="a round to start")
+        ray.kill(ray.get_actor(f"{name}-trainer", namespace=NAMESPACE), no_restart=False)
+        assert [o["token_ids"] for o in serve(c)] == references
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        refs = [c.generate.remote([p], GREEDY, SPEC) for p in PROMPTS]  # in flight while the hub is gone
+        assert [ray.get(r)[0]["token_ids"] for r in refs] == references
+        status = wait_for(lambda: ray.get(c.drafters.remote("status")), what="a new hub")
+        assert status["replica"]["serving"]["draft"] == "draft@base"
+        assert status["buffer"]["bytes"] <= status["buffer"]["max_bytes"]
+        ray.get(c.drafters.remote("learning", enabled=False))  # the runtime switch, on the new hub
+        assert ray.get(c.drafters.remote("status"))["learning"] == "off"
+
+        # 3. Loaded versions, served from the next step on.
+        for path, version, check in ((tmp_path / "scrambled", "draft@scrambled", lambda a: a < 0.5),
+                                     (tiny_checkpoints["target"], "draft@target", lambda a: a == 1.0)):
+            assert ray.get(c.drafters.remote("load", method="draft", path=str(path)))["version"] == version
             outs = serve(c)
             assert [o["token_ids"] for o in outs] == references
-            assert {o["metrics"]["drafter_version"] for o in outs} == {name} and check(acceptance(outs))
+            assert {o["metrics"]["drafter_version"] for o in outs} == {version} and check(acceptance(outs))
     finally:
         shutdown(c)
         drop_learner(OnlineLearningConfig.model_validate(cfg["online_learning"]), "")
