@@ -202,7 +202,7 @@ def tiny_coordinator(ray_session, tiny_methods):
 
     c = Coordinator.options(runtime_env=runtime_env()).remote({**tiny_methods, "max_num_seqs": 3, "placement": cpu_placement("separate"),
                             "suffix_cache": {"name": SUFFIX_TREE_ACTORS, "sync_every_requests": 1}})
-    yield c
+    yield workers_up(c)
     stop_coordinator(c)
     drop_shared_suffix_cache(SUFFIX_TREE_ACTORS)
 
@@ -214,8 +214,18 @@ def tiny_colocated_coordinator(ray_session, tiny_methods):
     from tests.failing_method import runtime_env
 
     c = Coordinator.options(runtime_env=runtime_env()).remote({**tiny_methods, "max_num_seqs": 3, "placement": cpu_placement("colocated")})
-    yield c
+    yield workers_up(c)
     stop_coordinator(c)
+
+
+def workers_up(coordinator):
+    """A readiness wait: every worker of ``coordinator`` constructed (an engine that starts
+    decodes plainly until its proposer workers are up, however long a loaded machine takes them,
+    so tests that count drafts start after this). Returns ``coordinator``."""
+    import ray
+
+    ray.get([h.__ray_ready__.remote() for h in ray.get(coordinator.workers.remote()).values()])
+    return coordinator
 
 
 def stop_coordinator(c) -> None:

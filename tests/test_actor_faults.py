@@ -13,7 +13,8 @@ import ray
 
 from specray.actors.coordinator import Coordinator, StartError
 from tests.conftest import hf_greedy
-from tests.test_actors import GREEDY, PROMPTS, references, shutdown, workers_up  # noqa: F401
+from tests.serving import workers_up
+from tests.test_actors import GREEDY, PROMPTS, references, shutdown  # noqa: F401
 
 LONG = 512
 """A long stream's tokens: its last chunks come 500 tokens in (the whole output would be a kilobyte)."""

@@ -30,16 +30,7 @@ def shutdown(coordinator) -> None:
         time.sleep(0.1)
 
 
-def workers_up(coordinator):
-    """A readiness wait: every worker of ``coordinator`` constructed. At start an engine waits
-    for its proposer workers only so long, then decodes plainly until they are up (a loaded
-    machine can take longer); tests that count drafts wait for them. Returns ``coordinator``."""
-    ray.get([handle.__ray_ready__.remote() for handle in ray.get(coordinator.workers.remote()).values()])
-    return coordinator
-
-
 def test_concurrent_requests_arriving_at_different_times(tiny_coordinator, references):
-    workers_up(tiny_coordinator)
     methods = ["none", "draft", "ngram", "draft", "ngram"]
     refs = []
     for i, (prompt, method) in enumerate(zip(PROMPTS, methods)):
@@ -77,7 +68,7 @@ def test_a_request_list_with_one_bad_prompt_runs_none_of_it(tiny_coordinator):
 def test_draft_model_and_medusa_through_the_coordinator(request, references, mode):
     """Both layouts, more prompts than slots: greedy output as plain decoding's for a draft
     model and for Medusa heads on the target."""
-    c = workers_up(request.getfixturevalue("tiny_coordinator" if mode == "separate" else "tiny_colocated_coordinator"))
+    c = request.getfixturevalue("tiny_coordinator" if mode == "separate" else "tiny_colocated_coordinator")
     for spec in ({"method": "draft", "num_speculative_tokens": 3}, {"method": "medusa", "tree": "trtllm_example"}):
         outs = ray.get(c.generate.remote(PROMPTS, GREEDY, spec))
         assert [o["token_ids"] for o in outs] == references, spec
@@ -96,7 +87,7 @@ def test_a_failing_row_fails_alone_behind_ray(request, references, mode, phase):
 
     from tests.failing_method import NAME, poisoned
 
-    c = workers_up(request.getfixturevalue("tiny_coordinator" if mode == "separate" else "tiny_colocated_coordinator"))
+    c = request.getfixturevalue("tiny_coordinator" if mode == "separate" else "tiny_colocated_coordinator")
     toy = {"method": NAME, "num_speculative_tokens": 3}
     draft = {"method": "draft", "num_speculative_tokens": 3}
     prompts = PROMPTS[:2] + [poisoned(phase)] + PROMPTS[2:4]

@@ -111,7 +111,8 @@ def test_a_worse_candidate_faults_and_loaded_versions_never_reach_the_output(ray
 
     from specray.actors.coordinator import Coordinator
     from specray.actors.learner import NAMESPACE, OnlineLearningConfig, drop_learner
-    from tests.test_actors import shutdown, workers_up
+    from tests.serving import workers_up
+    from tests.test_actors import shutdown
 
     scrambled = copy.deepcopy(tiny_pair[0])
     with torch.no_grad():
