@@ -210,13 +210,17 @@ def test_every_architecture_at_tp2_equals_hf_generate(name):
 
     target, draft, heads, refs = family(name)
     with thread_group(2) as runners:
-        e = LLMEngine(EngineConfig(target="x", max_num_seqs=4, tensor_parallel_size=2),
+        # Static speculation lengths: every row drafts, whatever this machine's timings.
+        e = LLMEngine(EngineConfig(target="x", max_num_seqs=4, tensor_parallel_size=2,
+                                   speculation_length=SpeculationLengthPolicy()),
                       target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft), medusa_heads=heads,
                       runners=runners)
         for method in ("none", "draft", "ngram", "medusa"):
             spec = SpeculationParams(method=method) if method in ("none", "medusa") else \
                 SpeculationParams(method=method, num_speculative_tokens=3)
+            drafts = e.totals.num_drafts
             assert [o.token_ids for o in e.generate(PROMPTS[:4], ARCH_GREEDY, spec)] == refs[:4], method
+            assert (e.totals.num_drafts > drafts) == (method != "none"), method
 
 
 @pytest.mark.parametrize("method", ["draft", "ngram"])
@@ -225,7 +229,10 @@ def test_sampling_at_tp2_keeps_the_target_distribution(method):
 
     target, draft = tiny_llama(vocab=VOCAB, seed=3, init=0.25), tiny_llama(vocab=VOCAB, layers=1, seed=4, init=0.25)
     with thread_group(2) as runners:
-        e = LLMEngine(EngineConfig(target="x", max_num_seqs=64, tensor_parallel_size=2),
+        # No start-up profile: every row sets its k, which the budget keeps (the cost table
+        # changes no sample). Each row's seed fixes its sample whatever the batch: large
+        # batches, few steps.
+        e = LLMEngine(EngineConfig(target="x", max_num_seqs=1024, tensor_parallel_size=2, profile_costs=False),
                       target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft), runners=runners)
         params = [SamplingParams(seed=i, **PARAMS) for i in range(N)]
         outs = e.generate([PROMPT] * N, params, SpeculationParams(method=method, num_speculative_tokens=3))
