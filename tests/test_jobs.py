@@ -96,6 +96,14 @@ def _assert_resources_back(ray, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
+def _run_in_process(argv: list[str], ray, capsys) -> tuple[dict, str]:
+    """``jobs.main(argv)`` in this process, which succeeds and gives its resources back: (its
+    summary, the output file's text)."""
+    assert jobs.main(argv) == 0
+    _assert_resources_back(ray)
+    return _summary_from_stdout(capsys.readouterr().out), Path(argv[argv.index("--output") + 1]).read_text()
+
+
 def _sampled_records():
     """No sampling given: SamplingParams() (16 tokens, temperature 1); seeded samples repeat."""
     seeded = {"prompt": [4, 5], "sampling": {"max_tokens": 7, "seed": 3, "temperature": 1.0}}
@@ -126,57 +134,6 @@ def _check_output(lines: list[dict], recs, target) -> None:
             assert o["metrics"]["num_drafts"] > 0
             assert max(len(o["metrics"]["accepted_per_pos"]), 1) <= (r.get("speculation") or {}).get(
                 "num_speculative_tokens", 3)
-
-
-def test_job_in_process_order_greedy_and_resume(ray_session, tiny_dirs, tmp_path, capsys, monkeypatch):
-    target, config = tiny_dirs
-    sampled, recs = _sampled_records(), _records()
-    inp = _write_jsonl(tmp_path / "prompts.jsonl", sampled + recs)
-    out = tmp_path / "out.jsonl"
-    argv = ["--input", str(inp), "--output", str(out), "--config", str(config), "--batch-size", "3"]
-
-    assert jobs.main(argv) == 0
-    _assert_resources_back(ray_session)
-    summary = _summary_from_stdout(capsys.readouterr().out)
-    text = out.read_text()
-    all_lines = [json.loads(x) for x in text.splitlines()]
-    assert [o["index"] for o in all_lines] == list(range(len(sampled) + len(recs)))
-    _check_sampled(all_lines[: len(sampled)])
-    lines = [{**o, "index": o["index"] - len(sampled)} for o in all_lines[len(sampled):]]
-    _check_output(lines, recs, target)
-
-    lines = all_lines
-    total_tokens = sum(len(o["token_ids"]) for o in lines)
-    assert summary == json.loads(Path(f"{out}.metrics.json").read_text())
-    assert summary["prompts_total"] == summary["prompts_done"] == len(lines)
-    assert summary["prompts_skipped"] == 0
-    assert summary["generated_tokens"] == total_tokens
-    drafts = sum(o["metrics"]["num_drafts"] for o in lines)
-    accepted = sum(o["metrics"]["num_accepted_tokens"] for o in lines)
-    assert summary["num_drafts"] == drafts > 0
-    assert summary["num_accepted_tokens"] == accepted
-    assert summary["mean_accepted_length"] == pytest.approx(1 + accepted / drafts)
-    assert summary["target_forward_passes"] == sum(o["metrics"]["target_forward_passes"] for o in lines)
-    assert summary["tokens_per_second"] > 0
-
-    # A crash: the last two lines lost, a third torn mid-write.
-    kept = text.splitlines(keepends=True)
-    out.write_text("".join(kept[:-3]) + kept[-3][: len(kept[-3]) // 2])
-    assert jobs.main(argv) == 0
-    summary2 = _summary_from_stdout(capsys.readouterr().out)
-    assert out.read_text() == text
-    _assert_resources_back(ray_session)
-    assert summary2["prompts_skipped"] == len(lines) - 3
-    assert summary2["prompts_done"] == 3
-    assert summary2["generated_tokens"] == sum(len(o["token_ids"]) for o in lines[-3:])
-
-    # Nothing left: no coordinator, no change, and the summary of the run that generated stays.
-    metrics = Path(f"{out}.metrics.json").read_text()
-    with monkeypatch.context() as m:
-        m.setattr("specray.actors.coordinator.Coordinator", None)  # any use of it fails
-        assert jobs.main(argv) == 0
-    assert _summary_from_stdout(capsys.readouterr().out) == summary2
-    assert out.read_text() == text and Path(f"{out}.metrics.json").read_text() == metrics
 
 
 def test_job_bad_input_lines(tiny_dirs, tmp_path, capsys):
@@ -363,20 +320,50 @@ def _submit(client, entrypoint: str, timeout_s: float = 120.0) -> str:
             time.sleep(1)
 
 
-@pytest.mark.slow  # starts processes
-def test_job_submission_end_to_end(ray_head, tiny_dirs, tmp_path):
+@pytest.mark.slow  # starts processes: a Ray head of its own
+def test_job_order_greedy_and_resume_through_job_submission(ray_session, ray_head, tiny_dirs, tmp_path, capsys,
+                                                            monkeypatch):
+    """In process (the session's Ray): every line in input order, greedy equal to HF, each naming
+    its method, and the summary. A crash then loses the last two lines and tears a third; the
+    resume runs as a job submitted to a head of our own (``JobSubmissionClient``) and generates
+    only those three: the file ends as the uninterrupted run left it. Run again, a finished job
+    starts nothing and keeps its summary."""
     from ray.job_submission import JobStatus
 
     target, config = tiny_dirs
-    recs = _records()[:6]
-    inp = _write_jsonl(tmp_path / "prompts.jsonl", recs)
+    sampled, recs = _sampled_records(), _records()
+    inp = _write_jsonl(tmp_path / "prompts.jsonl", sampled + recs)
     out = tmp_path / "out.jsonl"
-    t0 = time.perf_counter()
+    argv = ["--input", str(inp), "--output", str(out), "--config", str(config), "--batch-size", "3"]
+
+    summary, text = _run_in_process(argv, ray_session, capsys)
+    all_lines = [json.loads(x) for x in text.splitlines()]
+    assert [o["index"] for o in all_lines] == list(range(len(sampled) + len(recs)))
+    _check_sampled(all_lines[: len(sampled)])
+    lines = [{**o, "index": o["index"] - len(sampled)} for o in all_lines[len(sampled):]]
+    _check_output(lines, recs, target)
+
+    lines = all_lines
+    total_tokens = sum(len(o["token_ids"]) for o in lines)
+    assert summary == json.loads(Path(f"{out}.metrics.json").read_text())
+    assert summary["prompts_total"] == summary["prompts_done"] == len(lines)
+    assert summary["prompts_skipped"] == 0
+    assert summary["generated_tokens"] == total_tokens
+    drafts = sum(o["metrics"]["num_drafts"] for o in lines)
+    accepted = sum(o["metrics"]["num_accepted_tokens"] for o in lines)
+    assert summary["num_drafts"] == drafts > 0
+    assert summary["num_accepted_tokens"] == accepted
+    assert summary["mean_accepted_length"] == pytest.approx(1 + accepted / drafts)
+    assert summary["target_forward_passes"] == sum(o["metrics"]["target_forward_passes"] for o in lines)
+    assert summary["tokens_per_second"] > 0
+
+    # A crash: the last two lines lost, a third torn mid-write. Resumed by `ray job submit`
+    # (the same entrypoint in a driver of the head's cluster), in two batches of two.
+    kept = text.splitlines(keepends=True)
+    out.write_text("".join(kept[:-3]) + kept[-3][: len(kept[-3]) // 2])
     client = _job_client(ray_head)
-    t_up = time.perf_counter() - t0
     entrypoint = " ".join(shlex.quote(a) for a in [
-        sys.executable, "-m", "specray.entrypoints.jobs", "--input", str(inp), "--output", str(out),
-        "--config", str(config), "--batch-size", "4"])
+        sys.executable, "-m", "specray.entrypoints.jobs", *argv[:-1], "2"])
     job_id = _submit(client, entrypoint)
     deadline = time.monotonic() + 180
     status = client.get_job_status(job_id)
@@ -385,26 +372,38 @@ def test_job_submission_end_to_end(ray_head, tiny_dirs, tmp_path):
         status = client.get_job_status(job_id)
     logs = client.get_job_logs(job_id)
     assert status == JobStatus.SUCCEEDED, f"job {job_id} ended {status}:\n{logs}"
-    t_job = time.perf_counter() - t0 - t_up
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    _check_output(lines, recs, target)
-    summary = json.loads(Path(f"{out}.metrics.json").read_text())
-    assert summary["prompts_done"] == len(recs)
-    assert "batch 2/2" in logs and '"prompts_total"' in logs
-    print(f"head up in {t_up:.1f}s, job {t_job:.1f}s")
+    assert out.read_text() == text
+    summary2 = json.loads(Path(f"{out}.metrics.json").read_text())
+    assert _summary_from_stdout(logs) == summary2
+    assert summary2["prompts_skipped"] == len(lines) - 3
+    assert summary2["prompts_done"] == 3
+    assert summary2["generated_tokens"] == sum(len(o["token_ids"]) for o in lines[-3:])
+    assert f"{len(lines)} records, {len(lines) - 3} already in" in logs and "batch 2/2" in logs
+
+    # Nothing left: no coordinator, no change, and the summary of the run that generated stays.
+    metrics = Path(f"{out}.metrics.json").read_text()
+    with monkeypatch.context() as m:
+        m.setattr("specray.actors.coordinator.Coordinator", None)  # any use of it fails
+        assert jobs.main(argv) == 0
+    assert _summary_from_stdout(capsys.readouterr().out) == summary2
+    assert out.read_text() == text and Path(f"{out}.metrics.json").read_text() == metrics
 
 
 # -- OpenAI's batch file format ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def batch_config(tiny_dirs, tmp_path_factory):
-    """tiny_dirs' config plus a tokenizer with a chat template (one character per token id)."""
+    """tiny_dirs' config in the colocated layout (every model in one engine worker; the other
+    job test runs the separate one) plus a tokenizer with a chat template (one character per
+    token id)."""
     from tests.conftest import save_char_tokenizer
 
     _, config = tiny_dirs
     tok = tmp_path_factory.mktemp("batch-tokenizer")
     save_char_tokenizer(tok)
     path = tok / "specray.yaml"
-    path.write_text(config.read_text() + f"tokenizer: {tok}\n")
+    colocated = config.read_text().replace("placement:\n", "placement:\n  mode: colocated\n")
+    assert "mode: colocated" in colocated
+    path.write_text(colocated + f"tokenizer: {tok}\n")
     return path
 
 
@@ -480,10 +479,7 @@ def test_openai_batch_file_in_openai_output_out_and_resume(ray_session, tiny_dir
     inp = _write_jsonl(tmp_path / "batch.jsonl", _batch_records())
     out = tmp_path / "out.jsonl"
     argv = ["--input", str(inp), "--output", str(out), "--config", str(batch_config), "--batch-size", "4"]
-    assert jobs.main(argv) == 0
-    _assert_resources_back(ray_session)
-    summary = _summary_from_stdout(capsys.readouterr().out)
-    text = out.read_text()
+    summary, text = _run_in_process(argv, ray_session, capsys)
     lines = [json.loads(x) for x in text.splitlines()]
     assert [o["custom_id"] for o in lines] == [r["custom_id"] for r in _batch_records()]  # input order
     _check_batch_output(lines, target)
