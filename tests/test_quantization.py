@@ -466,11 +466,23 @@ def test_serve_and_job_configs_carry_quantization(tiny_tok, tmp_path):
     assert load_config(str(job)).engine_config().quantization == "fp8"
 
 
-def test_a_batch_job_on_ray_with_fp8_target_and_draft_workers(ray_session, tiny_tok, fp8_refs, tmp_path, capsys):
+def test_a_batch_job_on_ray_with_fp8_target_and_draft_workers(ray_session, tiny_tok, fp8_refs, tmp_path, capsys,
+                                                               monkeypatch):
     """Through the actors: the target in its engine worker, the draft in a proposer worker of its own
     (separate layout), both quantized at load."""
+    import specray.actors.coordinator as actors
     from specray.entrypoints import jobs
     from tests.conftest import encode
+    from tests.serving import workers_up
+
+    real = actors.Coordinator
+
+    class WorkersUp:  # the job's Coordinator, handed over once every worker is constructed
+        @staticmethod
+        def remote(config):
+            return workers_up(real.remote(config))
+
+    monkeypatch.setattr(actors, "Coordinator", WorkersUp)  # (jobs imports it when it runs)
 
     prompts, refs = fp8_refs
     config = tmp_path / "job.yaml"
@@ -490,11 +502,12 @@ def test_a_batch_job_on_ray_with_fp8_target_and_draft_workers(ray_session, tiny_
 
 # -- the demo pair -----------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("draft_quantization", ["fp8", None], ids=["fp8 draft", "float draft"])
-def test_the_demo_pair_in_fp8_is_lossless_for_every_method(demo_pair, demo_models, draft_quantization):
+def test_the_demo_pair_in_fp8_is_lossless_for_every_method(demo_pair, demo_models):
     """The trained pair with --quantization fp8: every method's greedy output equals the FP8
-    target's plain decoding (and HF generate of the FP8 model); heads are random (they need not
-    be good to be lossless)."""
+    target's plain decoding (and HF generate of the FP8 model), the draft in FP8 too; with the
+    draft left in float (no --draft-quantization) the draft model's output is the same. Only the
+    draft method reads the draft model, so the float draft runs it alone. Heads are random (they
+    need not be good to be lossless)."""
     from specray.demo import held_out_prompts
     from tests.test_eagle import random_head
     from tests.test_eagle3 import random_head3
@@ -505,17 +518,29 @@ def test_the_demo_pair_in_fp8_is_lossless_for_every_method(demo_pair, demo_model
     hidden, vocab = target.config.hidden_size, target.config.vocab_size
     heads = {"medusa": random_heads(hidden=hidden, vocab=vocab), "eagle": random_head(target),
              "redrafter": random_drafter(hidden=hidden, vocab=vocab), "eagle3": random_head3(target)}
-    engine = LLMEngine(EngineConfig(target=demo_pair.target, draft=demo_pair.draft, tokenizer=demo_pair.tokenizer,
-                                    max_num_seqs=4, quantization="fp8", draft_quantization=draft_quantization),
-                       resources=heads)
-    assert isinstance(engine.target.decoder.layers[0].mlp.down_proj, FP8Linear)
+
+    def engine(draft_quantization):
+        # No profile: the budget drafts from the first steps whatever the machine's load.
+        return LLMEngine(EngineConfig(target=demo_pair.target, draft=demo_pair.draft, tokenizer=demo_pair.tokenizer,
+                                      max_num_seqs=4, quantization="fp8", draft_quantization=draft_quantization,
+                                      profile_costs=False),
+                         resources=heads)
+
     prompts = held_out_prompts(4, demo_pair.tokenizer)
     sampling = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    plain = [o.token_ids for o in engine.generate(prompts, sampling, SpeculationParams(method="none"))]
+    fp8_draft = engine("fp8")
+    assert isinstance(fp8_draft.target.decoder.layers[0].mlp.down_proj, FP8Linear)
+    assert any(isinstance(m, FP8Linear) for m in fp8_draft.resources["draft"].decoder.modules())
+    plain = [o.token_ids for o in fp8_draft.generate(prompts, sampling, SpeculationParams(method="none"))]
     fp8_hf = copy.deepcopy(target)
     quantize_linears(fp8_hf)
     first = demo_models[2].encode(prompts[0], add_special_tokens=False)
     assert plain[0] == hf_greedy(fp8_hf, first, 24)
     for name, spec in SPECS.items():
-        outs = engine.generate(prompts, sampling, SpeculationParams(**spec))
+        outs = fp8_draft.generate(prompts, sampling, SpeculationParams(**spec))
         assert [o.token_ids for o in outs] == plain, name
+    float_draft = engine(None)
+    assert isinstance(float_draft.target.decoder.layers[0].mlp.down_proj, FP8Linear)
+    assert not any(isinstance(m, FP8Linear) for m in float_draft.resources["draft"].decoder.modules())
+    outs = float_draft.generate(prompts, sampling, SpeculationParams(**SPECS["draft"]))
+    assert [o.token_ids for o in outs] == plain and sum(o.metrics["num_drafts"] for o in outs) > 0

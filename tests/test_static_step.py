@@ -26,11 +26,13 @@ from specray.engine.llm_engine import LLMEngine
 from specray.engine.params import SamplingParams, SpeculationParams
 from specray.policies.compiled import compiled, timing
 from specray.policies.spec_length import SpeculationLengthPolicy
+from tests.conftest import hf_greedy, tiny_llama
 from tests.test_eagle import random_head
 from tests.test_eagle3 import random_head3
 from tests.test_engine import GREEDY, ragged_prompts
 from tests.test_medusa import random_heads
 from tests.test_redrafter import random_drafter
+from tests.test_sampling_e2e import VOCAB as SMALL_VOCAB
 
 SPECS = {
     "none": {},
@@ -158,66 +160,43 @@ def test_eagle_trees_drafted_on_the_device_equal_the_hosts(tiny_pair, references
     assert sum(n for n, _ in runs[0]) > 0
 
 
-def test_compiled_step_equals_eager_without_recompiles(tiny_pair, references):
-    """torch.compile with dynamic shapes: one graph per model for every batch size and width
-    (dynamo specializes only sizes 0 and 1, which the static path pads away) — the target's,
-    the draft model's, the acceptance's and each head's (EAGLE, EAGLE-3, Medusa, ReDrafter's
-    beam level) — none recompiled as batches, widths, trees and lengths change step after
-    step; every method's greedy output equals HF's (batches of 1 to 4)."""
+# -- the compiled step ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_pair():
+    """(target, draft) over the chi-square tests' 8-token vocabulary (tests/test_sampling_e2e.py)."""
+    return tiny_llama(vocab=SMALL_VOCAB, seed=3, init=0.25), tiny_llama(vocab=SMALL_VOCAB, layers=1, seed=4, init=0.25)
+
+
+def small_engine(small_pair, step: str) -> LLMEngine:
+    """64 rows (the chi-square tests sample thousands at once), every method's weights loaded."""
+    target, draft = small_pair
+    return LLMEngine(
+        EngineConfig(target="x", max_num_seqs=64, step=step, speculation_length=SpeculationLengthPolicy()),
+        target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft),
+        medusa_heads=random_heads(vocab=SMALL_VOCAB),
+        resources={"eagle": random_head(target), "eagle3": random_head3(target, draft_vocab=6),
+                   "redrafter": random_drafter(vocab=SMALL_VOCAB)})
+
+
+@pytest.fixture(scope="module")
+def small_references(small_pair):
+    """HF greedy continuations of the small target for ``ragged_prompts(8)`` in its vocabulary."""
+    return [hf_greedy(small_pair[0], p, GREEDY.max_tokens) for p in ragged_prompts(8, vocab=SMALL_VOCAB)]
+
+
+@pytest.fixture(scope="module")
+def compiled_engine(small_pair):
+    """(the compiled engine over the small pair, the graphs its warm-up compiled): compiling is
+    the cost, so the compiled-step test and the compiled chi-square tests share it. Dynamo
+    starts empty here, so its counters count this engine's graphs (the one test that resets
+    dynamo runs before the first user)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    engine = engine_for(tiny_pair, "compile")
-    prompts = ragged_prompts(8)
-    names = list(SPECS)
-    for start in range(0, len(names), 4):  # 8 requests on 4 slots: batches of 1 to 4, mixed methods
-        first = engine.generate(prompts, GREEDY, [speculation(names[(start + i) % len(names)]) for i in range(8)])
-        assert [o.token_ids for o in first] == references, names[start : start + 4]
-    graphs = counters["stats"]["unique_graphs"]
-    # target, draft (its chain of forwards, greedy and with sampled rows, and its one forward
-    # for a longer k: warm-up drafts all three), acceptance, EAGLE, EAGLE-3, Medusa, ReDrafter
-    assert graphs == 9, dict(counters["stats"])
-    long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
-    mixed = [speculation(n) for n in ("none", "eagle-2", "redrafter")]
-    outs = engine.generate(prompts[:3], long, mixed)  # 100 steps, lengths change each
-    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
-    eager = engine_for(tiny_pair, "eager").generate(prompts[:3], long, mixed)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
-    # One compiled call a plain step: acceptance runs inside the target's graph (its epilogue);
-    # rows whose logits are processed (a penalty) accept in the acceptance's own graph.
-    for sampling, calls in ((long, 1), (SamplingParams(max_tokens=100, temperature=0, ignore_eos=True,
-                                                       repetition_penalty=1.2), 2)):
-        rid = engine.add_request(prompts[0], sampling, SpeculationParams(method="none"))
-        engine.step()  # the prefill (eager)
-        with timing() as clock:
-            for _ in range(5):
-                engine.step()
-        engine.abort(rid)
-        assert clock.calls == 5 * calls, (sampling, clock.calls)
-    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
-    # Draft rows draft in one compiled call (the draft's forwards and draws in one graph,
-    # ``StaticForward.chain``, compiled at warm-up for the default k; shorter k, such as the 3
-    # above, keep its first tokens): the draft's and the target's, two a step, greedy or
-    # sampled. A longer k drafts a forward at a time. Batches of 1 to 4, no graph more.
-    default_k = SpeculationParams(method="draft")
-    longer = SpeculationParams(method="draft", num_speculative_tokens=default_k.num_speculative_tokens + 1)
-    outs = engine.generate(prompts, GREEDY, longer)
-    assert [o.token_ids for o in outs] == references
-    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
-    sampled = SamplingParams(max_tokens=100, temperature=0.8, seed=0, ignore_eos=True)
-    one = SpeculationParams(method="draft", num_speculative_tokens=1)  # one forward: no chain
-    for spec, sampling, calls in ((default_k, long, 2), (speculation("draft"), long, 2), (default_k, sampled, 2),
-                                  (longer, long, 2 + default_k.num_speculative_tokens), (one, long, 2)):
-        rid = engine.add_request(prompts[0], sampling, spec)
-        engine.step()
-        with timing() as clock:
-            for _ in range(5):
-                engine.step()
-        engine.abort(rid)
-        assert clock.calls == 5 * calls, (spec, sampling, clock.calls)
-    assert counters["stats"]["unique_graphs"] == graphs and not counters["recompiles"], dict(counters["recompiles"])
+    engine = small_engine(small_pair, "compile")
+    return engine, counters["stats"]["unique_graphs"]
 
 
 def test_compiled_graphs_take_module_numbers_as_constants(monkeypatch):
@@ -252,28 +231,87 @@ def test_compiled_graphs_take_module_numbers_as_constants(monkeypatch):
     assert any(isinstance(v, torch.SymInt) for v in inputs.values()), inputs  # the batch stays dynamic
 
 
+def test_compiled_step_equals_eager_without_recompiles(compiled_engine, small_pair, small_references):
+    """torch.compile with dynamic shapes: one graph per model for every batch size and width
+    (dynamo specializes only sizes 0 and 1, which the static path pads away) — the target's,
+    the draft model's, the acceptance's and each head's (EAGLE, EAGLE-3, Medusa, ReDrafter's
+    beam level) — none recompiled as batches, widths, trees and lengths change step after
+    step; every method's greedy output equals HF's (batches of 8 down to 1)."""
+    from torch._dynamo.utils import counters
+
+    engine, warm_graphs = compiled_engine
+    # target, draft (its chain of forwards, greedy and with sampled rows, and its one forward
+    # for a longer k: warm-up drafts all three), acceptance, EAGLE, EAGLE-3, Medusa, ReDrafter
+    assert warm_graphs == 9
+    graphs, recompiles = counters["stats"]["unique_graphs"], dict(counters["recompiles"])
+
+    def no_new_graphs():
+        assert counters["stats"]["unique_graphs"] == graphs and dict(counters["recompiles"]) == recompiles, \
+            (dict(counters["stats"]), dict(counters["recompiles"]))
+
+    prompts = ragged_prompts(8, vocab=SMALL_VOCAB)
+    references = small_references
+    names = list(SPECS)
+    for start in range(0, len(names), 4):  # 8 requests at once, mixed methods: batches of 8 down to 1
+        first = engine.generate(prompts, GREEDY, [speculation(names[(start + i) % len(names)]) for i in range(8)])
+        assert [o.token_ids for o in first] == references, names[start : start + 4]
+    no_new_graphs()
+    long = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    mixed = [speculation(n) for n in ("none", "eagle-2", "redrafter")]
+    outs = engine.generate(prompts[:3], long, mixed)  # 100 steps, lengths change each
+    no_new_graphs()
+    eager = small_engine(small_pair, "eager").generate(prompts[:3], long, mixed)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+    # One compiled call a plain step: acceptance runs inside the target's graph (its epilogue);
+    # rows whose logits are processed (a penalty) accept in the acceptance's own graph.
+    for sampling, calls in ((long, 1), (SamplingParams(max_tokens=100, temperature=0, ignore_eos=True,
+                                                       repetition_penalty=1.2), 2)):
+        rid = engine.add_request(prompts[0], sampling, SpeculationParams(method="none"))
+        engine.step()  # the prefill (eager)
+        with timing() as clock:
+            for _ in range(5):
+                engine.step()
+        engine.abort(rid)
+        assert clock.calls == 5 * calls, (sampling, clock.calls)
+    no_new_graphs()
+    # Draft rows draft in one compiled call (the draft's forwards and draws in one graph,
+    # ``StaticForward.chain``, compiled at warm-up for the default k; shorter k, such as the 3
+    # above, keep its first tokens): the draft's and the target's, two a step, greedy or
+    # sampled. A longer k drafts a forward at a time. Batches of 1 to 4, no graph more.
+    default_k = SpeculationParams(method="draft")
+    longer = SpeculationParams(method="draft", num_speculative_tokens=default_k.num_speculative_tokens + 1)
+    outs = engine.generate(prompts, GREEDY, longer)
+    assert [o.token_ids for o in outs] == references
+    no_new_graphs()
+    sampled = SamplingParams(max_tokens=100, temperature=0.8, seed=0, ignore_eos=True)
+    one = SpeculationParams(method="draft", num_speculative_tokens=1)  # one forward: no chain
+    for spec, sampling, calls in ((default_k, long, 2), (speculation("draft"), long, 2), (default_k, sampled, 2),
+                                  (longer, long, 2 + default_k.num_speculative_tokens), (one, long, 2)):
+        rid = engine.add_request(prompts[0], sampling, spec)
+        engine.step()
+        with timing() as clock:
+            for _ in range(5):
+                engine.step()
+        engine.abort(rid)
+        assert clock.calls == 5 * calls, (spec, sampling, clock.calls)
+    no_new_graphs()
+
+
 # -- sampling through the device acceptance --------------------------------------------------
 @pytest.fixture(scope="module")
-def sampling_engines():
-    """One engine per step mode over the chi-square test's tiny-vocabulary models, every
-    method's weights loaded (built, warmed and compiled once for all its methods)."""
-    from tests import test_sampling_e2e as E
-
-    target, draft = E.tiny_llama(vocab=E.VOCAB, seed=3, init=0.25), E.tiny_llama(vocab=E.VOCAB, layers=1, seed=4,
-                                                                                  init=0.25)
+def sampling_engine(request, small_pair):
+    """The engine of a step mode for the chi-square tests: the static one built here, once for
+    its methods; the compiled one is the compiled-step test's."""
     engines = {}
 
     def get(step: str) -> LLMEngine:
+        if step == "compile":
+            return request.getfixturevalue("compiled_engine")[0]
         if step not in engines:
-            engines[step] = LLMEngine(
-                EngineConfig(target="x", max_num_seqs=64, step=step, speculation_length=SpeculationLengthPolicy()),
-                target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft),
-                medusa_heads=random_heads(vocab=E.VOCAB),
-                resources={"eagle": random_head(target), "eagle3": random_head3(target, draft_vocab=6),
-                           "redrafter": random_drafter(vocab=E.VOCAB)})
+            engines[step] = small_engine(small_pair, step)
         return engines[step]
 
-    return target, get
+    return get
 
 
 @pytest.mark.parametrize("step, name", [
@@ -281,15 +319,15 @@ def sampling_engines():
     ("static", "eagle3"), ("static", "redrafter"), ("compile", "draft"), ("compile", "eagle"),
     ("compile", "redrafter"),
 ])
-def test_device_sampling_matches_target_distribution(sampling_engines, step, name):
+def test_device_sampling_matches_target_distribution(sampling_engine, small_pair, step, name):
     """Sampled rows through the device step keep the target's distribution: chains with and
     without draft probabilities, static trees with drawn q (EAGLE's, drawn on the device),
     dynamic trees and packed beams built on the device (one-hot q)."""
     from specray.engine.metrics import SpecMetrics
     from tests import test_sampling_e2e as E
 
-    target, get = sampling_engines
-    engine = get(step)
+    target = small_pair[0]
+    engine = sampling_engine(step)
     engine.scheduler.totals = SpecMetrics()
     params = [SamplingParams(seed=i, **E.PARAMS) for i in range(E.N)]
     options = {"draft": {"num_speculative_tokens": 3}, "ngram": {"num_speculative_tokens": 3},
@@ -304,15 +342,14 @@ def test_device_sampling_matches_target_distribution(sampling_engines, step, nam
 
 
 @pytest.mark.slow  # minutes of C++ compilation, in compile worker processes
-def test_inductor_kernels_keep_greedy_output_and_the_sampling_distribution(inductor):
+def test_inductor_kernels_keep_greedy_output_and_the_sampling_distribution(inductor, small_pair):
     """The other compile tests capture with aot_eager; here inductor generates and runs the
     kernels (C++ on a CPU) of the target, the draft's chain and the acceptance: greedy output
     equals the eager step's (itself HF's: the tests above), and sampled rows keep the target's distribution (inductor's
     own random numbers)."""
     from tests import test_sampling_e2e as E
 
-    target, draft = E.tiny_llama(vocab=E.VOCAB, seed=3, init=0.25), E.tiny_llama(vocab=E.VOCAB, layers=1, seed=4,
-                                                                                  init=0.25)
+    target, draft = small_pair
     engines = [LLMEngine(EngineConfig(target="x", max_num_seqs=64, step=step,
                                       speculation_length=SpeculationLengthPolicy()),
                          target_model=copy.deepcopy(target), draft_model=copy.deepcopy(draft))
