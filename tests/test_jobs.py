@@ -365,7 +365,7 @@ def test_job_order_greedy_and_resume_through_job_submission(ray_session, ray_hea
     entrypoint = " ".join(shlex.quote(a) for a in [
         sys.executable, "-m", "specray.entrypoints.jobs", *argv[:-1], "2"])
     job_id = _submit(client, entrypoint)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 900  # a readiness wait: a loaded machine starts workers slowly
     status = client.get_job_status(job_id)
     while not status.is_terminal() and time.monotonic() < deadline:
         time.sleep(1)
