@@ -10,6 +10,7 @@ import ray
 from specray.actors.coordinator import Coordinator
 from specray.actors.engine_worker import overlaps_by_default
 from tests.conftest import hf_greedy, tiny_llama
+from tests.serving import workers_up
 from tests.test_actors import PROMPTS, shutdown
 
 GREEDY = {"max_tokens": 32, "temperature": 0, "ignore_eos": True}
@@ -37,7 +38,7 @@ def test_overlap_keeps_greedy_output(ray_session, tiny_tok, tiny_pair, char_toke
     from tests.test_structured import constrained_outputs_match
 
     ckpt = {**tiny_tok, "draft": tiny_tok["target"]} if draft == "target" else tiny_tok
-    c = Coordinator.remote({**ckpt, "max_num_seqs": 3, "overlap_drafting": True})
+    c = workers_up(Coordinator.remote({**ckpt, "max_num_seqs": 3, "overlap_drafting": True}))
     try:
         prompts, outs = run_mixed(c)
         assert outs == [hf_greedy(tiny_pair[0], p, GREEDY["max_tokens"]) for p in prompts]
@@ -67,12 +68,14 @@ def test_overlap_keeps_the_sampling_distribution(ray_session, tmp_path):
     target = tiny_llama(vocab=VOCAB, seed=3, init=0.25)
     target.save_pretrained(tmp_path / "t")
     # The target drafts for itself: the bonus guesses come true often, so both paths run.
-    c = Coordinator.remote({"target": str(tmp_path / "t"), "draft": str(tmp_path / "t"), "max_num_seqs": 64,
-                            "overlap_drafting": True})
+    c = workers_up(Coordinator.remote({"target": str(tmp_path / "t"), "draft": str(tmp_path / "t"),
+                                       "max_num_seqs": 64, "overlap_drafting": True}))
     try:
-        # Longer than the 4 tokens checked, so that steps after the first can take drafts made
-        # ahead; the first 4 tokens' joint distribution is still the target's.
-        params = [{**PARAMS, "max_tokens": 10, "seed": i} for i in range(n)]
+        # Longer than the 4 tokens checked, so that steps within them take drafts made ahead (the
+        # prefill emits token 1; k = 1: a step emits up to 2, so tokens 4-5 come from the second
+        # step, drafted during the first one's verification); the first 4 tokens' joint
+        # distribution is still the target's.
+        params = [{**PARAMS, "max_tokens": 6, "seed": i} for i in range(n)]
         outs = ray.get(c.generate.remote([PROMPT] * n, params, {"method": "draft", "num_speculative_tokens": 1}))
         stats = ray.get(ray.get(c.workers.remote())["target"].overlap_stats.remote())["draft"]
     finally:

@@ -183,14 +183,23 @@ PROMPT_SMALL = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
 TREE = {"method": "eagle", "eagle_choices": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}  # sampled nodes
 
 
-def small_samples(small, method: str):
-    import numpy as np
-
+@pytest.fixture(scope="module")
+def small_engine(small):
+    """One engine over SMALL for every method's sampled rows. Every row is seeded, so its request
+    fixes its draft size (the budget decides nothing): no start-up cost profile."""
     from tests.test_eagle import self_head
 
     target, draft, tokenizer = small
-    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=64), target_model=copy.deepcopy(target),
-                       draft_model=copy.deepcopy(draft), tokenizer=tokenizer, resources={"eagle": self_head(target)})
+    return LLMEngine(EngineConfig(target="x", max_num_seqs=64, profile_costs=False), target_model=copy.deepcopy(target),
+                     draft_model=copy.deepcopy(draft), tokenizer=tokenizer, resources={"eagle": self_head(target)})
+
+
+def small_samples(engine, method: str):
+    import numpy as np
+
+    from specray.engine.metrics import SpecMetrics
+
+    engine.scheduler.totals = SpecMetrics()  # this method's counts alone
     params = [SamplingParams(seed=i, structured_outputs={"regex": SAMPLED_REGEX}, **SAMPLED) for i in range(N)]
     spec = SpeculationParams(**TREE) if method == "eagle" else SpeculationParams(method=method, num_speculative_tokens=3)
     outs = engine.generate([PROMPT_SMALL] * N, params, spec)
@@ -202,7 +211,7 @@ def small_samples(small, method: str):
 
 
 @pytest.mark.parametrize("method", ["none", "draft", "ngram", "eagle"])
-def test_sampled_constrained_speculation_follows_the_constrained_target(small, small_joint, method):
+def test_sampled_constrained_speculation_follows_the_constrained_target(small_engine, small_joint, method):
     """Chi-square of each position's marginal and the first two tokens' joint against the exact
     constrained distribution. The draft model (a chain) and EAGLE's tree of sampled nodes draw
     from their own unconstrained q: a drafted token the grammar refuses is a rejection, its
@@ -212,7 +221,7 @@ def test_sampled_constrained_speculation_follows_the_constrained_target(small, s
     allows nothing else."""
     from tests.test_sampling_e2e import check
 
-    seqs = small_samples(small, method)
+    seqs = small_samples(small_engine, method)
     pvals = check(seqs, small_joint)
     assert min(pvals) > 1e-3, pvals
     if method in ("draft", "eagle"):  # the negative control: 20% repeating their first token fail it
