@@ -1,7 +1,8 @@
 """EAGLE-3: the public head layout (SafeAILab/SGLang/vLLM spellings), the head drafted under
 tree masks equal to its paths run one by one, the training-time test's unrolled forward equal
 to the chain drafted at inference, lossless greedy on chains, static and dynamic trees with
-ragged batches, exact tree sampling, and every entry point."""
+ragged batches, exact tree sampling, and every entry point (the batch job that runs it:
+tests/test_batch_methods.py)."""
 
 import copy
 import json
@@ -492,26 +493,6 @@ def test_eagle3_through_the_coordinator(tiny_coordinator, tiny_pair):
     assert sum(o["metrics"]["num_drafts"] for o in outs) > 0
     with pytest.raises(ValueError, match="dynamic_tree"):
         ray.get(c.generate.remote([[1, 2]], GREEDY_DICT, {"method": "eagle3", "dynamic_tree": True, "tree": "chain"}))
-
-
-
-def test_eagle3_batch_job(ray_session, tiny_checkpoints, tiny_pair, head_dir, tmp_path):
-    from specray.entrypoints import jobs
-
-    config = tmp_path / "cfg.yaml"
-    config.write_text(f"target: {tiny_checkpoints['target']}\ncheckpoints:\n  eagle3: {head_dir}\nmax_num_seqs: 3\n"
-                      f"placement:\n  timeout_s: 60\n")
-    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4], [5, 5]]
-    specs = [{"method": "eagle3", "tree": "chain"}, {"method": "eagle3", "dynamic_tree": True, "total_tokens": 8},
-             {"method": "eagle3", "eagle_choices": [[0], [1], [0, 0]]}]
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"prompt": p, "sampling": {"max_tokens": 16, "temperature": 0},
-                                       "speculation": s}) + "\n" for p, s in zip(prompts, specs)))
-    out = tmp_path / "out.jsonl"
-    assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 0
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [o["token_ids"] for o in lines] == [hf_greedy(tiny_pair[0], p, 16) for p in prompts]
-    assert sum(o["metrics"]["num_drafts"] for o in lines) > 0
 
 
 def test_cli_flags_and_generate(tiny_pair, head_dir, tmp_path, capsys):

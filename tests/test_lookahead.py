@@ -1,5 +1,6 @@
 """Lookahead decoding: lossless greedy and sampling, the window's mask, the Jacobi window and
-its n-gram pool, room limits, and every entry point (engine, coordinator, jobs, CLI, HTTP)."""
+its n-gram pool, room limits, and every entry point (engine, coordinator, jobs, CLI, HTTP; the
+batch job that runs lookahead: tests/test_batch_methods.py)."""
 
 import copy
 from types import SimpleNamespace
@@ -373,29 +374,18 @@ def test_lookahead_through_the_coordinator(tiny_coordinator, tiny_pair):
         ray.get(c.generate.remote([[1, 2]], ACTOR_GREEDY, {"method": "lookahead", "window_size": 1}))
 
 
-
-def test_lookahead_in_a_batch_job(ray_session, tiny_checkpoints, tiny_pair, tmp_path, capsys):
-    import json
-
+def test_a_batch_job_refuses_bad_lookahead_lines(tiny_checkpoints, tmp_path, capsys, monkeypatch):
+    """Every bad line named, before anything starts (lookahead's lines that run:
+    tests/test_batch_methods.py)."""
     from specray.entrypoints import jobs
 
     config = tmp_path / "specray.yaml"
     config.write_text(f"target: {tiny_checkpoints['target']}\nmax_num_seqs: 3\n"
                       "default_speculation:\n  method: lookahead\nplacement:\n  mode: colocated\n")
-    prompts = ragged_prompts(5)
-    recs = [{"prompt": p, "sampling": {"max_tokens": 12, "temperature": 0}} for p in prompts]
-    recs[1]["speculation"] = {"method": "lookahead", "window_size": 5, "ngram_size": 4, "verification_set_size": 2}
-    recs[3]["speculation"] = {"method": "lookahead", "shared_pool": True}
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    out = tmp_path / "out.jsonl"
-    assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 0
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [o["token_ids"] for o in lines] == [hf_greedy(tiny_pair[0], p, 12) for p in prompts]
-    assert sum(o["metrics"]["num_drafts"] for o in lines) > 0
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": [1], "speculation": {"method": "lookahead", "ngram_size": 1}}\n'
                    '{"prompt": [1], "speculation": {"method": "lookahead", "shared_pol": true}}\n')
+    monkeypatch.setattr("specray.actors.coordinator.Coordinator", None)  # any use of it fails
     assert jobs.main(["--input", str(bad), "--output", str(tmp_path / "o2.jsonl"), "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "line 1:" in err and "ngram_size" in err and "line 2:" in err and "shared_pol" in err

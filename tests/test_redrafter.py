@@ -1,5 +1,6 @@
 """ReDrafter: Apple's checkpoint layout, beam search, beams packed into a tree, lossless greedy
-and sampling, training, and every entry point (engine, coordinator, jobs, HTTP, CLI)."""
+and sampling, training, and every entry point (engine, coordinator, jobs, HTTP, CLI; the batch
+job that runs ReDrafter: tests/test_batch_methods.py)."""
 
 import copy
 import json
@@ -415,26 +416,17 @@ def test_redrafter_through_the_coordinator(tiny_coordinator, tiny_pair):
         ray.get(c.generate.remote([[1, 2]], GREEDY_DICT, {"method": "redrafter", "num_beams": 0}))
 
 
-
-def test_redrafter_batch_job(ray_session, tiny_checkpoints, tiny_pair, trained, tmp_path, capsys):
+def test_a_batch_job_refuses_a_bad_redrafter_line(tiny_checkpoints, tmp_path, capsys, monkeypatch):
+    """Before anything starts (ReDrafter's lines that run: tests/test_batch_methods.py)."""
     from specray.entrypoints import jobs
 
+    random_drafter().save(tmp_path / "redrafter")
     config = tmp_path / "cfg.yaml"
     config.write_text(f"target: {tiny_checkpoints['target']}\ndraft: {tiny_checkpoints['draft']}\n"
-                      f"checkpoints:\n  redrafter: {trained[2]}\nmax_num_seqs: 3\nplacement:\n  timeout_s: 60\n")
-    prompts = [[1, 2, 3, 4], [9, 8, 7, 6, 5, 4], [5, 5], [10, 20, 30, 40, 50]]
-    specs = [{"method": "redrafter"}, {"method": "redrafter", "num_beams": 2, "draft_len_per_beam": 3},
-             {"method": "redrafter", "num_beams": 5, "draft_len_per_beam": 5}, {"method": "draft"}]
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"prompt": p, "sampling": {"max_tokens": 16, "temperature": 0},
-                                       "speculation": s}) + "\n" for p, s in zip(prompts, specs)))
-    out = tmp_path / "out.jsonl"
-    assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 0
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [o["token_ids"] for o in lines] == [hf_greedy(tiny_pair[0], p, 16) for p in prompts]
-    assert sum(o["metrics"]["num_drafts"] for o in lines[:3]) > 0
+                      f"checkpoints:\n  redrafter: {tmp_path / 'redrafter'}\nmax_num_seqs: 3\n")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": [1], "speculation": {"method": "redrafter", "num_beams": 99}}) + "\n")
+    monkeypatch.setattr("specray.actors.coordinator.Coordinator", None)  # any use of it fails
     assert jobs.main(["--input", str(bad), "--output", str(tmp_path / "o2.jsonl"), "--config", str(config)]) == 2
     assert "num_beams" in capsys.readouterr().err
 

@@ -1,6 +1,7 @@
 """Suffix decoding: the suffix trie against brute force, drafting (Arctic's rules), the global
 tree (LRU, budgets, replicas of one log), lossless greedy and sampling, warming up on
-repeated traffic, two engines sharing a tree, the controller, and every entry point."""
+repeated traffic, two engines sharing a tree, the controller, and every entry point (the
+batch job that runs it: tests/test_batch_methods.py)."""
 
 import collections
 import copy
@@ -285,6 +286,12 @@ def test_suffix_cache_config_is_checked():
             SuffixCacheConfig(**{field: bad})
     with pytest.raises(ValidationError, match="max_tree_dept"):
         SuffixCacheConfig(max_tree_dept=8)
+    # an engine's tree: a replica of the shared actor's, or (not shared, or no cache) one of its own
+    from specray.actors.suffix_cache import suffix_cache_for
+
+    assert isinstance(suffix_cache_for({}, "m"), ReplicatedSuffixCache)
+    assert type(suffix_cache_for({"shared": False}, "m")) is GlobalSuffixCache
+    assert type(suffix_cache_for({"max_cached_requests": 0}, "m")) is GlobalSuffixCache
 
 
 # -- options -------------------------------------------------------------------------------
@@ -537,28 +544,29 @@ def test_suffix_through_the_coordinator(tiny_coordinator, tiny_pair):
 
 
 
-def test_two_deployments_sharing_the_tree_actor_both_benefit(ray_session, tiny_checkpoints, tiny_pair, workload):
+def test_two_deployments_sharing_the_tree_actor_both_benefit(tiny_colocated_coordinator, tiny_checkpoints,
+                                                             tiny_methods, tiny_pair, workload):
     """Two coordinators (two engine workers, as two Serve replicas have) with one tree actor:
     each is re-asked the answers the other one gave, and drafts them from its replica of the
-    shared tree; a third with a tree of its own does not know them."""
+    shared tree; a third, the session's colocated coordinator, whose tree is another one (its
+    model names a tokenizer too: another default name), does not know them."""
     import time
 
     import ray
 
     from specray.actors.coordinator import Coordinator
-    from specray.actors.suffix_cache import drop_shared_suffix_cache, shared_suffix_cache
-    from tests.test_actors import shutdown
+    from specray.actors.suffix_cache import default_name, drop_shared_suffix_cache, shared_suffix_cache
     from tests.serving import cpu_placement
-
-    from specray.actors.suffix_cache import default_name
+    from tests.test_actors import shutdown
 
     prompts, answers = workload
     greedy = {"max_tokens": LONG.max_tokens, "temperature": 0, "ignore_eos": True}
     base = {**tiny_checkpoints, "max_num_seqs": 4, "placement": cpu_placement("colocated")}
     name = default_name(f"{tiny_checkpoints['target']}|None")  # no name given: one tree per model
+    assert name != default_name(f"{tiny_methods['target']}|{tiny_methods['tokenizer']}")  # the third's tree
     shared = {"sync_every_requests": 1, "sync_interval_s": 0.05}
     a, b = (Coordinator.remote({**base, "suffix_cache": shared}) for _ in range(2))
-    alone = Coordinator.remote({**base, "suffix_cache": {"shared": False}})
+    alone = tiny_colocated_coordinator
     spec = {"method": "suffix", "num_speculative_tokens": 8}
     half = len(prompts) // 2
     try:
@@ -576,7 +584,7 @@ def test_two_deployments_sharing_the_tree_actor_both_benefit(ray_session, tiny_c
             got[key] = tokens_per_forward(outs)
         assert got["a"] > 1.5 * got["alone"] and got["b"] > 1.5 * got["alone"], got
     finally:
-        for c in (a, b, alone):
+        for c in (a, b):
             shutdown(c)
         drop_shared_suffix_cache(name)
 
@@ -589,39 +597,24 @@ class SimpleOut:
 
 
 # -- entry points: batch jobs, CLI, HTTP ---------------------------------------------------
-def test_suffix_in_a_batch_job(ray_session, tiny_checkpoints, tiny_pair, tmp_path, capsys):
-    import json
-
-    from specray.actors.suffix_cache import drop_shared_suffix_cache
+def test_a_batch_job_refuses_bad_suffix_lines(tiny_checkpoints, tmp_path, capsys, monkeypatch):
+    """Every bad line named, before anything starts (suffix's lines that run:
+    tests/test_batch_methods.py); a suffix tree config is checked as it loads."""
+    from specray.actors.config import SpecrayConfig
     from specray.entrypoints import jobs
 
     config = tmp_path / "specray.yaml"
     config.write_text(f"target: {tiny_checkpoints['target']}\nmax_num_seqs: 3\n"
                       "default_speculation:\n  method: suffix\nplacement:\n  mode: colocated\n"
                       "suffix_cache:\n  name: suffix-test-jobs\n  max_tree_depth: 16\n")
-    prompts = ragged_prompts(5) * 2  # asked twice: the second time from the global tree
-    recs = [{"prompt": p, "sampling": {"max_tokens": 12, "temperature": 0}} for p in prompts]
-    recs[1]["speculation"] = {"method": "suffix", "num_speculative_tokens": 4, "max_spec_factor": 2.0}
-    recs[3]["speculation"] = {"method": "suffix", "tree": False}
-    inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    out = tmp_path / "out.jsonl"
-    try:
-        assert jobs.main(["--input", str(inp), "--output", str(out), "--config", str(config)]) == 0
-    finally:
-        drop_shared_suffix_cache("suffix-test-jobs")
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [o["token_ids"] for o in lines] == [hf_greedy(tiny_pair[0], p, 12) for p in prompts]
-    assert sum(o["metrics"]["num_accepted_tokens"] for o in lines) > 0
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": [1], "speculation": {"method": "suffix", "min_token_prob": -1}}\n'
                    '{"prompt": [1], "speculation": {"method": "suffix", "max_spec_facto": 2}}\n')
+    monkeypatch.setattr("specray.actors.coordinator.Coordinator", None)  # any use of it fails
     assert jobs.main(["--input", str(bad), "--output", str(tmp_path / "o2.jsonl"), "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "line 1:" in err and "min_token_prob" in err and "line 2:" in err and "max_spec_facto" in err
     with pytest.raises(ValidationError, match="max_tree_depth"):
-        from specray.actors.config import SpecrayConfig
-
         SpecrayConfig(suffix_cache={"max_tree_depth": 1})
 
 
