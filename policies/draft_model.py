@@ -27,6 +27,7 @@ from specray.kernels.logits import fit_vocab
 from specray.kernels.sampling import probs_from_logits, sample, sample_from_uniform, uniforms
 from specray.policies.base import CommitRow, DeviceDraft, Draft, DraftRow, ProposalRow
 from specray.policies.checkpoint_files import causal_lm_facts
+from specray.policies.compiled import inference
 from specray.policies.registry import LinearOptions, MethodSpec, register_alias, register_method
 
 # Rows with more pending tokens than this catch up in a forward of their own, so one
@@ -120,12 +121,18 @@ class DraftModelProposer:
             self._k[r.slot] = r.num_tokens
         return Draft.from_lists(tokens, probs)
 
+    @inference
     def propose_on_device(self, rows: Sequence[ProposalRow]) -> DeviceDraft | None:
         """The same drafts made with fixed-shape forwards, the tokens never leaving the device
         (None when the runner has no fixed-shape path). Every row runs k_max forwards; rows
         that want fewer tokens roll their cache back after (an integer). Sampled rows draw
         k_max uniforms each from their own generator, so their draws do not depend on the
-        batch."""
+        batch.
+
+        Under inference mode, as ``StaticForward.chain`` runs: the sampling inputs it hands
+        the compiled chain are then inference tensors whether or not it pads them to the
+        batch bucket (padding builds them anew inside that mode), so the graph's guards, which
+        check the tensors' dispatch keys, hold for every batch size."""
         static = getattr(self.runner, "static", None)
         if static is None or not rows:
             return None

@@ -295,6 +295,11 @@ def test_compiled_step_equals_eager_without_recompiles(compiled_engine, small_pa
         engine.abort(rid)
         assert clock.calls == 5 * calls, (spec, sampling, clock.calls)
     no_new_graphs()
+    # Sampled rows that fill their batch bucket (8: the chain's sampling inputs go in unpadded,
+    # where warm-up's one row's are padded) draft through warm-up's chain graph too.
+    engine.generate(prompts, [SamplingParams(max_tokens=4, temperature=0.8, seed=i, ignore_eos=True) for i in range(8)],
+                    default_k)
+    no_new_graphs()
 
 
 # -- sampling through the device acceptance --------------------------------------------------
