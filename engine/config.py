@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -26,6 +27,8 @@ CPU_AUTO_STEP = "eager"
 DEFAULT_CONTEXT_CAP = 4096
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+PROFILE_COSTS_VAR = "SPECRAY_PROFILE_COSTS"
+"""``0``: engines start without the cost profile unless their config asks for it."""
 
 
 def resolve_device(device: str) -> str:
@@ -92,6 +95,8 @@ class EngineConfig:
         few steps at each batch-size bucket and width, and each loaded drafter's forwards
         (``engine/profile.py``); False: the table fills from served steps alone, as it does
         under the compiled steps (``compile``, ``graphs``: each new shape compiles a graph).
+        Unset, it is on unless the environment says ``SPECRAY_PROFILE_COSTS=0`` (for every
+        engine of a process and of the Ray workers it starts: quick restarts, test suites).
     paged_kv: keep every model's KV in blocks of ``block_size`` tokens taken from one pool
         per model as sequences grow (default; ``engine/kv_blocks.py``), or False: each of the
         ``max_num_seqs`` rows holds a whole ``max_model_len`` context (the contiguous layout).
@@ -126,7 +131,7 @@ class EngineConfig:
     speculation_length: SpeculationLengthPolicy | None = None
     online_learning: CaptureConfig | None = None
     warm_up: bool = True
-    profile_costs: bool = True
+    profile_costs: bool = field(default_factory=lambda: os.environ.get(PROFILE_COSTS_VAR, "1") != "0")
     paged_kv: bool = True
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None

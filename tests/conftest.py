@@ -35,6 +35,12 @@ torch.set_num_threads(1)
 # compiling C++ (minutes of gcc per process on 2 cores). Tests marked `inductor` run the real
 # kernels (the `inductor` fixture); Ray actors and subprocesses inherit this.
 os.environ.setdefault("SPECRAY_COMPILE_BACKEND", "aot_eager")
+# Engines start without the verification budget's cost profile (about a CPU-second each, a
+# quarter of the fast tier, and read from a machine whose load the other worker sets): the
+# budget's table then fills from served steps, optimistic where unmeasured, so every method
+# drafts from its first steps. Tests of the profile ask for it (``profile_costs=True``); the
+# commands started as users start them (tests/test_serve_cli.py, `serve run`) run without this.
+os.environ.setdefault("SPECRAY_PROFILE_COSTS", "0")
 
 
 @pytest.fixture()

@@ -407,7 +407,7 @@ def test_the_engine_profiles_its_cost_table_at_start_up(tiny_pair):
     """Every batch-size bucket at several widths (0, 1, 2, 4, 8 drafts a row) and the draft
     model's levels are measured at a short and a long context before the first request, and
     nothing of the profile stays in the totals."""
-    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4), target_model=copy.deepcopy(tiny_pair[0]),
+    engine = LLMEngine(EngineConfig(target="x", max_num_seqs=4, profile_costs=True), target_model=copy.deepcopy(tiny_pair[0]),
                        draft_model=copy.deepcopy(tiny_pair[1]))
     table = engine.driver.length_policy.costs.table()
     contexts = {k.split("@")[-1] for k in table["verify"]}

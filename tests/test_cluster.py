@@ -180,7 +180,7 @@ def serve_run(config: pathlib.Path, tmp_path: pathlib.Path, port: int, routes: t
     newest cluster recorded under /tmp/ray), answering /v1/models under each of ``routes`` on ``port`` when this
     yields its base URL; stopped by SIGINT (then SIGKILL by pid for leftovers) on the way out."""
     ray_tmp = tempfile.mkdtemp(prefix="sr-", dir="/tmp")  # short: unix socket paths are limited
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_NAMESPACE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_NAMESPACE", "SPECRAY_PROFILE_COSTS")}
     marker = f"RAY_TMPDIR={ray_tmp}"
     env.update(RAY_TMPDIR=ray_tmp, SPECRAY_WORKER_THREADS="1", HF_HUB_OFFLINE="1")
     log_path = tmp_path / "serve-run.log"

@@ -59,13 +59,19 @@ def post(url: str, body: dict) -> tuple[float, dict]:
     return time.perf_counter() - start, reply
 
 
+def as_users_start() -> dict:
+    """This process's environment without the suite's own settings (tests/conftest.py: no
+    start-up cost profile), so the command runs as a user's does."""
+    return {k: v for k, v in os.environ.items() if k != "SPECRAY_PROFILE_COSTS"}
+
+
 class Server:
     """`specray serve ...` in its own session, read until it says ready."""
 
     def __init__(self, *argv: str, env: dict | None = None):
         self.proc = subprocess.Popen([*SPECRAY, "serve", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                     env={**as_users_start(), "PYTHONUNBUFFERED": "1", **(env or {})})
         self.lines: list[str] = []
         for line in self.proc.stdout:
             self.lines.append(line)
