@@ -309,15 +309,24 @@ def _job_client(head, timeout_s: float = 90.0):
 
 def _submit(client, entrypoint: str, timeout_s: float = 120.0) -> str:
     """Submit once the head's job agent is up (the dashboard answers before it does: "No
-    available agent to submit job")."""
+    available agent to submit job"; a loaded head may also drop the connection). Every try
+    names the same submission id, so a try whose answer was lost is not a second job."""
+    import requests
+
+    submission_id = f"specray-test-{secrets.token_hex(4)}"
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return client.submit_job(entrypoint=entrypoint)
+            return client.submit_job(entrypoint=entrypoint, submission_id=submission_id)
+        except requests.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
         except RuntimeError as exc:
+            if "already exists" in str(exc):  # an earlier try went through
+                return submission_id
             if "No available agent" not in str(exc) or time.monotonic() > deadline:
                 raise
-            time.sleep(1)
+        time.sleep(1)
 
 
 @pytest.mark.slow  # starts processes: a Ray head of its own
