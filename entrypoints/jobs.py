@@ -521,6 +521,9 @@ def _run(args, config: SpecrayConfig, records: list, pending: list[int], t_start
             pgs_before = set(ray.util.placement_group_table())
             coordinator = Coordinator.remote(with_demo_pair(config).model_dump())
             ray.get(coordinator.ready.remote())
+            # A batch has no first token to hurry: it starts once every drafter's worker is
+            # constructed, instead of decoding plainly while one still loads.
+            ray.get([w.__ray_ready__.remote() for w in ray.get(coordinator.workers.remote()).values()])
             startup_seconds = time.perf_counter() - t0
             log.info("coordinator ready in %.1f s", startup_seconds)
             batches = [pending[i:i + args.batch_size] for i in range(0, len(pending), args.batch_size)]

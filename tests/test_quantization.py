@@ -466,23 +466,11 @@ def test_serve_and_job_configs_carry_quantization(tiny_tok, tmp_path):
     assert load_config(str(job)).engine_config().quantization == "fp8"
 
 
-def test_a_batch_job_on_ray_with_fp8_target_and_draft_workers(ray_session, tiny_tok, fp8_refs, tmp_path, capsys,
-                                                               monkeypatch):
+def test_a_batch_job_on_ray_with_fp8_target_and_draft_workers(ray_session, tiny_tok, fp8_refs, tmp_path, capsys):
     """Through the actors: the target in its engine worker, the draft in a proposer worker of its own
     (separate layout), both quantized at load."""
-    import specray.actors.coordinator as actors
     from specray.entrypoints import jobs
     from tests.conftest import encode
-    from tests.serving import workers_up
-
-    real = actors.Coordinator
-
-    class WorkersUp:  # the job's Coordinator, handed over once every worker is constructed
-        @staticmethod
-        def remote(config):
-            return workers_up(real.remote(config))
-
-    monkeypatch.setattr(actors, "Coordinator", WorkersUp)  # (jobs imports it when it runs)
 
     prompts, refs = fp8_refs
     config = tmp_path / "job.yaml"
