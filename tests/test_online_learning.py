@@ -306,6 +306,24 @@ def test_the_teacher_is_the_targets_top_k_at_the_requests_temperature():
     assert isinstance(data, TeacherSet)
 
 
+def test_the_loss_reads_the_logits_of_the_whole_model_at_its_positions():
+    """``logits_where`` (the LM head only where OSD's loss reads) equals the model's own logits
+    at those positions, soft-capped as the model caps them, gradients included."""
+    from specray.training.draft_distill import logits_where
+
+    model = tiny_llama(layers=1, seed=3)
+    ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(0))
+    where = torch.rand(3, 9, generator=torch.Generator().manual_seed(1)) > 0.5
+    for cap in (None, 5.0):
+        model.config.final_logit_softcapping = cap
+        full = model(input_ids=ids).logits
+        if cap:
+            full = torch.tanh(full / cap) * cap
+        torch.testing.assert_close(logits_where(model, ids, where), full[where].float())
+    logits_where(model, ids, where).sum().backward()
+    assert model.get_output_embeddings().weight.grad is not None
+
+
 def test_the_switch_and_the_section_reach_the_engine_config():
     from specray.serve.config import ServeConfig
 

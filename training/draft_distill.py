@@ -87,12 +87,23 @@ def osd_loss(model, data: TeacherSet, batch_size: int, gen: torch.Generator) -> 
     draft, on ``batch_size`` sequences."""
     seq = torch.randint(0, len(data.lengths), (batch_size,), generator=gen)
     width = int(data.lengths[seq].max())
-    logits = model(input_ids=data.tokens[seq, :width]).logits  # [B, T, V]
     valid = data.valid[seq, :width]
-    logq = torch.log_softmax(logits[valid].float(), dim=-1)  # [P, V]
+    logq = torch.log_softmax(logits_where(model, data.tokens[seq, :width], valid), dim=-1)  # [P, V]
     temps = data.temperature[seq, None].expand(-1, width)[valid]  # [P]
     p = teacher(data.top_lp[seq, :width][valid], temps)  # [P, k]
     return -(p * logq.gather(1, data.top_ids[seq, :width][valid])).sum(-1).mean()
+
+
+def logits_where(model, input_ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """[P, V] float32 logits of a causal LM at the positions ``where`` ([B, T] bool) selects:
+    the decoder over every position, the LM head only where a loss reads it (a small draft's
+    largest matmul: its vocabulary; prompt and padding positions have no teacher). Soft-capped
+    as the engine's runner caps them (the architectures it serves have no other logit step)."""
+    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state  # [B, T, H]
+    logits = model.get_output_embeddings()(hidden[where]).float()
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(config, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
 
 
 def teacher(top_lp: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
