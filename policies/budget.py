@@ -21,11 +21,9 @@ confident row keeps its block while a doubtful one in the same batch is trimmed,
 drafter that is never right is cut to 0 because its slots add cost and no value.
 
 A drafter that states its confidence in each slot (``RowView.confident``: DSpark's
-confidence head) has each row cut after drafting: ``trim`` values its slots by their stated
-confidences, calibrated online per method against what verification accepted. A confident
-block drafter (one forward, whatever it drafts) drafts its whole block once its row is admitted
-at all; one whose drafting grows with its slots (DSpark's Markov head draws them in order) drafts
-only what admission priced, so the slots it would draft beyond that cost nothing.
+confidence head) drafts its whole block once its row is admitted at all (one forward,
+whatever it drafts); ``trim`` then values that row's slots by their stated confidences,
+calibrated online per method against what verification accepted, and cuts it after drafting.
 
 Exact by construction: only drafts are cut, and a cap is chosen before any token of the
 step is drawn, from the request's past steps — never from a drawn token's probability.
@@ -313,8 +311,8 @@ class VerificationBudget:
         grammar forces this step, verified whatever the caps (each the only token the masked
         target allows: worth 1); they widen the step, so other rows' slots up to that width
         cost no further verification where rows are padded.
-        A ``confident`` block row admitted at all drafts its whole length (one forward
-        whatever it drafts); ``trim`` cuts confident rows once their confidences are known."""
+        A ``confident`` row admitted at all drafts its whole length (one forward whatever
+        it drafts); ``trim`` cuts it once its confidences are known."""
         self._step += 1
         self._draws.clear()
         self._spreads.clear()
@@ -323,8 +321,7 @@ class VerificationBudget:
         self._forced = list(forced) if forced is not None and any(forced) else None
         admission = self.admit(rows)
         self.last = admission
-        caps = [self._slots(r) if r.confident and r.block and not r.fixed and c else c
-                for r, c in zip(rows, admission.caps)]
+        caps = [self._slots(r) if r.confident and not r.fixed and c else c for r, c in zip(rows, admission.caps)]
         self._caps = {r.request_id: c for r, c in zip(rows, caps)}
         self.totals["steps"] += 1
         self.totals["rows"] += len(rows)

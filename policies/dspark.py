@@ -462,7 +462,6 @@ register_method(MethodSpec(
     check=_check,
     feature_layers=lambda drafter: drafter.layer_ids,
     inspect=_inspect,
-    # Not ``block``: the Markov head draws the block's positions one after another, so drafting
-    # work grows with the slots drafted (the budget prices and caps it as a chain's).
+    block=True,
     confidence=True,
 ))

@@ -17,7 +17,7 @@ workers, HTTP, batch jobs, the CLI — reads the spec:
   over concatenated in that order.
 * ``drafts_trees``: its draft size is its tree, not ``num_speculative_tokens``.
 * ``block``: it drafts its whole length in one forward (PARD, DFlash), so a step's drafting
-  costs about the same whatever k (the verification budget prices it so).
+  costs about the same whatever k (the self-tuning controller prices it so).
 * ``placement``: ``"worker"`` — may run in an actor of its own (a draft model on its own
   GPU, the n-gram pool); ``"target"`` — runs in the target's process.
 * ``checkpoint``: the key of the weights it loads (``EngineConfig.checkpoints``), ``load``
@@ -124,8 +124,8 @@ class MethodSpec:
     needs_features: bool = False
     drafts_trees: bool = False
     block: bool = False
-    # Its drafts carry per-slot acceptance estimates (``DraftRow.confidence``): the budget cuts
-    # each row after drafting, by those estimates (a block drafter drafts its whole block first).
+    # Its drafts carry per-slot acceptance estimates (``DraftRow.confidence``): the budget lets
+    # it draft its whole block and cuts each row after drafting, by those estimates.
     confidence: bool = False
     placement: Literal["worker", "target"] = "target"
     checkpoint: str | None = None

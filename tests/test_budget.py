@@ -299,18 +299,6 @@ def test_stated_confidences_cut_a_block_row_after_drafting():
     assert policy.trim(rows, [3, 8], [[0.97] * 3, [0.97] * 8])[0] <= 3  # never more than drafted
 
 
-def test_a_confident_drafter_whose_work_grows_with_its_slots_drafts_what_admission_priced():
-    """A sequential confident drafter (DSpark: its Markov head draws the slots in order) is
-    capped before drafting as a chain is, where drafting deep costs more than it returns; a
-    block drafter (one forward whatever its length) drafts its whole block and is cut after."""
-    truth = Truth(ragged=False, gpu=False, level=0.1)  # a level: a sixth of a plain step
-    policy = VerificationBudget(BudgetConfig(prior_acceptance=0.5))
-    profile(policy, truth, 1)
-    sequential = [policy.caps([RowView(f"a{i}", "m", confident=True)])[0] for i in range(20)]
-    assert all(0 < c <= 4 for c in sequential), sequential  # the oracle's best depth is 2
-    assert all(policy.caps([RowView(f"c{i}", "m", block=True, confident=True)])[0] == 8 for i in range(20))
-
-
 def test_an_overconfident_head_is_calibrated_by_what_verification_accepts():
     truth = Truth(ragged=True, gpu=False)
     policy = VerificationBudget(BudgetConfig(ragged=True))
