@@ -41,6 +41,19 @@ class ForwardOutput:
     layers: Mapping[int, torch.Tensor] | None = None
 
 
+def final_softcap(config) -> float | None:
+    """The model's final logit soft-cap (Gemma 2's ``final_logit_softcapping``), or None."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text_config, "final_logit_softcapping", None)
+
+
+def head_logits(lm_head, hidden: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """[..., H] final hidden states -> [..., V] float32 logits, soft-capped where the model caps
+    them (the one logit step past the LM head that the served architectures have)."""
+    logits = lm_head(hidden).float()
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
 class ModelRunner:
     """Owns a causal LM and its KV cache of ``num_slots`` rows of up to ``capacity`` tokens.
 
@@ -102,7 +115,7 @@ class ModelRunner:
         self.lengths = [0] * num_slots  # cached tokens per slot (host-side ints)
         # The LM head's input width: the final hidden state's (OPT projects it below hidden_size).
         self.hidden_size = getattr(self.lm_head, "in_features", None) or text_config.hidden_size
-        self.softcap = getattr(text_config, "final_logit_softcapping", None)
+        self.softcap = final_softcap(self.config)
         self.vocab_size = self.lm_head.weight.shape[0]
         self._direct = text_config.model_type in DIRECT_LAYER_LOOP and all(
             hasattr(self.decoder, a) for a in ("embed_tokens", "rotary_emb", "layers", "norm")
@@ -228,10 +241,7 @@ class ModelRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] final hidden states -> [..., V] float32 logits (soft-capped if the model does)."""
-        logits = self.lm_head(hidden).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return head_logits(self.lm_head, hidden, self.softcap)
 
     def _batch(self, slots, tokens, q_lens, q, lengths, layout=None):
         """Attention context, input ids [B, q] and position ids [B, q] for one forward."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specray.engine.runner import final_softcap, head_logits
 from specray.training.base import add_common_args, recipe_parser, distill_data, optimise, run_recipe
 
 GREEDY_TEMPERATURE = 0.25  # the teacher's temperature for greedy requests' tokens (see the module doc)
@@ -97,13 +98,10 @@ def osd_loss(model, data: TeacherSet, batch_size: int, gen: torch.Generator) -> 
 def logits_where(model, input_ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     """[P, V] float32 logits of a causal LM at the positions ``where`` ([B, T] bool) selects:
     the decoder over every position, the LM head only where a loss reads it (a small draft's
-    largest matmul: its vocabulary; prompt and padding positions have no teacher). Soft-capped
-    as the engine's runner caps them (the architectures it serves have no other logit step)."""
+    largest matmul: its vocabulary; prompt and padding positions have no teacher), as the
+    engine's runner computes them (``head_logits``)."""
     hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state  # [B, T, H]
-    logits = model.get_output_embeddings()(hidden[where]).float()
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    cap = getattr(config, "final_logit_softcapping", None)
-    return torch.tanh(logits / cap) * cap if cap else logits
+    return head_logits(model.get_output_embeddings(), hidden[where], final_softcap(model.config))
 
 
 def teacher(top_lp: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
